@@ -1,0 +1,371 @@
+"""The ``"titan"`` section of a ds_config.json, as typed, strict models.
+
+Every sub-section is one pillar; a missing sub-section means that pillar is off. Parsing collects every
+problem in the whole section and raises them together as one :class:`TitanConfigError`, each message
+naming the key as the user wrote it (``titan.trd.rank must be >= 1, got 0``).
+
+The seed's flat form ``TITANConfig(device="cuda", use_trd=True, trd_rank=16, nvme_path="./x")`` is accepted
+too and converted to the same structure (see :func:`_from_flat`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "TitanConfig",
+    "TitanConfigError",
+    "HMSConfig",
+    "OptimizerConfig",
+    "PlasticityConfig",
+    "CompressionConfig",
+    "TRDConfig",
+    "MLMEConfig",
+    "load_ds_config",
+]
+
+SECTION = "titan"
+
+
+class TitanConfigError(ValueError):
+    """Every problem found in a ``"titan"`` section, reported at once.
+
+    ``errors`` is the list of messages, each starting with the key path (``titan.hms.prefetch ...``).
+    """
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        n = len(self.errors)
+        head = f"{n} problem{'s' if n != 1 else ''} in the \"titan\" config section:"
+        super().__init__("\n  - ".join([head, *self.errors]))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=False)
+
+
+class DiskTier(_Strict):
+    """One disk tier of HMS below DRAM: a folder and an optional capacity (MiB) before spilling further."""
+
+    path: str
+    capacity_mb: Optional[int] = Field(default=None, ge=1)
+
+
+class HMSConfig(_Strict):
+    """Hierarchical Memory Streaming (issue #7): tiered device / DRAM / NVMe store for ZeRO-3 swap."""
+
+    nvme_path: str
+    dram_cache_mb: int = Field(default=2048, ge=0)
+    device_budget_mb: Optional[int] = Field(default=None, ge=1)
+    prefetch: Literal["trace", "lstm", "none"] = "trace"
+    prefetch_depth: int = Field(default=2, ge=0)
+    io_threads: int = Field(default=4, ge=1, le=64)
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    spill_tiers: list[DiskTier] = Field(default_factory=list)
+    nvme_capacity_mb: Optional[int] = Field(default=None, ge=1)
+
+    @field_validator("nvme_path")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a folder path, got an empty string")
+        return v
+
+
+class OptimizerConfig(_Strict):
+    """The titan optimizer (issue #5): ASDT, or its dense sign-momentum special case."""
+
+    name: Literal["asdt", "lion"] = "asdt"
+    lr: float = Field(default=1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    density: float = Field(default=0.1, gt=0, le=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    importance: Literal["momentum", "grad_weight", "sketch"] = "momentum"
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    granularity: Literal["tensor", "block"] = "tensor"
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        for b in v:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class PlasticityConfig(_Strict):
+    """BSPS (issue #5): which parameter blocks may learn, Frozen -> Growth -> Elastic -> Sleeping."""
+
+    enabled: bool = True
+    max_active_fraction: float = Field(default=0.5, gt=0, le=1)
+    block: Literal["module", "parameter"] = "module"
+    warmup_steps: int = Field(default=50, ge=0)
+    elastic_lr_scale: float = Field(default=0.3, gt=0, le=1)
+    elastic_pull: float = Field(default=0.01, ge=0, le=1)
+    sleep_after: int = Field(default=100, ge=1)
+    wake_every: int = Field(default=50, ge=1)
+    ema: float = Field(default=0.9, ge=0, lt=1)
+
+
+class CompressionConfig(_Strict):
+    """Gradient compression on DeepSpeed's reduce path (issue #6)."""
+
+    method: Literal["none", "topk", "tgss", "hge", "powersgd"] = "hge"
+    ratio: float = Field(default=50.0, ge=1)
+    error_feedback: bool = True
+    warmup_steps: int = Field(default=0, ge=0)
+    sketch_rows: int = Field(default=3, ge=1, le=64)
+    seed: int = 0
+
+
+class TRDConfig(_Strict):
+    """Tensor-ring linear layers (issue #3)."""
+
+    rank: Union[int, list[int]] = 16
+    include: list[str] = Field(default_factory=lambda: [r"\.(qkv|proj|fc|out)$"])
+    exclude: list[str] = Field(default_factory=list)
+    init: Literal["random", "tr_svd"] = "random"
+    min_features: int = Field(default=64, ge=1)
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, v: Union[int, list[int]]) -> Union[int, list[int]]:
+        ranks = v if isinstance(v, list) else [v]
+        if not ranks:
+            raise ValueError("must be an int >= 1 or a non-empty list of them, got []")
+        for r in ranks:
+            if r < 1:
+                raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        bad = []
+        for pat in v:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                bad.append(f"{pat!r} ({e})")
+        if bad:
+            raise ValueError("is not a valid regular expression: " + ", ".join(bad))
+        return v
+
+
+class MLMEConfig(_Strict):
+    """Micro-layer materialization (issue #4): tiled attention, StripeFFN, chunked cross-entropy."""
+
+    attention: Literal["tiled", "sdpa", "off"] = "tiled"
+    tile: int = Field(default=128, ge=16, le=1024)
+    stripe_ffn: Optional[int] = Field(default=256, ge=1)
+    chunked_loss: bool = True
+    loss_chunk: int = Field(default=4096, ge=1)
+
+    @field_validator("tile")
+    @classmethod
+    def _pow2(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two (Triton tiles), got {v}")
+        return v
+
+
+_SUBSECTIONS = ("hms", "optimizer", "plasticity", "compression", "trd", "mlme")
+
+# The seed's flat TITANConfig keywords and where each lands in the structured section.
+_FLAT_KEYS = {
+    "device", "use_trd", "trd_rank", "nvme_path", "dram_cache_mb", "use_mlme", "use_asdt", "density",
+    "lr", "use_bsps", "use_hge", "compression_ratio", "use_tgss",
+}
+
+
+class TitanConfig(_Strict):
+    """The whole ``"titan"`` section. Build with ``TitanConfig.from_ds_config(cfg)`` or the seed's flat keywords."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    hms: Optional[HMSConfig] = None
+    optimizer: Optional[OptimizerConfig] = None
+    plasticity: Optional[PlasticityConfig] = None
+    compression: Optional[CompressionConfig] = None
+    trd: Optional[TRDConfig] = None
+    mlme: Optional[MLMEConfig] = None
+
+    def __init__(self, **data: Any):
+        autos = _find_auto(data, SECTION)
+        try:
+            super().__init__(**_prepare(data))
+        except ValidationError as e:
+            errors = _format_errors(e, data)
+            # an "auto" value also fails its type check: report it once, with the reason
+            auto_keys = {a.split(" ", 1)[0] for a in autos}
+            raise TitanConfigError(autos + [m for m in errors if m.split(" ", 1)[0] not in auto_keys]) from None
+        if autos:
+            raise TitanConfigError(autos)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "TitanConfig":
+        if self.plasticity is not None and self.plasticity.enabled and self.optimizer is None:
+            raise ValueError("titan.plasticity needs titan.optimizer (BSPS schedules the titan optimizer); "
+                             "add \"optimizer\": {\"name\": \"asdt\"} or remove \"plasticity\"")
+        return self
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_ds_config(cls, config: Union[str, os.PathLike, Mapping[str, Any], None]) -> Optional["TitanConfig"]:
+        """Parse the ``"titan"`` section of a whole ds_config (dict or json path).
+
+        Returns None when there is no ``"titan"`` section. Raises only :class:`TitanConfigError`.
+        """
+        ds = load_ds_config(config)
+        if SECTION not in ds:
+            return None
+        section = ds[SECTION]
+        if not isinstance(section, Mapping):
+            raise TitanConfigError([f"titan must be an object with sub-sections {list(_SUBSECTIONS)}, "
+                                    f"got {type(section).__name__}"])
+        return cls(**dict(section))
+
+    @property
+    def enabled_pillars(self) -> list[str]:
+        return [k for k in _SUBSECTIONS if getattr(self, k) is not None]
+
+    def to_section(self) -> dict[str, Any]:
+        """The structured section as a plain dict (what goes under ``"titan"`` in a ds_config)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+TITANConfig = TitanConfig
+
+
+def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any], None]) -> dict[str, Any]:
+    """A ds_config as a dict: from a dict (copied), a json path, or None (empty)."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))  # deep copy; also rejects non-JSON values early
+    path = Path(config)
+    if not path.is_file():
+        raise TitanConfigError([f"ds_config path {str(path)!r} does not exist or is not a file"])
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TitanConfigError([f"ds_config {str(path)!r} is not valid JSON: {e}"]) from None
+
+
+def _find_auto(obj: Any, path: str) -> list[str]:
+    found = []
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            found += _find_auto(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found += _find_auto(v, f"{path}[{i}]")
+    elif isinstance(obj, str) and obj == "auto":
+        found.append(f"{path} is \"auto\": the titan section takes explicit values only (HF accelerate "
+                     f"fills \"auto\" from TrainingArguments and rejects unknown keys); write the value")
+    return found
+
+
+def _from_flat(data: dict[str, Any]) -> dict[str, Any]:
+    """Map the seed's flat keywords onto the structured section."""
+    out = {k: v for k, v in data.items() if k not in _FLAT_KEYS}
+    if "device" in data:
+        out["device"] = data["device"]
+    if data.get("use_trd"):
+        out.setdefault("trd", {})
+        if "trd_rank" in data:
+            out["trd"]["rank"] = data["trd_rank"]
+    elif "trd_rank" in data:
+        out.setdefault("trd", {})["rank"] = data["trd_rank"]
+    if data.get("nvme_path") is not None:
+        out.setdefault("hms", {})["nvme_path"] = data["nvme_path"]
+        if "dram_cache_mb" in data:
+            out["hms"]["dram_cache_mb"] = data["dram_cache_mb"]
+    if data.get("use_mlme"):
+        out.setdefault("mlme", {})
+    if data.get("use_asdt") or data.get("use_bsps"):
+        out.setdefault("optimizer", {})
+        for k in ("density", "lr"):
+            if k in data:
+                out["optimizer"][k] = data[k]
+    if data.get("use_bsps"):
+        out.setdefault("plasticity", {})
+    if data.get("use_hge") or data.get("use_tgss"):
+        out.setdefault("compression", {"method": "hge" if data.get("use_hge") else "tgss"})
+        if "compression_ratio" in data:
+            out["compression"]["ratio"] = data["compression_ratio"]
+    return out
+
+
+def _prepare(data: dict[str, Any]) -> dict[str, Any]:
+    if _FLAT_KEYS.intersection(data) - {"device"}:
+        data = _from_flat(data)
+    return data
+
+
+def _key_path(loc: tuple[Any, ...]) -> str:
+    path = SECTION
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("int", "list[int]", "function-after[_rank(), union[int,list[int]]]"):
+            continue  # pydantic's union branch labels are not user keys
+        else:
+            path += f".{part}"
+    return path
+
+
+def _describe(err: dict[str, Any], known: str = "") -> str:
+    kind, msg, val = err["type"], err["msg"], err.get("input")
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "is not a known key (typo?); remove it" + (f"; known keys here: {known}" if known else "")
+    if kind == "missing":
+        return "is required"
+    if kind in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}[kind]
+        bound = next(iter(ctx.values()))
+        return f"must be {op} {bound}, got {val!r}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}, got {val!r}"
+    if kind in ("float_parsing", "float_type", "int_parsing", "int_type", "int_from_float"):
+        return f"must be a {'whole ' if kind.startswith('int') else ''}number, got {val!r}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"must be true or false, got {val!r}"
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    return f"{msg}, got {val!r}"
+
+
+def _known_keys(loc: tuple[Any, ...]) -> str:
+    model: Any = TitanConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        ann = field.annotation
+        inner = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not inner:
+            return ""
+        model = inner[0]
+    return ", ".join(model.model_fields)
+
+
+def _format_errors(e: ValidationError, data: Mapping[str, Any]) -> list[str]:
+    seen: dict[str, str] = {}
+    for err in e.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "list[int]"))))
+        path = _key_path(loc)
+        text = f"{path} {_describe(err, _known_keys(loc))}"
+        # A union (rank: int | list[int]) reports one error per branch; keep the first per key.
+        seen.setdefault(path + ":" + err["type"].split("_")[0], text)
+    msgs = list(dict.fromkeys(seen.values()))
+    # union branches of the same key: keep one message per key
+    by_key: dict[str, str] = {}
+    for m in msgs:
+        by_key.setdefault(m.split(" ", 1)[0], m)
+    return list(by_key.values())

@@ -1,0 +1,221 @@
+"""``titan_ds.initialize``: the one place that wires the pillars into ``deepspeed.initialize``.
+
+Order (each pillar's module exposes ``before_initialize(ctx)`` and, optionally, ``after_initialize(ctx)``):
+
+1. ``trd``         titan_ds.inject.trd      replace nn.Linear by tensor-ring layers (before DeepSpeed wraps the model)
+2. ``mlme``        titan_ds.inject.mlme     tiled attention / StripeFFN / chunked loss modules
+3. ``optimizer``   titan_ds.optim.install   build ASDT (+BSPS) when the user passed no optimizer; ZeRO flags
+4. ``hms``         titan_ds.hms.install     HMS swappers for ZeRO-3 NVMe offload (zero.Init when needed)
+5. ``compression`` titan_ds.comm.hooks      compressor on DeepSpeed's reduce path (after the engine exists)
+
+Module replacement comes first so that the optimizer is built over the final parameters; the compressor is
+installed last because it hooks the engine instance. With no ``"titan"`` section this is exactly
+``deepspeed.initialize``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .config import TitanConfig, TitanConfigError, load_ds_config
+
+__all__ = ["initialize", "InitContext", "TitanRuntime", "PILLARS"]
+
+log = logging.getLogger("titan_ds")
+
+
+@dataclass(frozen=True)
+class Pillar:
+    key: str       # key of the "titan" section
+    module: str    # module exposing before_initialize(ctx) [and after_initialize(ctx)]
+    issue: str     # where it is built, for the NotImplementedError of a missing pillar
+
+
+PILLARS: tuple[Pillar, ...] = (
+    Pillar("trd", "titan_ds.inject.trd", "issue #3 (TRD)"),
+    Pillar("mlme", "titan_ds.inject.mlme", "issue #4 (MLME)"),
+    Pillar("optimizer", "titan_ds.optim.install", "issue #5 (ASDT + BSPS)"),
+    Pillar("hms", "titan_ds.hms.install", "issue #7 (HMS)"),
+    Pillar("compression", "titan_ds.comm.hooks", "issue #6 (HGE + TGSS)"),
+)
+
+
+@dataclass
+class InitContext:
+    """Everything a pillar may read or change while ``initialize`` runs.
+
+    Pillars change ``model``/``optimizer``/``model_parameters``/``ds_config`` in ``before_initialize``; after
+    ``deepspeed.initialize`` they find the engine in ``engine``. They publish what they did through
+    ``reports[key]`` (anything with a readable repr), per-step metric fields through ``add_metrics`` and
+    checkpointable state through ``add_state``.
+    """
+
+    titan: TitanConfig
+    ds_config: dict[str, Any]
+    model: torch.nn.Module
+    optimizer: Any = None
+    model_parameters: Any = None
+    lr_scheduler: Any = None
+    args: Any = None
+    engine: Any = None
+    world_size: int = 1
+    reports: dict[str, Any] = field(default_factory=dict)
+    metric_sources: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+    state_sources: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = field(default_factory=dict)
+    # wrap(inner) -> context manager factory for model construction (HMS/ZeRO-3 use it); see build_model()
+    extra_init_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def add_metrics(self, fn: Callable[[], dict[str, Any]]) -> None:
+        """Register ``fn() -> {StepMetrics field or extra key: value}``, called after every step."""
+        self.metric_sources.append(fn)
+
+    def add_state(self, name: str, get: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Register state saved into checkpoints' ``client_state["titan"][name]`` and restored on load."""
+        if name in self.state_sources:
+            raise ValueError(f"titan state {name!r} registered twice")
+        self.state_sources[name] = (get, load)
+
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    def set_ds_flag(self, key: str, value: Any, why: str) -> None:
+        """Set a top-level DeepSpeed key that a pillar needs, logging once, never overriding the user."""
+        if key in self.ds_config and self.ds_config[key] != value:
+            raise TitanConfigError([f"{key}={self.ds_config[key]!r} in the ds_config conflicts with {why}, "
+                                    f"which needs {key}={value!r}; set it to {value!r} or remove it"])
+        if key not in self.ds_config:
+            self.ds_config[key] = value
+            log.info("titan: set %s=%r (%s)", key, value, why)
+
+
+@dataclass
+class TitanRuntime:
+    """Attached to the engine as ``engine.titan``: config, pillar reports, metric and state sources."""
+
+    config: TitanConfig
+    reports: dict[str, Any]
+    metric_sources: list[Callable[[], dict[str, Any]]]
+    state_sources: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]
+
+    def collect_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for fn in self.metric_sources:
+            out.update(fn())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: get() for name, (get, _) in self.state_sources.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = set(self.state_sources) - set(state)
+        if missing:
+            raise RuntimeError(f"checkpoint has no titan state for {sorted(missing)}: it was saved without "
+                               f"these pillars; resume with the same \"titan\" section it was saved with")
+        for name, (_, load) in self.state_sources.items():
+            load(state[name])
+
+
+def _resolve_config(args: Any, config: Any) -> Any:
+    if config is not None:
+        return config
+    for attr in ("deepspeed_config", "deepscale_config"):
+        value = getattr(args, attr, None) if args is not None else None
+        if value:
+            return value
+    return None
+
+
+def _import_pillar(p: Pillar):
+    try:
+        return importlib.import_module(p.module)
+    except ModuleNotFoundError as e:
+        if e.name and p.module.startswith(e.name):
+            raise NotImplementedError(f"titan.{p.key} is configured but that pillar is not built yet: it lands "
+                                      f"with {p.issue}. Remove \"{p.key}\" from the titan section for now.") from None
+        raise
+
+
+def _world_size() -> int:
+    import os
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
+    """Make engine.save_checkpoint/load_checkpoint carry titan state in client_state (instance-level)."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kw):
+        state = dict(client_state or {})
+        state["titan"] = runtime.state_dict()
+        return save(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kw)
+
+    def load_checkpoint(load_dir, tag=None, **kw):
+        path, client = load(load_dir, tag=tag, **kw)
+        if path is not None and runtime.state_sources:
+            runtime.load_state_dict((client or {}).get("titan", {}))
+        return path, client
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               config: Any = None, **kwargs: Any):
+    """Same signature and return value as ``deepspeed.initialize``: ``(engine, optimizer, dataloader, scheduler)``.
+
+    Reads the ``"titan"`` section from ``config`` (dict or json path) or ``args.deepspeed_config``, validates
+    it (all errors at once, :class:`TitanConfigError`), applies the switched-on pillars in the order of
+    :data:`PILLARS`, then calls ``deepspeed.initialize``. Without a ``"titan"`` section the call is passed
+    through unchanged.
+    """
+    import deepspeed
+
+    raw = _resolve_config(args, config)
+    titan = TitanConfig.from_ds_config(raw) if raw is not None else None
+    if titan is None:
+        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                    training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
+    if model is None:
+        raise ValueError("titan_ds.initialize needs model=; the titan pillars act on the model")
+    ds_config = load_ds_config(raw)
+    titan_section = ds_config.pop("titan")
+    ctx = InitContext(titan=titan, ds_config=ds_config, model=model, optimizer=optimizer,
+                      model_parameters=model_parameters, lr_scheduler=lr_scheduler, args=args,
+                      world_size=_world_size())
+    active = [p for p in PILLARS if getattr(titan, p.key) is not None]
+    if titan.plasticity is not None and titan.optimizer is None:  # caught by config; kept as a guard
+        raise TitanConfigError(["titan.plasticity needs titan.optimizer"])
+    modules = {p.key: _import_pillar(p) for p in active}
+    for p in active:
+        modules[p.key].before_initialize(ctx)
+    log.info("titan: pillars on: %s", ", ".join(p.key for p in active) or "none")
+    ds_config["titan"] = titan_section  # DeepSpeed keeps unknown top-level keys; checkpoints record it
+    if args is not None and getattr(args, "deepspeed_config", None):
+        args = copy.copy(args)
+        args.deepspeed_config = None  # the (possibly adjusted) dict wins; DeepSpeed rejects both at once
+    engine, opt, dl, sched = deepspeed.initialize(
+        args=args, model=ctx.model, optimizer=ctx.optimizer, model_parameters=ctx.model_parameters,
+        training_data=training_data, lr_scheduler=ctx.lr_scheduler, config=ds_config, **kwargs)
+    ctx.engine = engine
+    for p in active:
+        after = getattr(modules[p.key], "after_initialize", None)
+        if after is not None:
+            after(ctx)
+    runtime = TitanRuntime(config=titan, reports=ctx.reports, metric_sources=ctx.metric_sources,
+                           state_sources=ctx.state_sources)
+    engine.titan = runtime
+    _wrap_checkpointing(engine, runtime)
+    return engine, opt, dl, sched
+
+
+def add_titan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Same as ``deepspeed.add_config_arguments``: adds --deepspeed/--deepspeed_config."""
+    import deepspeed
+    return deepspeed.add_config_arguments(parser)
