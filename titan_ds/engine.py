@@ -147,15 +147,37 @@ def _world_size() -> int:
 
 
 def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
-    """Make engine.save_checkpoint/load_checkpoint carry titan state in client_state (instance-level)."""
+    """Make the engine instance's save_checkpoint/load_checkpoint crash-safe and carry titan state.
+
+    Save: DeepSpeed writes the shards (with ``save_latest=False``), rank 0 writes a checksum manifest, then
+    ``latest`` is replaced atomically. Load: the tag is verified against its manifest before DeepSpeed reads it.
+    See :mod:`titan_ds.checkpoint`.
+    """
+    import deepspeed.comm as dist
+    from pathlib import Path
+
+    from . import checkpoint as ckpt
+
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kw):
+        tag = tag or f"global_step{engine.global_steps}"
         state = dict(client_state or {})
         state["titan"] = runtime.state_dict()
-        return save(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kw)
+        ok = save(save_dir, tag=tag, client_state=state, save_latest=False, **kw)
+        dist.barrier()
+        if engine.global_rank == 0:
+            ckpt.write_manifest(Path(save_dir) / str(tag))
+            if save_latest:
+                ckpt.atomic_write_text(Path(save_dir) / "latest", str(tag))
+        dist.barrier()
+        return ok
 
     def load_checkpoint(load_dir, tag=None, **kw):
+        tag = tag or ckpt.read_latest(load_dir)
+        if tag is None:
+            return None, None
+        ckpt.verify_tag(Path(load_dir), str(tag))
         path, client = load(load_dir, tag=tag, **kw)
         if path is not None and runtime.state_sources:
             runtime.load_state_dict((client or {}).get("titan", {}))
