@@ -187,6 +187,36 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
+def _install_nonfinite_guard(engine: Any) -> None:
+    """ZeRO-1/2/3 already skip a step whose gradients hold NaN/Inf (an all-reduced overflow flag, also in fp32).
+    Without ZeRO and without an fp16/bf16 wrapper the client optimizer steps on them. Give that optimizer the same
+    behaviour: a MAX all-reduce of a local non-finite flag over the data-parallel group, and on a hit no update
+    and ``optimizer.overflow = True``, which DeepSpeed reads to count the skip and hold the lr schedule."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() != 0 or opt is None or opt is not engine.basic_optimizer:
+        return
+    import deepspeed.comm as dist
+    inner_step = opt.step
+    group = getattr(engine, "data_parallel_group", None)
+
+    def step(*a: Any, **kw: Any):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        bad = torch.zeros(1, device=engine.device)
+        if grads:
+            bad += (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float()
+        if dist.is_initialized() and engine.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        opt.overflow = bool(bad.item())
+        if opt.overflow:
+            log.warning("titan: non-finite gradients at step %d; step skipped on every rank (parameters and "
+                        "optimizer state unchanged)", engine.global_steps + 1)
+            return None
+        return inner_step(*a, **kw)
+
+    opt.overflow = False
+    opt.step = step
+
+
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                config: Any = None, **kwargs: Any):
@@ -234,6 +264,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                            state_sources=ctx.state_sources)
     engine.titan = runtime
     _wrap_checkpointing(engine, runtime)
+    _install_nonfinite_guard(engine)
     return engine, opt, dl, sched
 
 
