@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from titan_ds.bench import compare  # noqa: E402
 
-PROFILES = ["baseline_adamw_2rank", "titan_full", "titan_memory"]
+PROFILES = ["baseline_zero2", "titan_full", "titan_memory"]
 MiB = 2**20
 
 
