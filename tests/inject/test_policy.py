@@ -108,6 +108,9 @@ def test_children_of_replaced_module_not_visited():
         def replace(self, name, module):
             return nn.Identity()
 
+        def detail(self, name, old, new):
+            return {}
+
     m = tiny()
     rep = apply_policies(m, [Outer(), LinearToScale()])
     assert rep.names == ["0", "2"] and isinstance(rep, ReplacementReport)
