@@ -281,11 +281,30 @@ def test_before_initialize_report_metrics_and_param_remap():
     assert {id(p) for p in ctx.model_parameters} == {id(p) for p in model.parameters()} != dense_ids
 
 
-def test_before_initialize_rejects_optimizer_instance():
+def test_before_initialize_remaps_optimizer_instance_keeping_groups():
     model = Tiny()
-    ctx = _Ctx(model, {"rank": 4}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="pass the optimizer as a callable"):
-        before_initialize(ctx)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
+    ctx = _Ctx(model, {"rank": 4}, optimizer=opt, model_parameters=[{"params": decay}, {"params": no_decay}])
+    before_initialize(ctx)
+    fc = model.blocks[0].mlp.fc
+    g0, g1 = ({id(p) for p in g["params"]} for g in opt.param_groups)
+    assert {id(c) for c in fc.cores} <= g0 and id(fc.bias) in g1 and id(model.head.weight) in g0
+    assert g0 | g1 == {id(p) for p in model.parameters()} and not g0 & g1
+    assert [{id(p) for p in g["params"]} for g in ctx.model_parameters] == [g0, g1]
+    loss = model(torch.randint(0, 32, (2, 3))).sum()
+    loss.backward()
+    opt.step()  # trains the TR cores
+
+
+def test_before_initialize_rejects_optimizer_that_has_stepped():
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randint(0, 32, (2, 3))).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already has state for 16 of them"):
+        before_initialize(_Ctx(model, {"rank": 4}, optimizer=opt))
 
 
 def test_trd_off_means_model_unchanged():

@@ -358,42 +358,69 @@ def apply_trd(model: nn.Module, policy: TRDPolicy) -> ReplacementReport:
 
 
 # ====================================================================== pillar hook
-def _remap_parameters(given: Any, model: nn.Module, old_ids: set[int]) -> Any:
-    """The user's model_parameters after replacement: drop removed dense weights, add the new TR parameters."""
+def _param_map(old: dict[str, nn.Module], model: nn.Module, report: ReplacementReport) -> dict[int, list[nn.Parameter]]:
+    """id(old dense parameter) -> its replacements: weight -> the cores, bias -> the new bias."""
+    out: dict[int, list[nn.Parameter]] = {}
+    for e in report.entries:
+        src, new = old[e.name], model.get_submodule(e.name)
+        out[id(src.weight)] = list(new.cores)
+        if src.bias is not None:
+            out[id(src.bias)] = [new.bias]
+    return out
+
+
+def _remap(params: list[Any], mapping: dict[int, list[nn.Parameter]]) -> list[Any]:
+    out = []
+    for p in params:
+        out.extend(mapping.get(id(p), [p]))
+    return out
+
+
+def _remap_parameters(given: Any, mapping: dict[int, list[nn.Parameter]]) -> Any:
+    """The user's model_parameters (tensors or param-group dicts) with each replaced parameter swapped for its
+    replacements, in place in the order given."""
     if given is None:
         return None
     given = list(given)
     if any(isinstance(g, dict) for g in given):
-        raise ValueError("titan.trd cannot remap parameter groups (dicts) passed as model_parameters: pass "
-                         "model_parameters=None (all parameters) or an optimizer callable built after initialize")
-    alive = {id(p) for p in model.parameters()}
-    new = [p for p in model.parameters() if id(p) not in old_ids]
-    kept = [p for p in given if id(p) in alive]
-    if len(kept) == len(given):
-        return given
-    return kept + [p for p in new if p.requires_grad]
+        return [dict(g, params=_remap(list(g["params"]), mapping)) if isinstance(g, dict) else g for g in given]
+    return _remap(given, mapping)
+
+
+def _remap_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, list[nn.Parameter]]) -> None:
+    """Re-point an optimizer instance built over the dense weights at the TR parameters (same groups)."""
+    stale = [p for p in opt.state if id(p) in mapping and opt.state[p]]
+    if stale:
+        raise ValueError(f"titan.trd replaces nn.Linear weights, but the optimizer already has state for {len(stale)} "
+                         f"of them (it has stepped); build the optimizer after titan_ds.initialize, or pass it as a "
+                         f"callable (params -> optimizer)")
+    for g in opt.param_groups:
+        g["params"] = _remap(g["params"], mapping)
+    for p in [p for p in opt.state if id(p) in mapping]:
+        del opt.state[p]
 
 
 def before_initialize(ctx: Any) -> None:
     """Replace the configured linears of ``ctx.model`` before DeepSpeed wraps it (pillar hook, docs/pillars.md).
 
     Under ZeRO-3 the TR layers are built inside ``deepspeed.zero.Init`` (partitioned at birth) and partitioned
-    sources are gathered first. Puts the :class:`ReplacementReport` in ``ctx.reports["trd"]`` and registers the
-    metrics ``trd_compression_ratio`` (replaced layers) and ``trd_model_compression_ratio`` (whole model).
+    sources are gathered first. An optimizer instance or ``model_parameters`` given by the user are re-pointed
+    from each replaced weight to its cores (and bias to bias), keeping their param groups. Puts the
+    :class:`ReplacementReport` in ``ctx.reports["trd"]`` and registers the metrics ``trd_compression_ratio``
+    (replaced layers) and ``trd_model_compression_ratio`` (whole model).
     """
-    if isinstance(ctx.optimizer, torch.optim.Optimizer):
-        raise ValueError("titan.trd replaces nn.Linear weights, but the optimizer instance passed to initialize was "
-                         "built over the dense weights; pass the optimizer as a callable (params -> optimizer) or let "
-                         "DeepSpeed/titan build it")
     policy = TRDPolicy.from_config(ctx.titan.trd)
-    old_ids = {id(p) for p in ctx.model.parameters()}
+    old = dict(ctx.model.named_modules())
     if ctx.zero_stage() == 3:
         import deepspeed
         with deepspeed.zero.Init(config_dict_or_path=ctx.ds_config):
             report = apply_trd(ctx.model, policy)
     else:
         report = apply_trd(ctx.model, policy)
-    ctx.model_parameters = _remap_parameters(ctx.model_parameters, ctx.model, old_ids)
+    mapping = _param_map(old, ctx.model, report)
+    if isinstance(ctx.optimizer, torch.optim.Optimizer):
+        _remap_optimizer(ctx.optimizer, mapping)
+    ctx.model_parameters = _remap_parameters(ctx.model_parameters, mapping)
     ctx.reports["trd"] = report
     ratios = {"trd_compression_ratio": report.compression_ratio,
               "trd_model_compression_ratio": report.model_compression_ratio}
