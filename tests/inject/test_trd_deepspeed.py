@@ -5,11 +5,7 @@ One process, world size 1, gloo on the CPU (a few seconds per engine). The two-r
 """
 from __future__ import annotations
 
-import copy
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,26 +14,14 @@ from torch import nn
 
 from titan_ds.inject.trd import TensorRingLinear
 
-from .test_trd import Tiny
+from tests.inject.test_trd import Tiny
 
 deepspeed = pytest.importorskip("deepspeed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_rank_env():
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: v for k, v in env.items() if old[k] is None})
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
+@pytest.fixture(autouse=True)
+def _world(dist_env):
+    """One-process world (tests/conftest.py)."""
 
 
 def _config(stage: int, **trd) -> dict:
@@ -155,9 +139,7 @@ def test_checkpoint_resume_is_bit_exact(stage, tmp_path):
 
 
 _TWO_RANK = r"""
-import os, sys, torch
-sys.path.insert(0, {root!r})
-from torch import nn
+import os, torch
 from tests.inject.test_trd import Tiny
 from tests.inject.test_trd_deepspeed import _config, _adamw, _loss, _batches
 from titan_ds.engine import initialize
@@ -175,16 +157,11 @@ print("RESULT", os.environ["RANK"], local, [g.ds_numel for g in fc.cores], losse
 
 @pytest.mark.slow
 def test_zero3_two_ranks_partition_and_train(tmp_path):
-    """Two CPU ranks: each holds about half of every TR core and the losses fall."""
-    root = str(Path(__file__).resolve().parents[2])
+    """Two CPU ranks under the deepspeed launcher: each holds about half of every TR core and the loss falls."""
+    from tests.helpers.launch import run_deepspeed
     script = tmp_path / "two_rank.py"
-    script.write_text(_TWO_RANK.format(root=root))
-    env = dict(os.environ, PYTHONPATH=root)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    out = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-                          "--master_port", str(_free_port()), str(script)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    script.write_text(_TWO_RANK)
+    out = run_deepspeed(script, num_ranks=2, timeout=900)
     lines = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines() if "RESULT " in l]
     assert len(lines) == 2, out.stdout[-3000:] + out.stderr[-3000:]
     for line in lines:
@@ -195,6 +172,5 @@ def test_zero3_two_ranks_partition_and_train(tmp_path):
 
 def _parse(line: str):
     rank, rest = line.split(" ", 1)
-    parts = rest.replace("] [", "]\n[").split("\n")
-    local, full, losses = (eval(p) for p in parts)
+    local, full, losses = (eval(p) for p in rest.replace("] [", "]\n[").split("\n"))
     return int(rank), local, full, losses
