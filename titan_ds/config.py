@@ -130,7 +130,7 @@ class TRDConfig(_Strict):
     cores). ``include``/``exclude``: regexes, ``re.search`` on qualified module names (``blocks.0.mlp.fc``).
     ``init``: ``random`` (variance-matched) or ``tr_svd`` (tensorly TR-SVD of the dense weight).
     ``min_features``: skip linears with ``min(in, out)`` below this. ``mode_size``: target size of the tensor
-    modes the features are factored into. ``path``: ``auto`` picks the cheaper association by multiply-adds.
+    modes the features are factored into. ``path``: ``cheapest`` picks the association with fewer multiply-adds per call.
     """
 
     rank: Union[int, list[int]] = 16
@@ -139,7 +139,7 @@ class TRDConfig(_Strict):
     init: Literal["random", "tr_svd"] = "random"
     min_features: int = Field(default=64, ge=1)
     mode_size: int = Field(default=4, ge=2)
-    path: Literal["auto", "factored", "dense"] = "auto"
+    path: Literal["cheapest", "factored", "dense"] = "cheapest"
 
     @field_validator("rank")
     @classmethod

@@ -99,7 +99,7 @@ def test_parity_factored_dense_reference(fin, fout, rank):
             assert (g.double() - r64).abs().max().item() <= 8 * base + 1e-6 * scale, path
 
 
-def test_auto_path_follows_flop_rule():
+def test_cheapest_path_follows_flop_rule():
     m = TensorRingLinear(256, 256, 16)  # R = 256
     f = path_flops(2048, 256, 256, 256)
     assert f["dense"] < f["factored"] and m.choose_path(2048) == "dense"
@@ -319,4 +319,4 @@ def test_trd_off_means_model_unchanged():
 
 def test_trd_config_defaults_round_trip():
     cfg = TRDConfig()
-    assert (cfg.rank, cfg.init, cfg.min_features, cfg.mode_size, cfg.path) == (16, "random", 64, 4, "auto")
+    assert (cfg.rank, cfg.init, cfg.min_features, cfg.mode_size, cfg.path) == (16, "random", 64, 4, "cheapest")

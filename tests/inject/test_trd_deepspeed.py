@@ -174,3 +174,31 @@ def _parse(line: str):
     rank, rest = line.split(" ", 1)
     local, full, losses = (eval(p) for p in rest.replace("] [", "]\n[").split("\n"))
     return int(rank), local, full, losses
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "ds_configs").glob("trd*.json")),
+                         ids=lambda p: p.name)
+def test_shipped_trd_configs_train_the_gpt(path):
+    """Each shipped TRD config, as launch/train.py uses it: GPT, an AdamW *instance* with decay groups (remapped
+    onto the cores), two steps through titan_ds.initialize; every block linear replaced."""
+    import json
+    import titan_ds
+    from titan_ds.models import GPT, GPTConfig
+    cfg = json.loads(path.read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=256))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=1e-3)
+    engine, *_ = titan_ds.initialize(model=model, optimizer=opt, config=cfg)
+    assert engine.titan.reports["trd"].names == [f"blocks.{i}.{n}" for i in range(2)
+                                                 for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.out")]
+    x = torch.randint(0, 256, (2, 16))
+    losses = []
+    for _ in range(3):
+        loss = engine(x, x.roll(-1, 1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]

@@ -15,7 +15,7 @@ Forward, step by step:
 3. ``y = x @ Am @ Cm + b``, associated one of two ways (a matrix-chain choice):
    * ``factored``: ``(x @ Am) @ Cm`` -- forward+backward ``3 B R (in + out)`` multiply-adds, saves ``B R`` floats;
    * ``dense``:    ``x @ (Am @ Cm)`` -- forward+backward ``3 in out (B + R)`` multiply-adds, saves ``in out``.
-   ``path="auto"`` takes the one with fewer multiply-adds, i.e. ``factored`` iff ``1/in + 1/out <= 1/R + 1/B``
+   ``path="cheapest"`` takes the one with fewer multiply-adds, i.e. ``factored`` iff ``1/in + 1/out <= 1/R + 1/B``
    (B = tokens in the call). The rule and its measured agreement with wall time are in docs/trd.md.
 
 :meth:`TensorRingLinear.reference_weight` builds ``W`` by contracting the whole ring in one independent
@@ -47,8 +47,8 @@ __all__ = ["TensorRingLinear", "TRDPolicy", "factorize", "apply_trd", "before_in
 log = logging.getLogger("titan_ds.trd")
 
 Rank = Union[int, Sequence[int]]
-Path = Literal["auto", "factored", "dense"]
-_PATHS = ("auto", "factored", "dense")
+Path = Literal["cheapest", "factored", "dense"]
+_PATHS = ("cheapest", "factored", "dense")
 _INITS = ("random", "tr_svd")
 # Std of the noise in the rank slices that TR-SVD cannot fill, relative to each core's RMS. 1e-3 adds about
 # 1e-3..1e-2 relative error to the init (measured in tests/inject/test_trd.py) and lets those slices learn.
@@ -102,14 +102,14 @@ class TensorRingLinear(nn.Module):
             ``factorize(in, mode_size)``, ``factorize(out, mode_size)``.
         bias: as ``nn.Linear``.
         mode_size: target size of the automatic modes.
-        path: ``auto`` (fewer multiply-adds), ``factored`` or ``dense`` (see module docstring).
+        path: ``cheapest`` (fewer multiply-adds), ``factored`` or ``dense`` (see module docstring).
         init: ``random`` (variance-matched) or ``tr_svd`` (needs ``dense_weight``).
         dense_weight: (out, in) weight to decompose, only with ``init="tr_svd"``.
         dense_bias: initial bias (out,), only with ``bias=True``; default ``nn.Linear``'s init.
     """
 
     def __init__(self, in_features: int, out_features: int, rank: Rank, modes: Optional[tuple[Sequence[int], Sequence[int]]] = None,
-                 bias: bool = True, *, mode_size: int = 4, path: Path = "auto", init: str = "random",
+                 bias: bool = True, *, mode_size: int = 4, path: Path = "cheapest", init: str = "random",
                  dense_weight: Optional[torch.Tensor] = None, dense_bias: Optional[torch.Tensor] = None,
                  device: Any = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -211,8 +211,8 @@ class TensorRingLinear(nn.Module):
         return w_t.reshape(self.in_features, self.out_features).t()
 
     def choose_path(self, tokens: int) -> str:
-        """The association used for a call with ``tokens`` rows (``path`` unless it is ``auto``)."""
-        if self.path != "auto":
+        """The association used for a call with ``tokens`` rows (``path`` unless it is ``cheapest``)."""
+        if self.path != "cheapest":
             return self.path
         f = path_flops(tokens, self.in_features, self.out_features, self.boundary)
         return "factored" if f["factored"] <= f["dense"] else "dense"
@@ -236,7 +236,7 @@ class TensorRingLinear(nn.Module):
     # ------------------------------------------------------------------ conversion
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: Rank, *, init: str = "random", modes=None, mode_size: int = 4,
-                    path: Path = "auto") -> "TensorRingLinear":
+                    path: Path = "cheapest") -> "TensorRingLinear":
         """A TR layer for ``linear`` (bias copied; cores random or TR-SVD of its weight)."""
         return cls(linear.in_features, linear.out_features, rank, modes, linear.bias is not None, mode_size=mode_size,
                    path=path, init=init, dense_weight=linear.weight if init == "tr_svd" else None,
@@ -286,7 +286,7 @@ class TRDPolicy:
     name = "trd"
 
     def __init__(self, rank: Rank = 16, include: Sequence[str] = (r"\.(qkv|proj|fc|out)$",), exclude: Sequence[str] = (),
-                 init: str = "random", min_features: int = 64, mode_size: int = 4, path: Path = "auto"):
+                 init: str = "random", min_features: int = 64, mode_size: int = 4, path: Path = "cheapest"):
         if init not in _INITS:
             raise ValueError(f"unknown init {init!r}; choose one of {list(_INITS)}")
         ranks = [rank] if isinstance(rank, int) else list(rank)
