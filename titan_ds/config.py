@@ -124,13 +124,22 @@ class CompressionConfig(_Strict):
 
 
 class TRDConfig(_Strict):
-    """Tensor-ring linear layers (issue #3)."""
+    """Tensor-ring linear layers (issue #3; titan_ds/inject/trd.py, docs/trd.md).
+
+    ``rank``: one rank for every ring edge, or one per core (then every replaced layer must have that many
+    cores). ``include``/``exclude``: regexes, ``re.search`` on qualified module names (``blocks.0.mlp.fc``).
+    ``init``: ``random`` (variance-matched) or ``tr_svd`` (tensorly TR-SVD of the dense weight).
+    ``min_features``: skip linears with ``min(in, out)`` below this. ``mode_size``: target size of the tensor
+    modes the features are factored into. ``path``: ``cheapest`` picks the association with fewer multiply-adds per call.
+    """
 
     rank: Union[int, list[int]] = 16
     include: list[str] = Field(default_factory=lambda: [r"\.(qkv|proj|fc|out)$"])
     exclude: list[str] = Field(default_factory=list)
     init: Literal["random", "tr_svd"] = "random"
     min_features: int = Field(default=64, ge=1)
+    mode_size: int = Field(default=4, ge=2)
+    path: Literal["cheapest", "factored", "dense"] = "cheapest"
 
     @field_validator("rank")
     @classmethod
