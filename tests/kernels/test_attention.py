@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_ds.kernels.attention import TiledAttention, tiled_attention_reference
+from titan_ds.kernels.attention import TiledAttention, eager_attention, tiled_attention_reference
 
 # fp32 on CPU: the tiled sum is a reordering of SDPA's; errors are a few ulps of O(1) values times sqrt(T).
 ATOL, RTOL = 2e-5, 2e-5
@@ -106,3 +106,10 @@ def test_bf16_error_within_twice_plain_bf16():
                           torch.full((64, 64), float("-inf")).triu(1), -1).bfloat16() @ v.bfloat16()
     ours = tiled_attention_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, tile=16)
     assert (ours.double() - exact).abs().max() <= 2 * (plain.double() - exact).abs().max()
+
+
+def test_eager_baseline_matches_sdpa():
+    q, k, v = (t.detach() for t in _inputs(2, 2, 13, 13, 32))
+    kpm = torch.arange(13)[None] < torch.tensor([[13], [6]])
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=kpm[:, None, None] & torch.ones(13, 13, dtype=torch.bool).tril())
+    torch.testing.assert_close(eager_attention(q, k, v, causal=True, key_padding_mask=kpm), ref, atol=ATOL, rtol=RTOL)

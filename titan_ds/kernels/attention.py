@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ._guard import kernel_backend
 
-__all__ = ["tiled_attention", "tiled_attention_reference", "TiledAttention", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+__all__ = ["tiled_attention", "tiled_attention_reference", "eager_attention", "TiledAttention", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # the contract is 32..128; the reference is exact for any D in this range
 
@@ -168,6 +168,23 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         return triton_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, tile=tile)
     return tiled_attention_reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                                      attn_mask=attn_mask, scale=scale, tile=tile)
+
+
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                    key_padding_mask: Optional[Tensor] = None, scale: Optional[float] = None) -> Tensor:
+    """Plain math attention, ``softmax(q k^T * scale + mask) v`` with the full (Tq, Tk) score matrix: the
+    memory baseline (what HF's "eager" attention does); rows with no visible key return NaN, as SDPA."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    allowed = None
+    if causal:
+        allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if key_padding_mask is not None:
+        kp = key_padding_mask[:, None, None, :]
+        allowed = kp if allowed is None else allowed & kp
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
 class TiledAttention(nn.Module):
