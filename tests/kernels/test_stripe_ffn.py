@@ -99,3 +99,29 @@ def test_errors():
         linear_parts(nn.Conv2d(1, 1, 1))
     with pytest.raises(ValueError, match="stripe"):
         stripe_ffn(torch.randn(2, 4), lambda x: x, [], torch.randn(4, 4), None, 0)
+
+
+class Doubler(nn.Module):
+    """A non-Linear output projection (stands in for a tensor-ring layer): recomputed whole."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, h):
+        return 2 * self.lin(h)
+
+
+def test_non_linear_output_module_is_recomputed_whole():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.act, self.out = nn.Linear(12, 30), nn.GELU(), Doubler(30, 12)
+
+        def forward(self, x):
+            return self.out(self.act(self.fc(x)))
+
+    eager = M()
+    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, 4)
+    assert not striped.out_is_linear
+    _check(eager, striped, torch.randn(2, 9, 12))

@@ -13,7 +13,8 @@ Backward, for each stripe s:
 5. (dx_s, d hidden params) = autograd.grad(h_s, (x_s, params), dh_s), accumulated over stripes.
 
 The output projection is never recomputed (step 4 uses h_s directly), so the extra cost over eager is one
-forward of ``hidden`` per stripe. Children keep the names of the MLP they replace (``fc``/``out``,
+forward of ``hidden`` per stripe. An output projection that is not linear in the usual sense (nn.Linear, HF
+Conv1D) -- e.g. TRD's tensor-ring layer -- is recomputed with the hidden part (steps 3-5 on the whole MLP). Children keep the names of the MLP they replace (``fc``/``out``,
 ``c_fc``/``c_proj``, ``gate_proj``/``up_proj``/``down_proj``), so state-dict keys are unchanged.
 """
 from __future__ import annotations
@@ -41,11 +42,14 @@ class _StripeFn(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_out: Tensor, b_out: Optional[Tensor], stripe: int,
                 hidden: Callable[[Tensor], Tensor], *hparams: Tensor) -> Tensor:
         n = x.shape[0]
-        y = x.new_empty(n, w_out.shape[0])
+        y = None
         for s in range(0, n, stripe):
             h = hidden(x[s:s + stripe])
-            y[s:s + stripe] = torch.nn.functional.linear(h, w_out, b_out)
-            del h  # the stripe's hidden activation is dropped here: this is the memory StripeFFN saves
+            ys = h if w_out is None else torch.nn.functional.linear(h, w_out, b_out)
+            if y is None:
+                y = x.new_empty(n, ys.shape[-1], dtype=ys.dtype)
+            y[s:s + stripe] = ys
+            del h, ys  # the stripe's hidden activation is dropped here: this is the memory StripeFFN saves
         ctx.save_for_backward(x, w_out)
         ctx.stripe, ctx.hidden, ctx.has_bias = stripe, hidden, b_out is not None
         ctx.hparams = hparams  # parameters (not activations): held by the modules anyway
@@ -57,15 +61,18 @@ class _StripeFn(torch.autograd.Function):
         hparams = ctx.hparams
         trainable = [i for i, p in enumerate(hparams) if p.requires_grad]
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        dw_out = torch.zeros_like(w_out, dtype=torch.float32)
+        dw_out = None if w_out is None else torch.zeros_like(w_out, dtype=torch.float32)
         dh_params: list[Optional[Tensor]] = [None] * len(hparams)
         for s in range(0, x.shape[0], ctx.stripe):
             dys = dy[s:s + ctx.stripe]
             with torch.enable_grad():
                 xs = x[s:s + ctx.stripe].detach().requires_grad_(dx is not None)
                 h = ctx.hidden(xs)
-            dw_out += (dys.t() @ h.detach()).float()
-            dh = dys @ w_out
+            if w_out is None:  # generic out module: hidden() is the whole MLP, recomputed with out
+                dh = dys
+            else:
+                dw_out += (dys.t() @ h.detach()).float()
+                dh = dys @ w_out
             inputs = ([xs] if dx is not None else []) + [hparams[i] for i in trainable]
             if not inputs:
                 continue
@@ -77,17 +84,21 @@ class _StripeFn(torch.autograd.Function):
                 if g is not None:
                     dh_params[i] = g if dh_params[i] is None else dh_params[i] + g
         db_out = dy.sum(0) if ctx.has_bias else None
-        return (dx, dw_out.to(w_out.dtype), db_out, None, None, *dh_params)
+        return (dx, None if dw_out is None else dw_out.to(w_out.dtype), db_out, None, None, *dh_params)
 
 
-def stripe_ffn(x: Tensor, hidden: Callable[[Tensor], Tensor], hidden_params: list[Tensor], w_out: Tensor,
-               b_out: Optional[Tensor], stripe: int) -> Tensor:
-    """``hidden(x) @ w_out.T + b_out`` in stripes of ``stripe`` tokens over the leading dims of ``x``."""
+def stripe_ffn(x: Tensor, hidden: Callable[[Tensor], Tensor], hidden_params: list[Tensor],
+               w_out: Optional[Tensor], b_out: Optional[Tensor], stripe: int) -> Tensor:
+    """``hidden(x) @ w_out.T + b_out`` in stripes of ``stripe`` tokens over the leading dims of ``x``.
+
+    With ``w_out=None``, ``hidden`` is the whole map (output projection included, e.g. a tensor-ring layer)
+    and is recomputed whole in backward; ``hidden_params`` must then hold every parameter it uses.
+    """
     if stripe < 1:
         raise ValueError(f"stripe must be >= 1 tokens, got {stripe}")
     lead = x.shape[:-1]
     y = _StripeFn.apply(x.reshape(-1, x.shape[-1]), w_out, b_out, stripe, hidden, *hidden_params)
-    return y.reshape(*lead, w_out.shape[0])
+    return y.reshape(*lead, y.shape[-1])
 
 
 class StripeFFN(nn.Module):
@@ -107,7 +118,11 @@ class StripeFFN(nn.Module):
         for name, child in children.items():
             self.add_module(name, child)
         self.kind, self.roles, self.stripe, self.dropout_name = kind, dict(roles), stripe, dropout
-        linear_parts(self._role("out"))  # validate the output projection now, not at the first forward
+        try:
+            linear_parts(self._role("out"))
+            self.out_is_linear = True
+        except TypeError:  # e.g. a tensor-ring layer from TRD: recompute it with the hidden part
+            self.out_is_linear = False
 
     @classmethod
     def plain(cls, fc: nn.Module, act: Callable[[Tensor], Tensor], out: nn.Module, stripe: int,
@@ -152,9 +167,15 @@ class StripeFFN(nn.Module):
         out_name = self.roles["out"]
         return [p for name, p in self.named_parameters() if not name.startswith(out_name + ".")]
 
+    def _whole(self, x: Tensor) -> Tensor:
+        return self._role("out")(self.hidden(x))
+
     def forward(self, x: Tensor) -> Tensor:
-        w_out, b_out = linear_parts(self._role("out"))
-        y = stripe_ffn(x, self.hidden, self._hidden_params(), w_out, b_out, self.stripe)
+        if self.out_is_linear:
+            w_out, b_out = linear_parts(self._role("out"))
+            y = stripe_ffn(x, self.hidden, self._hidden_params(), w_out, b_out, self.stripe)
+        else:
+            y = stripe_ffn(x, self._whole, list(self.parameters()), None, None, self.stripe)
         if self.dropout_name is not None:
             y = getattr(self, self.dropout_name)(y)
         return y
