@@ -82,7 +82,10 @@ class _StripeFn(torch.autograd.Function):
                 grads = grads[1:]
             for i, g in zip(trainable, grads):
                 if g is not None:
-                    dh_params[i] = g if dh_params[i] is None else dh_params[i] + g
+                    if dh_params[i] is None:
+                        dh_params[i] = g
+                    else:
+                        dh_params[i].add_(g)  # in place: one parameter-sized buffer, not one per stripe
         db_out = dy.sum(0) if ctx.has_bias else None
         return (dx, None if dw_out is None else dw_out.to(w_out.dtype), db_out, None, None, *dh_params)
 
