@@ -219,7 +219,7 @@ class StripeFFNPolicy:
             return "gated"
         if has("c_fc", "c_proj") and getattr(module, "act", None) is not None:
             return "gpt2"
-        if has("fc", "out") and _act_of(module, "act", "gelu", "activation")[1] is not None:
+        if has("fc", "out"):  # activation: a child module, else F.gelu (titan_ds.models.gpt.MLP); verified
             return "gpt"
         return None
 
@@ -233,6 +233,8 @@ class StripeFFNPolicy:
                                   dropout=("dropout", drop) if isinstance(drop, nn.Module) else None)
         else:
             act_name, act = _act_of(module, "act", "gelu", "activation")
+            if act is None:
+                act_name, act = "act", F.gelu
             new = StripeFFN.plain(module.fc, act, module.out, self.stripe, names=("fc", act_name, "out"))
         new.train(module.training)
         if self.verify and not _zero3_partitioned(module):
