@@ -143,7 +143,8 @@ def train_rows(steps: int, out: Path, args: argparse.Namespace) -> None:
     mlme = dict(baseline_config(), titan={"mlme": dict(MLME, tile=args.tile, stripe_ffn=args.stripe,
                                                        loss_chunk=args.loss_chunk)})
     compare([("deepspeed", base), ("mlme", mlme)], steps=steps, out=str(out),
-            title=f"MLME on vs off, seed workload, {steps} steps")
+            title=f"MLME on vs off, seed workload, {steps} steps",
+            command="python launch/bench/bench_mlme.py " + " ".join(sys.argv[1:]))
 
 
 def main(argv=None) -> None:
