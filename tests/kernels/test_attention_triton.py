@@ -79,3 +79,21 @@ def test_dispatch(monkeypatch):
             _guard.kernel_backend(x)
     monkeypatch.delenv("TITAN_KERNELS")
     assert _guard.kernel_backend(x) == "reference"  # default on CPU tensors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_triton_low_precision_error_at_most_twice_plain(triton_backend, dtype, D):
+    """FlashAttention's rule: error vs an fp64 oracle at most 2x that of plain PyTorch attention in the same dtype."""
+    from titan_ds.kernels.attention import eager_attention
+    B, H, T = 2, 4, 1000
+    q, k, v = (torch.randn(B, H, T, D, device="cuda") for _ in range(3))
+    g = torch.randn(B, H, T, D, device="cuda")
+    exact = _run(lambda a, b, c: eager_attention(a, b, c, causal=True), q.double(), k.double(), v.double(), g.double())
+    plain = _run(lambda a, b, c: eager_attention(a, b, c, causal=True), q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype))
+    ours = _run(lambda a, b, c: tiled_attention(a, b, c, causal=True, tile=128), q.to(dtype), k.to(dtype), v.to(dtype),
+                g.to(dtype))
+    for o, p, e, n in zip(ours, plain, exact, ("out", "dq", "dk", "dv")):
+        err, ref_err = (o.double() - e).abs().max().item(), (p.double() - e).abs().max().item()
+        assert err <= 2 * ref_err + 1e-5, f"{n}: {err} > 2 * {ref_err}"
