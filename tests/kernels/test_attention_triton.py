@@ -64,23 +64,6 @@ def test_triton_padding_mask_and_cross_lengths(triton_backend):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"causal={causal} {n}: {m}")
 
 
-def test_dispatch(monkeypatch):
-    x = torch.randn(1, 1, 4, 32)
-    monkeypatch.setenv("TITAN_KERNELS", "reference")
-    assert _guard.kernel_backend(x) == "reference"
-    monkeypatch.setenv("TITAN_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="TITAN_KERNELS='cuda'"):
-        _guard.kernel_backend(x)
-    monkeypatch.setenv("TITAN_KERNELS", "triton")
-    assert _guard.kernel_backend(x) == "triton"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    if not torch.cuda.is_available():
-        with pytest.raises(_guard.KernelBackendError, match="TRITON_INTERPRET=1"):
-            _guard.kernel_backend(x)
-    monkeypatch.delenv("TITAN_KERNELS")
-    assert _guard.kernel_backend(x) == "reference"  # default on CPU tensors
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64, 128])
