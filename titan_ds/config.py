@@ -167,13 +167,28 @@ class TRDConfig(_Strict):
 
 
 class MLMEConfig(_Strict):
-    """Micro-layer materialization (issue #4): tiled attention, StripeFFN, chunked cross-entropy."""
+    """Micro-layer materialization (issue #4): tiled attention, StripeFFN, chunked cross-entropy.
+
+    attention: "tiled" (titan_ds.kernels.attention), "sdpa" (torch SDPA), "off" (attention left as built);
+    tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);
+    stripe_ffn: tokens per StripeFFN stripe, null = MLP left as built; chunked_loss: fuse the LM head with the
+    cross-entropy (reference GPT; HF models compute logits in forward and are left alone, with a warning);
+    loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary).
+    """
 
     attention: Literal["tiled", "sdpa", "off"] = "tiled"
     tile: int = Field(default=128, ge=16, le=1024)
     stripe_ffn: Optional[int] = Field(default=256, ge=1)
     chunked_loss: bool = True
     loss_chunk: int = Field(default=4096, ge=1)
+    loss_vocab_chunk: Optional[int] = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _something_on(self) -> "MLMEConfig":
+        if self.attention == "off" and self.stripe_ffn is None and not self.chunked_loss:
+            raise ValueError("switches nothing on (attention \"off\", stripe_ffn null, chunked_loss "
+                             "false); remove the \"mlme\" section or switch one on")
+        return self
 
     @field_validator("tile")
     @classmethod
