@@ -193,6 +193,9 @@ class ASDT(torch.optim.Optimizer):
         self._engine_step = 0                  # last engine step begun (ZeRO: from the per-tensor step counters)
         self.sketch = CountMinSketch(sketch_width, sketch_depth, sketch_seed) if importance == "sketch" else None
         self.last_selected = 0                 # elements changed by the last engine step (sparse delta size)
+        self.grad_bytes = 0                    # gradient bytes handed to the last engine step (held at step time)
+        self.grad_bytes_peak = 0
+        self._grad_acc = 0
         self._selected_acc = 0
 
     @staticmethod
@@ -219,6 +222,9 @@ class ASDT(torch.optim.Optimizer):
         self._zero = True
 
     def attach_plasticity(self, plasticity: Any, block_of_unit: list[int]) -> None:
+        """Drive unit modes from a :class:`~titan_ds.optim.bsps.Plasticity` (``block_of_unit[u]``: its block)."""
+        if len(block_of_unit) != len(self.units):
+            raise ValueError(f"block_of_unit has {len(block_of_unit)} entries for {len(self.units)} units")
         self.plasticity, self._block_of_unit = plasticity, list(block_of_unit)
 
     def _layout(self, t: torch.Tensor) -> Layout:
@@ -250,6 +256,7 @@ class ASDT(torch.optim.Optimizer):
                 if t.grad is None:
                     continue
                 layout = self._layout(t)
+                self._grad_acc += t.grad.numel() * t.grad.element_size()
                 st = self.state[t]
                 if not st:
                     st.update(step=0, momentum_units=[], anchor_units=[], momentum_lens={}, anchor_lens={})
@@ -274,10 +281,33 @@ class ASDT(torch.optim.Optimizer):
 
     def _end_engine_step(self) -> None:
         self.last_selected, self._selected_acc = self._selected_acc, 0
+        self.grad_bytes, self._grad_acc = self._grad_acc, 0
+        self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
         if self.plasticity is not None:
             self.plasticity.end_step(self._engine_step, self._distributed_group())
+            if not self._zero:
+                self._stage0_plasticity()
         if self.sketch is not None and not self._zero:
             self.sketch.decay_(self.param_groups[0]["betas"][1])
+
+    def _stage0_plasticity(self) -> None:
+        """Stage 0: free the state of blocks that left Growth/Elastic now, and set ``requires_grad`` for the
+        next step (Frozen/Sleeping blocks compute no gradient, except at probe steps). Under ZeRO
+        ``requires_grad`` is fixed at engine init, so this runs only when the optimizer holds the parameters."""
+        nxt = self._engine_step + 1
+        for name, p in zip(self.names, [q for g in self.param_groups for q in g["params"]]):
+            units = self.units_by_param[name]
+            st = self.state.get(p)
+            if st:
+                layout = self._layout(p)
+                modes = [self.unit_mode(pc.unit) for pc in layout.pieces]
+                w_flat = p.data.view(-1)
+                self._resize(st, "momentum", [pc for pc, md in zip(layout.pieces, modes) if md == GROWTH], w_flat, True)
+                self._resize(st, "anchor", [pc for pc, md in zip(layout.pieces, modes) if md == ELASTIC], w_flat, False)
+            need = any(self.plasticity.needs_grad(self._block_of_unit[u.index], nxt) for u in units)
+            p.requires_grad_(need)
+            if not need:
+                p.grad = None  # a frozen/sleeping block holds no gradient
 
     def _distributed_group(self):
         for _, lay in self._layouts.values():
@@ -387,7 +417,8 @@ class ASDT(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["asdt"] = {"engine_step": self._engine_step, "last_selected": self.last_selected,
-                      "sketch": self.sketch.state_dict() if self.sketch is not None else None}
+                      "sketch": self.sketch.state_dict() if self.sketch is not None else None,
+                      "plasticity": self.plasticity.state_dict() if self.plasticity is not None else None}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -403,6 +434,19 @@ class ASDT(torch.optim.Optimizer):
         self.last_selected = int(extra["last_selected"])
         if self.sketch is not None:
             self.sketch.load_state_dict(extra["sketch"])
+        if (extra.get("plasticity") is None) != (self.plasticity is None):
+            raise ValueError("checkpoint and optimizer disagree on BSPS (titan.plasticity): resume with the same "
+                             "titan section the checkpoint was saved with")
+        if self.plasticity is not None:
+            self.plasticity.load_state_dict(extra["plasticity"])
+            if not self._zero:
+                self._restore_requires_grad()
+
+    def _restore_requires_grad(self) -> None:
+        nxt = self._engine_step + 1
+        for name, p in zip(self.names, [q for g in self.param_groups for q in g["params"]]):
+            p.requires_grad_(any(self.plasticity.needs_grad(self._block_of_unit[u.index], nxt)
+                                 for u in self.units_by_param[name]))
 
     # ------------------------------------------------------------------ sparse delta
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
