@@ -342,7 +342,7 @@ class ASDT(torch.optim.Optimizer):
         """Make ``st[key]`` cover exactly ``pieces`` (kept units keep their values; new ones start at 0 / w)."""
         want = [pc.unit for pc in pieces]
         have = st[f"{key}_units"]
-        if want == have and (key in st or not want):
+        if want == have and key in st:
             return
         old, lens = st.get(key), {pc.unit: pc.length for pc in pieces}
         lens.update(st.get(f"{key}_lens", {}))
