@@ -64,12 +64,12 @@ def run(stage: int, case: str, world: int = 1, rank: int = 0, plasticity: Any = 
     """Per-step full weights after each of STEPS steps."""
     import deepspeed
 
-    from titan_ds.optim.asdt import ASDT
-    from titan_ds.optim.install import attach_zero_layout, build_plasticity
+    from titan_ds.config import OptimizerConfig
+    from titan_ds.optim.install import attach_zero_layout, build_optimizer, build_plasticity
 
     torch.manual_seed(0)
     model = Tiny()
-    opt = ASDT(list(model.named_parameters()), lr=1e-2, **CASES[case])
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2, **CASES[case]))  # two groups: decay / no decay
     if case == "bsps":
         build_plasticity(opt, model, plasticity or _bsps_cfg())
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, world))

@@ -151,15 +151,16 @@ def _bisect_split(scores, ks, pieces, layout: Layout, local_split: list[int], sp
 class ASDT(torch.optim.Optimizer):
     """Sparse sign-momentum optimizer; see the module docstring for the algorithm.
 
-    ``params``: tensors, ``(name, tensor)`` pairs (names are used by BSPS and delta export), or one param group
-    dict. Works unchanged under DeepSpeed ZeRO 0-3 once layouts are attached (``attach_layouts``).
+    ``params``: tensors, ``(name, tensor)`` pairs (names are used by BSPS and delta export), or param group
+    dicts whose ``params`` are such lists (per-group ``lr``/``weight_decay``/``density``/``betas``). Works unchanged under DeepSpeed ZeRO 0-3 once layouts are attached (``attach_layouts``).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  density: float = 0.1, weight_decay: float = 0.0, importance: str = "momentum",
                  state_dtype: str = "fp32", granularity: str = "tensor", block_size: int = 4096,
                  sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0):
-        named = self._named(params)
+        groups = self._groups(params)
+        named = [np for g in groups for np in g["params"]]
         errors = []
         if not lr > 0:
             errors.append(f"lr must be > 0, got {lr}")
@@ -178,7 +179,7 @@ class ASDT(torch.optim.Optimizer):
         if errors:
             raise ValueError("; ".join(errors))
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
-        super().__init__([p for _, p in named], defaults)
+        super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
         self.importance, self.state_dtype = importance, _DTYPES[state_dtype]
         self.names = [n for n, _ in named]
         self.units: list[Unit] = build_units(named, granularity, block_size)
@@ -199,19 +200,23 @@ class ASDT(torch.optim.Optimizer):
         self._selected_acc = 0
 
     @staticmethod
-    def _named(params: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+        """Param groups with ``(name, tensor)`` lists: from tensors, (name, tensor) pairs, or group dicts."""
         items = list(params)
-        if len(items) == 1 and isinstance(items[0], dict):
-            items = list(items[0]["params"])
-        out = []
-        for i, it in enumerate(items):
-            if isinstance(it, tuple):
-                out.append((str(it[0]), it[1]))
-            elif isinstance(it, torch.Tensor):
-                out.append((f"param{i}", it))
-            else:
-                raise TypeError(f"ASDT params must be tensors or (name, tensor) pairs, got {type(it).__name__}")
-        if not out:
+        dicts = items if items and all(isinstance(it, dict) for it in items) else [{"params": items}]
+        out, i = [], 0
+        for d in dicts:
+            named = []
+            for it in d["params"]:
+                if isinstance(it, tuple):
+                    named.append((str(it[0]), it[1]))
+                elif isinstance(it, torch.Tensor):
+                    named.append((f"param{i}", it))
+                else:
+                    raise TypeError(f"ASDT params must be tensors or (name, tensor) pairs, got {type(it).__name__}")
+                i += 1
+            out.append({**d, "params": named})
+        if i == 0:
             raise ValueError("ASDT got an empty parameter list")
         return out
 
@@ -454,8 +459,7 @@ class ASDT(torch.optim.Optimizer):
         if self._zero:
             raise RuntimeError("under ZeRO the optimizer holds flat partitions; export deltas from the gathered "
                                "model state (titan_ds.optim.delta.save_delta(path, engine.module.state_dict(), base))")
-        return list(zip(self.names, self.param_groups[0]["params"] if len(self.param_groups) == 1 else
-                        [p for g in self.param_groups for p in g["params"]]))
+        return list(zip(self.names, [p for g in self.param_groups for p in g["params"]]))
 
     def save_delta(self, path: str, base: Union[str, dict]) -> dict[str, int]:
         """Write the elements that differ from ``base`` (a state dict or its torch.save path); see delta.py."""

@@ -52,7 +52,12 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> ASDT:
                                 f"(density 1) sign-momentum optimizer; use name \"asdt\" for a sparse one"])
     density = 1.0 if cfg.name == "lion" else cfg.density
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return ASDT(named, lr=cfg.lr, betas=tuple(cfg.betas), density=density, weight_decay=cfg.weight_decay,
+    # decoupled weight decay on matrices only, as the AdamW baseline of launch/train.py does
+    is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for _, p in named]  # ds_shape: built under zero.Init
+    groups = [{"params": [np for np, m in zip(named, is_matrix) if m], "weight_decay": cfg.weight_decay},
+              {"params": [np for np, m in zip(named, is_matrix) if not m], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return ASDT(groups, lr=cfg.lr, betas=tuple(cfg.betas), density=density, weight_decay=cfg.weight_decay,
                 importance=cfg.importance, state_dtype=cfg.state_dtype, granularity=cfg.granularity,
                 block_size=cfg.block_size, sketch_width=cfg.sketch_width, sketch_depth=cfg.sketch_depth)
 
