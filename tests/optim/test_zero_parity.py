@@ -38,6 +38,11 @@ def test_zero_stage_matches_stage0_step_by_step(stage0_runs, stage, case):
     _assert_same(ref, h.run(stage, case))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_cpu_offload_matches_stage0(stage0_runs, stage):
+    _assert_same(stage0_runs["bsps"], h.run(stage, "bsps", offload=True))
+
+
 def test_collective_kth_largest_is_exact(dist1):
     """The bisection used for units split across ranks finds exactly topk's k-th value (ties, zeros too)."""
     s = [torch.rand(37), torch.zeros(5), torch.tensor([0.5, 0.5, 0.5, 0.1]), torch.rand(1000) ** 6]

@@ -35,13 +35,16 @@ class Tiny(nn.Module):
         return nn.functional.cross_entropy(h.reshape(-1, 11), y.reshape(-1))
 
 
-def ds_config(stage: int, world: int, extra: Optional[dict] = None) -> dict:
+def ds_config(stage: int, world: int, extra: Optional[dict] = None, offload: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
            "train_batch_size": 4 * world, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
     if stage == 3:
         cfg["zero_optimization"].update(sub_group_size=300, stage3_param_persistence_threshold=0)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
     cfg.update(extra or {})
     return cfg
 
@@ -60,7 +63,8 @@ def full_weights(engine, stage: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in params}
 
 
-def run(stage: int, case: str, world: int = 1, rank: int = 0, plasticity: Any = None) -> list[dict[str, torch.Tensor]]:
+def run(stage: int, case: str, world: int = 1, rank: int = 0, plasticity: Any = None,
+        offload: bool = False) -> list[dict[str, torch.Tensor]]:
     """Per-step full weights after each of STEPS steps."""
     import deepspeed
 
@@ -72,7 +76,7 @@ def run(stage: int, case: str, world: int = 1, rank: int = 0, plasticity: Any = 
     opt = build_optimizer(model, OptimizerConfig(lr=1e-2, **CASES[case]))  # two groups: decay / no decay
     if case == "bsps":
         build_plasticity(opt, model, plasticity or _bsps_cfg())
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, world))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, world, offload=offload))
     attach_zero_layout(engine, opt)
     out = []
     for t in range(STEPS):
