@@ -31,18 +31,19 @@ ZeRO-1/2/3 take the same steps as stage 0. State is created lazily in ``step()``
 """
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Iterable, Optional, Union
 
 import torch
+
+from ..utils import get_logger
 
 from .layout import Layout, Piece, Unit, build_units, param_layout
 from .sketch import CountMinSketch
 
 __all__ = ["ASDT", "reference_step", "GROWTH", "ELASTIC", "FROZEN", "SLEEPING"]
 
-log = logging.getLogger("titan_ds.optim")
+log = get_logger("titan_ds.optim")
 
 FROZEN, GROWTH, ELASTIC, SLEEPING = 0, 1, 2, 3
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -27,15 +27,16 @@ identically (signals of blocks split across ranks are all-reduced first).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from ..utils import get_logger
+
 __all__ = ["Plasticity", "Transition", "FROZEN", "GROWTH", "ELASTIC", "SLEEPING", "STATE_NAMES"]
 
-log = logging.getLogger("titan_ds.optim")
+log = get_logger("titan_ds.optim")
 
 FROZEN, GROWTH, ELASTIC, SLEEPING = 0, 1, 2, 3
 STATE_NAMES = {FROZEN: "frozen", GROWTH: "growth", ELASTIC: "elastic", SLEEPING: "sleeping"}

@@ -1,10 +1,11 @@
 """Optimizer pillar wiring: build ASDT (+BSPS) for ``titan_ds.initialize`` and give it DeepSpeed's layout."""
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
+
+from ..utils import get_logger
 
 from ..config import TitanConfigError
 from .asdt import ASDT
@@ -12,7 +13,7 @@ from .layout import zero_layouts
 
 __all__ = ["before_initialize", "after_initialize", "attach_zero_layout", "build_plasticity", "build_optimizer"]
 
-log = logging.getLogger("titan_ds.optim")
+log = get_logger("titan_ds.optim")
 
 
 def attach_zero_layout(engine: Any, optimizer: ASDT) -> None:
