@@ -88,6 +88,9 @@ class OptimizerConfig(_Strict):
     importance: Literal["momentum", "grad_weight", "sketch"] = "momentum"
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     granularity: Literal["tensor", "block"] = "tensor"
+    block_size: int = Field(default=4096, ge=1)          # elements per unit when granularity="block"
+    sketch_width: int = Field(default=1 << 16, ge=16)    # TGSS table (importance="sketch"): width x depth fp32
+    sketch_depth: int = Field(default=3, ge=1, le=16)
 
     @field_validator("betas")
     @classmethod
@@ -110,6 +113,7 @@ class PlasticityConfig(_Strict):
     sleep_after: int = Field(default=100, ge=1)
     wake_every: int = Field(default=50, ge=1)
     ema: float = Field(default=0.9, ge=0, lt=1)
+    plateau_ratio: float = Field(default=0.5, gt=0, le=1)
 
 
 class CompressionConfig(_Strict):
