@@ -53,18 +53,22 @@ def _signed(x: int) -> int:
 def hash_bins(n: int, rows: int, cols: int, seed: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bins, bits)``: per row and coordinate a bin in ``[0, cols)`` and 23 further hash bits (signs, phases).
 
-    Multiply-shift hashing (Dietzfelbinger et al. 1997): ``(a i + b) mod 2^64``, top bits, with odd ``a`` and
-    ``b`` drawn per row from splitmix64 of the seed; two independent functions for bins and bits. (A full
-    splitmix64 per coordinate was 1.2 s for 3 x 4.8M coordinates on one core, this is ~0.15 s.)
+    Multiply-shift hashing (Dietzfelbinger et al. 1997): the top 32 bits of ``(a i + b) mod 2^64`` with odd
+    ``a`` and ``b`` drawn per row from splitmix64 of the seed, scaled to ``[0, cols)``; a second, independent
+    function gives the 23 ``bits``. In-place int64 ops: 0.55 s for 3 x 4.8M coordinates on one loaded core
+    (a splitmix64 per coordinate took 1.2 s, the same formula out of place 1.8 s).
     """
     i = torch.arange(n, dtype=torch.int64, device=device).unsqueeze(0)
-    ab = [[_signed(_mix_int(seed * 1_000_003 + r * 4 + j) | (1 if j % 2 == 0 else 0)) for j in range(4)]
-          for r in range(rows)]
-    a1, b1, a2, b2 = (torch.tensor([row[j] for row in ab], dtype=torch.int64, device=device).unsqueeze(1)
+    consts = [[_signed(_mix_int(seed * 1_000_003 + r * 4 + j) | (1 if j % 2 == 0 else 0)) for j in range(4)]
+              for r in range(rows)]
+    a1, b1, a2, b2 = (torch.tensor([row[j] for row in consts], dtype=torch.int64, device=device).unsqueeze(1)
                       for j in range(4))
-    u = _shr(i * a1 + b1, 32)  # 32 uniform bits
-    bins = (u * cols) >> 32    # in [0, cols), no modulo bias beyond 2^-32
-    bits = _shr(i * a2 + b2, 41)  # 23 bits
+    bins = torch.empty(rows, n, dtype=torch.int64, device=device)
+    torch.mul(i, a1, out=bins).add_(b1)
+    bins.bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF).mul_(cols).bitwise_right_shift_(32)  # no modulo bias
+    bits = torch.empty_like(bins)
+    torch.mul(i, a2, out=bits).add_(b2)
+    bits.bitwise_right_shift_(41).bitwise_and_(0x7FFFFF)  # top 23 bits
     return bins, bits
 
 
@@ -76,7 +80,7 @@ class CountSketch:
 
     def hashes(self, n: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         bins, bits = hash_bins(n, self.rows, self.cols, self.seed, device)
-        signs = (bits & 1).float().mul_(2).sub_(1)
+        signs = bits.bitwise_right_shift_(22).to(torch.float32).mul_(2).sub_(1)  # the top hash bit
         return bins, signs
 
     def encode(self, x: torch.Tensor, keys=None) -> torch.Tensor:
