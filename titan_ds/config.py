@@ -117,14 +117,30 @@ class PlasticityConfig(_Strict):
 
 
 class CompressionConfig(_Strict):
-    """Gradient compression on DeepSpeed's reduce path (issue #6)."""
+    """Gradient compression on DeepSpeed's reduce path (issue #6; titan_ds/comm, docs/compress.md).
 
-    method: Literal["none", "topk", "tgss", "hge", "powersgd"] = "hge"
+    ``ratio`` is the target of dense bytes / bytes handed to the collective per rank; ``sketch_rows`` is the
+    number of count-sketch rows (tgss) or holograms (hge); ``warmup_steps`` optimizer steps run uncompressed;
+    ``seed`` keys the hashes and phases (identical on all ranks). A key that the chosen method does not use
+    is an error, not ignored.
+    """
+
+    method: Literal["none", "topk", "tgss", "hge"] = "hge"
     ratio: float = Field(default=50.0, ge=1)
     error_feedback: bool = True
     warmup_steps: int = Field(default=0, ge=0)
     sketch_rows: int = Field(default=3, ge=1, le=64)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**31)
+
+    @model_validator(mode="after")
+    def _used_keys(self) -> "CompressionConfig":
+        unused = {"none": ("ratio", "error_feedback", "sketch_rows", "seed"), "topk": ("sketch_rows", "seed")}
+        bad = sorted(set(unused.get(self.method, ())) & self.model_fields_set)
+        if bad:
+            raise ValueError(f"has {', '.join(bad)}, which method={self.method!r} does not use; remove "
+                             f"{'it' if len(bad) == 1 else 'them'} or choose a method that uses "
+                             f"{'it' if len(bad) == 1 else 'them'}")
+        return self
 
 
 class TRDConfig(_Strict):
