@@ -35,6 +35,8 @@ def test_resume_is_bit_exact(tmp_path):
     a, b = json.loads((tmp_path / "full.json").read_text()), json.loads((tmp_path / "resumed.json").read_text())
     assert a["val_loss"] == b["val_loss"]
     assert (tmp_path / "p.png").stat().st_size > 10_000
+    monitor = ROOT / "results" / "tmp" / "monitor" / "demo" / "Train_loss.csv"  # ds_configs/demo.json's csv_monitor
+    assert monitor.is_file() and len(monitor.read_text().splitlines()) >= 3
     mem = a["memory"]
     for k in ("parameters", "gradients", "optimizer_state", "activations", "peak_rss"):
         assert mem[k] > 0, k
