@@ -137,3 +137,20 @@ def test_through_titan_initialize(dist_env):
     engine.backward(loss)
     engine.step()
     assert torch.isfinite(loss)
+
+
+def test_composes_with_trd():
+    """TRD runs first (PILLARS order): StripeFFN then wraps tensor-ring fc/out and recomputes them; still exact."""
+    from titan_ds.inject.trd import TRDPolicy, TensorRingLinear, apply_trd
+    trd = GPT(TINY)
+    apply_trd(trd, TRDPolicy(rank=4, min_features=32))
+    both = copy.deepcopy(trd)
+    apply_mlme(both, MLMEConfig(tile=16, stripe_ffn=5, loss_chunk=16))
+    mlp = both.blocks[0].mlp
+    assert isinstance(mlp, StripeFFN) and isinstance(mlp.fc, TensorRingLinear) and not mlp.out_is_linear
+    x, y = torch.randint(0, 97, (2, 30)), torch.randint(0, 97, (2, 30))
+    l0, g0 = _loss_and_grads(trd, x, y)
+    l1, g1 = _loss_and_grads(both, x, y)
+    torch.testing.assert_close(l1, l0, atol=ATOL, rtol=RTOL)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=ATOL, rtol=RTOL, msg=lambda m: f"grad {n}: {m}")

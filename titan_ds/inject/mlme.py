@@ -245,7 +245,7 @@ class StripeFFNPolicy:
     def _verify(name: str, old: nn.Module, new: nn.Module) -> None:
         p = next(old.parameters())
         d_in = (getattr(old, "fc", None) or getattr(old, "c_fc", None) or old.gate_proj)
-        d = d_in.in_features if isinstance(d_in, nn.Linear) else d_in.weight.shape[0]
+        d = getattr(d_in, "in_features", None) or d_in.weight.shape[0]  # Linear / TR layer, else HF Conv1D (in, out)
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(1, 3, d, generator=gen).to(device=p.device, dtype=p.dtype)
         was = old.training
