@@ -193,7 +193,9 @@ class MLMEConfig(_Strict):
     tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);
     stripe_ffn: tokens per StripeFFN stripe, null = MLP left as built; chunked_loss: fuse the LM head with the
     cross-entropy (reference GPT; HF models compute logits in forward and are left alone, with a warning);
-    loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary).
+    loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary);
+    recompute_blocks: keep only each transformer block's input for backward and recompute the block inside
+    backward (one block's activations live at a time; costs one extra forward).
     """
 
     attention: Literal["tiled", "sdpa", "off"] = "tiled"
@@ -202,12 +204,13 @@ class MLMEConfig(_Strict):
     chunked_loss: bool = True
     loss_chunk: int = Field(default=4096, ge=1)
     loss_vocab_chunk: Optional[int] = Field(default=None, ge=1)
+    recompute_blocks: bool = False
 
     @model_validator(mode="after")
     def _something_on(self) -> "MLMEConfig":
-        if self.attention == "off" and self.stripe_ffn is None and not self.chunked_loss:
+        if self.attention == "off" and self.stripe_ffn is None and not self.chunked_loss and not self.recompute_blocks:
             raise ValueError("switches nothing on (attention \"off\", stripe_ffn null, chunked_loss "
-                             "false); remove the \"mlme\" section or switch one on")
+                             "false, recompute_blocks false); remove the \"mlme\" section or switch one on")
         return self
 
     @field_validator("tile")

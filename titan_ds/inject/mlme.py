@@ -30,6 +30,7 @@ from ..kernels.attention import TiledAttention, tiled_attention
 from ..kernels.chunked_ce import ChunkedLMLoss
 from ..kernels.stripe_ffn import StripeFFN
 from .policy import ReplacementReport, apply_policies
+from .recompute import BlockRecomputePolicy
 
 __all__ = ["SDPAttention", "AttentionCorePolicy", "HFAttentionPolicy", "StripeFFNPolicy", "ChunkedLossPolicy",
            "mlme_policies", "apply_mlme", "before_initialize", "HF_ATTN_IMPLEMENTATION"]
@@ -305,6 +306,14 @@ def apply_mlme(model: nn.Module, cfg: Any) -> ReplacementReport:
     """Apply the MLME policies of ``cfg`` to ``model`` in place; raises if a switched-on part replaced nothing."""
     policies = mlme_policies(cfg)
     report = apply_policies(model, policies)
+    if getattr(cfg, "recompute_blocks", False):
+        # a second pass: the first one already swapped the blocks' children (a replaced module's children are
+        # not visited, so blocks must come after them)
+        rec = apply_policies(model, [BlockRecomputePolicy()])
+        if not any(getattr(m, "_titan_recompute", False) for m in model.modules()):
+            raise ValueError(f"titan.mlme.recompute_blocks matched no block of {type(model).__name__} (names "
+                             f"'blocks.N', 'layers.N' or 'h.N'); set it to false")
+        report.entries.extend(rec.entries)
     done = {e.policy for e in report.entries}
     missing = [p.name for p in policies if p.name not in done]
     hf = _is_hf(model)
