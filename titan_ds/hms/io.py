@@ -274,19 +274,38 @@ class AsyncIOHandle:
         return len(pending)
 
     def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        futs = self._run(False, tensor_bytes(buffer), str(filename), int(file_offset))
-        n = sum(f.result() for f in futs)
-        self.bytes_read += n
-        return n
+        return self.run_all([(False, buffer, filename, file_offset)])
 
     def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
-        futs = self._run(True, tensor_bytes(buffer.contiguous()), str(filename), int(file_offset))
-        n = sum(f.result() for f in futs)
-        self.bytes_written += n
-        return n
+        return self.run_all([(True, buffer.contiguous(), filename, file_offset)])
+
+    def run_all(self, ops: list[tuple[bool, torch.Tensor, str, int]]) -> int:
+        """Run ``(write, buffer, path, offset)`` requests concurrently and wait for them (bytes moved).
+
+        Independent of the ``async_*``/``wait`` queue, so it is safe from any thread.
+        """
+        futs = [(w, self._run(w, tensor_bytes(b), str(p), int(o))) for w, b, p, o in ops]
+        n_r = n_w = 0
+        first: Optional[BaseException] = None
+        for w, fs in futs:
+            for f in fs:
+                try:
+                    n = f.result()
+                except OSError as e:
+                    first = first or e
+                    continue
+                if w:
+                    n_w += n
+                else:
+                    n_r += n
+        self.bytes_read += n_r
+        self.bytes_written += n_w
+        if first is not None:
+            raise first
+        return n_r + n_w
 
     def submit(self, fn, *args) -> Future:
-        """Run ``fn(*args)`` on the I/O pool (used by the store for whole-file operations)."""
+        """Run ``fn(*args)`` on the I/O pool. ``fn`` must not wait on other pool work (no nesting)."""
         return self._pool.submit(fn, *args)
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import quote, unquote
@@ -134,6 +135,8 @@ class TensorStore:
         self._index: dict[str, _Entry] = {}
         self._freq: dict[str, int] = {}
         self._staged: dict[str, object] = {}
+        # whole-file prefetch tasks run here, never on the I/O pool they wait on (nesting would deadlock)
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="titan-hms-prefetch")
         self._lock = threading.RLock()
         self._tmp = itertools.count()
         self.stats = StoreStats()
@@ -244,19 +247,18 @@ class TensorStore:
         return head
 
     def _write_file(self, path: str, head: torch.Tensor, view: torch.Tensor, *, durable: bool) -> None:
-        io = self.io
         nbytes = view.numel()
         body = nbytes - nbytes % ALIGN
         off = head.numel()
-        io.async_pwrite(head, path, 0)
+        ops = [(True, head, path, 0)]
         if body:
-            io.async_pwrite(view[:body], path, off)
+            ops.append((True, view[:body], path, off))
         if nbytes > body:
             tail = aligned_empty(ALIGN)
             tail.zero_()
             tail[:nbytes - body] = view[body:]
-            io.async_pwrite(tail, path, off + body)
-        io.wait()
+            ops.append((True, tail, path, off + body))
+        self.io.run_all(ops)
         if durable:
             fd = os.open(path, os.O_RDONLY)
             try:
@@ -351,16 +353,16 @@ class TensorStore:
         with self._lock:
             if key not in self._index or key in self._cache or key in self._staged:
                 return
-            path = self.path(key)
+            path, gen = self.path(key), self._index[key].gen
 
             def load() -> torch.Tensor:
                 t = self._read_file(key, path)
                 with self._lock:
                     self.stats.bytes_prefetched += t.numel() * t.element_size()
-                self._maybe_cache(key, t)
+                self._maybe_cache(key, t, gen)
                 return t
 
-            self._staged[key] = self.io.submit(load)
+            self._staged[key] = self._prefetch_pool.submit(load)
 
     def drop_staged(self) -> None:
         """Forget prefetched-but-unused reads (after waiting for them)."""
@@ -370,11 +372,14 @@ class TensorStore:
             f.result()
 
     # ------------------------------------------------------------------ cache
-    def _maybe_cache(self, key: str, t: torch.Tensor) -> None:
+    def _maybe_cache(self, key: str, t: torch.Tensor, gen: Optional[int] = None) -> None:
         nbytes = t.numel() * t.element_size()
         if nbytes > self.cache_budget:
             return
         with self._lock:
+            entry = self._index.get(key)
+            if gen is not None and (entry is None or entry.gen != gen):
+                return  # a put replaced the file while this background read ran: its bytes are stale
             if key not in self._cache:
                 self._cache_insert(key, t.clone())
 
@@ -444,4 +449,5 @@ class TensorStore:
 
     def close(self) -> None:
         self.drop_staged()
+        self._prefetch_pool.shutdown(wait=True)
         self.io.close()
