@@ -28,12 +28,15 @@ def model():
                                torch.nn.Linear(512, 8))
 
 
-def ds_config(mode, nvme, prefetch, micro, gas):
-    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+def ds_config(mode, nvme, prefetch, micro, gas, clip):
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
            "zero_optimization": {"stage": 3, "sub_group_size": SUB_GROUP, "stage3_param_persistence_threshold": 0}}
     if mode == "hms":
         cfg["titan"] = {"hms": {"nvme_path": nvme, "dram_cache_mb": 1, "prefetch": prefetch, "io_threads": 2}}
+    elif mode == "cpu":
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     elif mode == "ds_nvme":
         z = cfg["zero_optimization"]
         z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8, "buffer_size": 300_000}
@@ -74,7 +77,7 @@ def dump_state(engine, mode):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["none", "hms", "ds_nvme"], required=True)
+    ap.add_argument("--mode", choices=["none", "cpu", "hms", "ds_nvme"], required=True)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", required=True)
     ap.add_argument("--nvme", default="/tmp/titan_hms_test")
@@ -84,6 +87,7 @@ def main():
     ap.add_argument("--load-dir")
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
     import deepspeed
@@ -94,7 +98,7 @@ def main():
         from titan_ds.hms.io import TitanAIOBuilder
         for m in (partitioned_param_swapper, partitioned_optimizer_swapper, pipelined_optimizer_swapper):
             m.AsyncIOBuilder = TitanAIOBuilder
-    cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas)
+    cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip)
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
     if a.mode == "ds_nvme":  # DeepSpeed's swapper needs the model built under zero.Init on a CPU (seams 0.5)
