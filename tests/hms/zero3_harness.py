@@ -28,18 +28,19 @@ def model():
                                torch.nn.Linear(512, 8))
 
 
-def ds_config(mode, nvme, prefetch, micro, gas, clip):
+def ds_config(mode, nvme, prefetch, micro, gas, clip, dram_mb=1):
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
            "zero_optimization": {"stage": 3, "sub_group_size": SUB_GROUP, "stage3_param_persistence_threshold": 0}}
     if mode == "hms":
-        cfg["titan"] = {"hms": {"nvme_path": nvme, "dram_cache_mb": 1, "prefetch": prefetch, "io_threads": 2}}
+        cfg["titan"] = {"hms": {"nvme_path": nvme, "dram_cache_mb": dram_mb, "prefetch": prefetch, "io_threads": 2}}
     elif mode == "cpu":
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     elif mode == "ds_nvme":
         z = cfg["zero_optimization"]
-        z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8, "buffer_size": 300_000}
+        z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8, "buffer_size": 300_000,
+                             "max_in_cpu": 0}
         z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8}
         cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                       "overlap_events": True}
@@ -88,6 +89,8 @@ def main():
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--gas", type=int, default=1)
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--dram-mb", type=int, default=1)
+    ap.add_argument("--record-trace", help="write the ZeRO-3 parameter access trace (per step) to this json")
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
     import deepspeed
@@ -98,7 +101,7 @@ def main():
         from titan_ds.hms.io import TitanAIOBuilder
         for m in (partitioned_param_swapper, partitioned_optimizer_swapper, pipelined_optimizer_swapper):
             m.AsyncIOBuilder = TitanAIOBuilder
-    cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip)
+    cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
     if a.mode == "ds_nvme":  # DeepSpeed's swapper needs the model built under zero.Init on a CPU (seams 0.5)
@@ -110,6 +113,8 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     engine, _, _, _ = te.initialize(model=net, optimizer=opt, lr_scheduler=sched, config=cfg)
     start = 0
+    if a.record_trace:
+        engine.titan.reports["hms"].param_swapper.access_log = [[]]
     if a.load_dir:
         _, client = engine.load_checkpoint(a.load_dir)
         start = engine.global_steps
@@ -129,7 +134,12 @@ def main():
            "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups]}
     if a.mode == "hms":
         res["hms"] = engine.titan.collect_metrics()["hms"]
-        res["trace"] = None
+        if a.record_trace:
+            import json
+            ps = engine.titan.reports["hms"].param_swapper
+            log = [s for s in ps.access_log if s]
+            with open(a.record_trace, "w") as f:
+                json.dump({"source": "tests/hms/zero3_harness.py --mode hms", "steps": log}, f)
     torch.save(res, a.out.replace(".pt", f".rank{rank}.pt"))
 
 

@@ -80,13 +80,17 @@ def configure_ds_config(ds: dict[str, Any], nvme_path: str, *, client_optimizer:
     for sec in ("offload_param", "offload_optimizer"):
         off = zero.get(sec)
         if off is None:
-            zero[sec] = {"device": "nvme", "nvme_path": nvme_path}
+            off = zero[sec] = {"device": "nvme", "nvme_path": nvme_path}
             changed.append(f"zero_optimization.{sec}.device=nvme")
-            continue
         if off.get("device", "none") != "nvme":
             errors.append(f"titan.hms replaces DeepSpeed's NVMe swap, so zero_optimization.{sec}.device must be "
                           f"\"nvme\", got {off.get('device')!r}: set it to \"nvme\" or remove {sec}")
         off.setdefault("nvme_path", nvme_path)
+        if sec == "offload_param" and "max_in_cpu" not in off:
+            # DeepSpeed otherwise moves up to 1e9 "nvme" parameter elements into a CPU buffer for good; HMS's
+            # DRAM tier is titan.hms.dram_cache_mb instead
+            off["max_in_cpu"] = 0
+            changed.append("zero_optimization.offload_param.max_in_cpu=0")
         if sec == "offload_optimizer" and off.get("fast_init"):
             errors.append("zero_optimization.offload_optimizer.fast_init reads DeepSpeed's raw swap files, which "
                           "titan.hms replaces; set it to false")

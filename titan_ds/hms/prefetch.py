@@ -4,10 +4,12 @@ A predictor sees every access (``observe(key)``), is told when a training step e
 names the keys it expects next (``predict(depth)``); the swapper prefetches those into DRAM.
 
 * ``none``  (:class:`NonePredictor`): predicts nothing; only DeepSpeed's own look-ahead remains.
-* ``trace`` (:class:`TracePredictor`): records the access order of the first step, then replays it: after
-  an access it finds that key in the recorded trace (searching forward from the current position, wrapping
-  around) and predicts the keys that followed it. ZeRO-3's access order is the same every step (the
-  coordinator itself relies on this), so after step one it is exact.
+* ``trace`` (:class:`TracePredictor`): records the access order of a step, then replays it: after an access
+  it finds that key in the recorded trace (searching forward from the current position, wrapping around)
+  and predicts the keys that followed it. ZeRO-3's access order is the same every step once its coordinator
+  has traced the model, but DeepSpeed's *first* step fetches differently (it is still recording: forward and
+  backward gathers, measured 12 swap-ins against 6 later), so the predictor keeps the order of the most
+  recent complete step, not only the first: from the third step on it is exact.
 * ``lstm``  (:class:`LSTMPredictor`): the seed's "LSTM-based prefetch". A one-layer LSTM over key ids
   (embedding 32, hidden 64), trained online: every ``train_every`` accesses it takes one Adam step on the
   last ``window`` accesses (next-key cross-entropy, truncated BPTT); prediction rolls the network forward
@@ -46,18 +48,18 @@ class NonePredictor:
 
 
 class TracePredictor:
-    """Record the first step's access order, then replay it (see module docstring)."""
+    """Replay the access order of the last complete step (see module docstring)."""
 
     def __init__(self) -> None:
         self.trace: list[str] = []
         self.locked = False
         self.pos = 0
         self._where: dict[str, list[int]] = {}
+        self._current: list[str] = []
 
     def observe(self, key: str) -> None:
+        self._current.append(key)
         if not self.locked:
-            self._where.setdefault(key, []).append(len(self.trace))
-            self.trace.append(key)
             return
         idx = self._where.get(key)
         if not idx:
@@ -73,9 +75,13 @@ class TracePredictor:
         return [self.trace[(self.pos + i) % n] for i in range(min(depth, n))]
 
     def end_step(self) -> None:
-        if not self.locked and self.trace:
-            self.locked = True
+        if self._current and self._current != self.trace:
+            self.trace, self._where = self._current, {}
+            for i, k in enumerate(self.trace):
+                self._where.setdefault(k, []).append(i)
             self.pos = 0
+        self.locked = bool(self.trace)
+        self._current = []
 
 
 class LSTMPredictor:
@@ -197,15 +203,19 @@ class ReplayResult:
 
 
 def replay(steps: Sequence[Sequence[str]], predictor: Predictor, *, capacity: int, depth: int,
-           sizes: Optional[dict[str, int]] = None, evict: str = "lru") -> ReplayResult:
+           sizes: Optional[dict[str, int]] = None, evict: str = "lru", warmup_steps: int = 1) -> ReplayResult:
     """Score ``predictor`` on a recorded per-step access trace with a prefetch buffer of ``capacity`` keys.
 
     An access is a hit when its key is in the buffer (prefetched, or still resident from a previous use);
     a miss loads it on demand. After each access the predictor names ``depth`` keys, which are fetched into
     the buffer. ``evict="belady"`` evicts the key whose next use is farthest (optimal, needs the future).
+    ``hits_after_first`` counts from step ``warmup_steps`` on.
     """
     if evict not in ("lru", "belady"):
         raise ValueError(f"unknown eviction {evict!r}; choose 'lru' or 'belady'")
+    if depth > capacity:
+        raise ValueError(f"depth {depth} must be at most capacity {capacity}: deeper prefetches evict the keys "
+                         f"needed first")
     flat = [k for s in steps for k in s]
     next_use: list[int] = [0] * len(flat)
     last: dict[str, int] = {}
@@ -217,7 +227,7 @@ def replay(steps: Sequence[Sequence[str]], predictor: Predictor, *, capacity: in
     hits = hits1 = acc1 = pref = pbytes = 0
     unused: set[str] = set()  # prefetched, not yet used
     wasted = [0]
-    first_len = len(steps[0]) if steps else 0
+    first_len = sum(len(s) for s in steps[:warmup_steps])  # "after first" counts from step warmup_steps on
 
     def insert(k: str) -> None:
         if k in buf:
@@ -234,6 +244,15 @@ def replay(steps: Sequence[Sequence[str]], predictor: Predictor, *, capacity: in
                 wasted[0] += 1  # a prefetch evicted before its use
         buf[k] = None
 
+    def fetch(keys: list[str], pref: int, pbytes: int) -> tuple[int, int]:
+        for k in reversed(keys):  # farthest first, so the key needed next is the most recently used
+            if k not in buf:
+                pref += 1
+                pbytes += (sizes or {}).get(k, 0)
+                insert(k)
+                unused.add(k)
+        return pref, pbytes
+
     i = 0
     for s, step in enumerate(steps):
         for key in step:
@@ -246,12 +265,8 @@ def replay(steps: Sequence[Sequence[str]], predictor: Predictor, *, capacity: in
             insert(key)
             unused.discard(key)
             predictor.observe(key)
-            for k in predictor.predict(depth):
-                if k not in buf:
-                    pref += 1
-                    pbytes += (sizes or {}).get(k, 0)
-                    insert(k)
-                    unused.add(k)
+            pref, pbytes = fetch(predictor.predict(depth), pref, pbytes)
             i += 1
         predictor.end_step()
+        pref, pbytes = fetch(predictor.predict(depth), pref, pbytes)  # the next step's first keys
     return ReplayResult(hits, len(flat), hits1, acc1, pref, pbytes, wasted[0])

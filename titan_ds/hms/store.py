@@ -234,6 +234,7 @@ class TensorStore:
             self._staged.pop(key, None)
             if key in self._cache:
                 self._cache_drop(key)
+            if nbytes <= self.cache_budget:  # write-allocate: the next read of a fresh value hits DRAM
                 self._cache_insert(key, src.clone())
         return gen
 

@@ -60,7 +60,7 @@ class HMSParamSwapper:
         self._largest = 1
         self.swap_in_count = 0
         self.stall_s = 0.0
-        self.access_log: Optional[list[str]] = None  # set to [] to record the access trace
+        self.access_log: Optional[list[list[str]]] = None  # set to [[]] to record the access trace, per step
 
     # ------------------------------------------------------------------ budget
     @property
@@ -160,17 +160,24 @@ class HMSParamSwapper:
     def _observe(self, key: str) -> None:
         self.swap_in_count += 1
         if self.access_log is not None:
-            self.access_log.append(key)
+            self.access_log[-1].append(key)
         if self.predictor is None:
             return
         self.predictor.observe(key)
+        self._prefetch_predicted()
+
+    def _prefetch_predicted(self) -> None:
         for nxt in self.predictor.predict(self.prefetch_depth):
             if nxt in self.store:
                 self.store.prefetch(nxt)
 
     def end_step(self) -> None:
+        """A training step ended: the predictor learns the boundary and the next step's first keys are read."""
+        if self.access_log is not None:
+            self.access_log.append([])
         if self.predictor is not None:
             self.predictor.end_step()
+            self._prefetch_predicted()
 
 
 class HMSOptimizerSwapper:
