@@ -270,41 +270,60 @@ def _find_auto(obj: Any, path: str) -> list[str]:
     return found
 
 
-def _from_flat(data: dict[str, Any]) -> dict[str, Any]:
-    """Map the seed's flat keywords onto the structured section."""
-    out = {k: v for k, v in data.items() if k not in _FLAT_KEYS}
-    if "device" in data:
-        out["device"] = data["device"]
-    if data.get("use_trd"):
-        out.setdefault("trd", {})
-        if "trd_rank" in data:
-            out["trd"]["rank"] = data["trd_rank"]
-    elif "trd_rank" in data:
-        out.setdefault("trd", {})["rank"] = data["trd_rank"]
-    if data.get("nvme_path") is not None:
-        out.setdefault("hms", {})["nvme_path"] = data["nvme_path"]
-        if "dram_cache_mb" in data:
-            out["hms"]["dram_cache_mb"] = data["dram_cache_mb"]
-    if data.get("use_mlme"):
-        out.setdefault("mlme", {})
-    if data.get("use_asdt") or data.get("use_bsps"):
-        out.setdefault("optimizer", {})
-        for k in ("density", "lr"):
-            if k in data:
-                out["optimizer"][k] = data[k]
-    if data.get("use_bsps"):
-        out.setdefault("plasticity", {})
-    if data.get("use_hge") or data.get("use_tgss"):
-        out.setdefault("compression", {"method": "hge" if data.get("use_hge") else "tgss"})
-        if "compression_ratio" in data:
-            out["compression"]["ratio"] = data["compression_ratio"]
+class _SeedFlat(_Strict):
+    """The seed's flat keywords, type-checked before they are mapped onto the structured section."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    use_trd: bool = False
+    trd_rank: Optional[Union[int, list[int]]] = None
+    nvme_path: Optional[str] = None
+    dram_cache_mb: Optional[int] = None
+    use_mlme: bool = False
+    use_asdt: bool = False
+    use_bsps: bool = False
+    density: Optional[float] = None
+    lr: Optional[float] = None
+    use_hge: bool = False
+    use_tgss: bool = False
+    compression_ratio: Optional[float] = None
+
+
+def _from_flat(flat: _SeedFlat) -> dict[str, Any]:
+    """Map the seed's flat keywords onto the structured section (range checks happen there)."""
+    out: dict[str, Any] = {"device": flat.device}
+    if flat.use_trd or flat.trd_rank is not None:
+        out["trd"] = {} if flat.trd_rank is None else {"rank": flat.trd_rank}
+    if flat.nvme_path is not None:
+        out["hms"] = {"nvme_path": flat.nvme_path}
+        if flat.dram_cache_mb is not None:
+            out["hms"]["dram_cache_mb"] = flat.dram_cache_mb
+    if flat.use_mlme:
+        out["mlme"] = {}
+    if flat.use_asdt or flat.use_bsps:
+        out["optimizer"] = {k: getattr(flat, k) for k in ("density", "lr") if getattr(flat, k) is not None}
+    if flat.use_bsps:
+        out["plasticity"] = {}
+    if flat.use_hge or flat.use_tgss:
+        out["compression"] = {"method": "hge" if flat.use_hge else "tgss"}
+        if flat.compression_ratio is not None:
+            out["compression"]["ratio"] = flat.compression_ratio
     return out
 
 
 def _prepare(data: dict[str, Any]) -> dict[str, Any]:
-    if _FLAT_KEYS.intersection(data) - {"device"}:
-        data = _from_flat(data)
-    return data
+    flat_keys = _FLAT_KEYS.intersection(data) - {"device"}
+    if not flat_keys:
+        return data
+    mixed = sorted(set(data) - _FLAT_KEYS)
+    if mixed:
+        raise TitanConfigError([f"titan mixes the seed's flat keywords ({', '.join(sorted(flat_keys))}) with "
+                                f"structured sections ({', '.join(mixed)}); use one form"])
+    try:
+        flat = _SeedFlat(**data)
+    except ValidationError as e:
+        raise TitanConfigError([f"{SECTION}.{'.'.join(map(str, err['loc']))} {_describe(err)}"
+                                for err in e.errors()]) from None
+    return _from_flat(flat)
 
 
 def _key_path(loc: tuple[Any, ...]) -> str:

@@ -1,0 +1,202 @@
+"""Train the reference GPT on the byte-level corpus with DeepSpeed + titan_ds.
+
+    deepspeed launch/train.py --deepspeed_config ds_configs/baseline_adamw.json
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/titan_2rank.json --steps 100
+    python launch/train.py --deepspeed_config ds_configs/baseline_adamw.json --steps 20   # 1 rank, no launcher
+
+With a ``"titan"`` section the pillars it names are applied by ``titan_ds.initialize``; without one this is plain
+DeepSpeed. When the section has an ``optimizer`` the titan optimizer is built from it; otherwise torch AdamW
+(betas 0.9/0.95, weight decay 0.1 on matrices) is the client optimizer. The learning rate warms up linearly and
+decays by a cosine to 10%. Batches are a pure function of (seed, step, rank), so a resumed run sees exactly the
+batches the uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import titan_ds  # noqa: E402
+from titan_ds.config import TitanConfig, load_ds_config  # noqa: E402
+from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
+from titan_ds.metrics import ActivationCounter, accounted_memory, peak_rss_bytes  # noqa: E402
+from titan_ds.models import GPT, GPTConfig  # noqa: E402
+from titan_ds.utils import ensure_dist_env, get_logger  # noqa: E402
+
+log = get_logger("titan_ds.train")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="defaults to the config's train_micro_batch_size_per_gpu (16 in the shipped configs)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak lr of the AdamW client optimizer")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: only at the end)")
+    p.add_argument("--val-batches", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="text file or folder (default: CPython stdlib sources)")
+    p.add_argument("--save-dir", default=None)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--load-dir", default=None, help="resume from the latest checkpoint in this folder")
+    p.add_argument("--metrics-out", default=None, help="JSON lines, one per step (rank 0)")
+    p.add_argument("--summary-out", default=None, help="one JSON object at the end (rank 0)")
+    p.add_argument("--plot", default=None, help="PNG of loss and memory at the end (rank 0)")
+    p.add_argument("--no-progress", action="store_true")
+    p = titan_ds.engine.add_titan_args(p)
+    return p.parse_args(argv)
+
+
+def lr_lambda(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return f
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+@torch.no_grad()
+def validate(engine, corpus, args, micro_batch: int) -> float:
+    engine.eval()
+    total = 0.0
+    for x, y in val_batches(corpus.val, args.val_batches, micro_batch, args.context):
+        total += float(engine(x.to(engine.device), y.to(engine.device)))
+    engine.train()
+    return total / max(1, args.val_batches)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    ensure_dist_env()
+    torch.manual_seed(args.seed)
+    ds = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
+    if not ds:
+        raise SystemExit("pass --deepspeed_config <ds_config.json> (see ds_configs/)")
+    titan = TitanConfig.from_ds_config(ds)  # validate before any work: every error at once
+    micro_batch = args.micro_batch or int(ds.get("train_micro_batch_size_per_gpu", 16))
+    ds["train_micro_batch_size_per_gpu"] = micro_batch
+    ds.pop("train_batch_size", None)
+    model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.context,
+                          vocab_size=args.vocab))
+    optimizer = None if (titan is not None and titan.optimizer is not None) or "optimizer" in ds else \
+        make_optimizer(model, args.lr)
+    scheduler = None if "scheduler" in ds else \
+        (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps)))
+    args.deepspeed_config = None
+    engine, _, _, _ = titan_ds.initialize(args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                          config=ds)
+    rank = engine.global_rank
+    world = engine.world_size
+    corpus = load_corpus(args.data)
+    batches = Batcher(corpus.train, micro_batch, args.context, seed=args.seed, rank=rank, world=world)
+    start = 0
+    if args.load_dir:
+        path, client = engine.load_checkpoint(args.load_dir)
+        if path is None:
+            raise SystemExit(f"--load-dir {args.load_dir}: no checkpoint found (no 'latest' file)")
+        start = int(client["step"])
+        log.info("resumed from %s at step %d", path, start)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if hasattr(model, "parameters") and any(hasattr(p, "ds_numel") for p in model.parameters()):
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    acts = ActivationCounter(engine.module)
+    mfile = open(args.metrics_out, "a" if args.load_dir else "w") if (args.metrics_out and rank == 0) else None
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    history, val_history, peak = [], [], None
+    timed_tokens, timed_s = 0, 0.0
+    last: dict = {}
+    for step in range(start + 1, args.steps + 1):
+        x, y = batches.get(step)
+        t0 = time.perf_counter()
+        with acts.track():
+            loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        mem = accounted_memory(engine, activations=acts.bytes)
+        engine.step()
+        dt = time.perf_counter() - t0
+        mem.optimizer_state = max(mem.optimizer_state, accounted_memory(engine).optimizer_state)
+        peak = mem if peak is None else type(mem)(**{k: max(getattr(peak, k) or 0, getattr(mem, k) or 0)
+                                                     for k in mem.__dataclass_fields__})
+        if step > start + 3:  # the first steps pay one-off costs (allocations, lazy state)
+            timed_tokens += x.numel() * world
+            timed_s += dt
+        record = {"step": step, "loss": float(loss.detach()), "lr": engine.get_lr()[0], "step_s": dt,
+                  "tokens_per_s": x.numel() * world / dt, "skipped": not engine.was_step_applied()}
+        if getattr(engine, "titan", None) is not None:
+            last = engine.titan.collect_metrics()
+            record.update({k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))})
+        if args.val_every and step % args.val_every == 0 and step != args.steps:
+            record["val_loss"] = validate(engine, corpus, args, micro_batch)
+            val_history.append((step, record["val_loss"]))
+        history.append(record)
+        if mfile:
+            mfile.write(json.dumps(record) + "\n")
+            mfile.flush()
+        if engine.monitor.enabled and rank == 0:
+            engine.monitor.write_events([("Train/loss", record["loss"], step)] +
+                                        ([("Train/val_loss", record["val_loss"], step)] if "val_loss" in record else []))
+        if bar:
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+            bar.update(1)
+        if args.save_dir and args.save_every and step % args.save_every == 0:
+            engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
+    if bar:
+        bar.close()
+    val = validate(engine, corpus, args, micro_batch)
+    val_history.append((args.steps, val))
+    if args.save_dir and not (args.save_every and args.steps % args.save_every == 0):
+        engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}", client_state={"step": args.steps})
+    summary = {
+        "steps": args.steps, "start_step": start, "world_size": world, "micro_batch": micro_batch,
+        "model": model.cfg.to_dict() if hasattr(model, "cfg") else {}, "trainable_params": trainable,
+        "val_loss": val, "train_loss_last10": sum(r["loss"] for r in history[-10:]) / max(1, len(history[-10:])),
+        "tokens_per_s": timed_tokens / timed_s if timed_s else float("nan"),
+        "step_s": timed_s / max(1, len(history) - 3),
+        "memory": peak.to_dict() if peak else {}, "peak_rss": peak_rss_bytes(),
+        "skipped_steps": sum(1 for r in history if r["skipped"]),
+        "pillars": titan.enabled_pillars if titan else [],
+        "titan_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))},
+        "val_history": val_history,
+    }
+    if rank == 0:
+        log.info("final validation loss %.4f", val)
+        if mfile:
+            mfile.close()
+        if args.summary_out:
+            Path(args.summary_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.summary_out).write_text(json.dumps(summary, indent=1))
+        if args.plot:
+            from titan_ds.plot import plot_run
+            plot_run(history, val_history, summary, args.plot)
+    return summary
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    main()

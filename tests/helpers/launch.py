@@ -1,0 +1,21 @@
+"""Run a script under the ``deepspeed`` launcher with N CPU ranks (for multi-rank tests)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from titan_ds.utils import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_deepspeed(script: str | Path, *args: str, num_ranks: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    ds = Path(sys.executable).with_name("deepspeed")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "LOCAL_SIZE")}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [str(ds), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,96 @@
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from titan_ds import TITANConfig, TitanConfig, TitanConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_five_mistakes_reported_at_once():
+    section = {
+        "trd": {"rank": 0},                          # 1 out of range
+        "hms": {"dram_cache_mb": 10},                # 2 nvme_path missing
+        "optimizer": {"density": 1.5},               # 3 out of range
+        "mlme": {"attention": "flash9"},             # 4 not a choice
+        "compresion": {"method": "hge"},             # 5 typo'd key
+    }
+    with pytest.raises(TitanConfigError) as ei:
+        TitanConfig.from_ds_config({"titan": section})
+    errs = ei.value.errors
+    assert len(errs) == 5, errs
+    text = str(ei.value)
+    assert "titan.trd.rank must be >= 1, got 0" in text
+    assert "titan.hms.nvme_path is required" in text
+    assert "titan.optimizer.density must be <= 1" in text and "1.5" in text
+    assert "titan.mlme.attention must be one of" in text and "'flash9'" in text
+    assert "titan.compresion is not a known key" in text and "compression" in text
+
+
+def test_auto_rejected_with_reason():
+    with pytest.raises(TitanConfigError, match=r"titan.optimizer.lr is \"auto\".*explicit"):
+        TitanConfig(optimizer={"lr": "auto"})
+
+
+def test_missing_section_means_off_and_none():
+    assert TitanConfig.from_ds_config({"train_micro_batch_size_per_gpu": 1}) is None
+    cfg = TitanConfig.from_ds_config({"titan": {"trd": {"rank": 8}}})
+    assert cfg.enabled_pillars == ["trd"] and cfg.hms is None and cfg.trd.rank == 8
+
+
+def test_seed_flat_config_maps_onto_structure():
+    flat = TITANConfig(device="cuda", use_trd=True, trd_rank=16, nvme_path="./titan_storage")
+    structured = TitanConfig(device="cuda", trd={"rank": 16}, hms={"nvme_path": "./titan_storage"})
+    assert flat == structured
+    assert flat.enabled_pillars == ["hms", "trd"]
+
+
+def test_plasticity_needs_optimizer():
+    with pytest.raises(TitanConfigError, match="plasticity needs titan.optimizer"):
+        TitanConfig(plasticity={})
+
+
+def test_trd_rank_list_and_bad_regex():
+    assert TitanConfig(trd={"rank": [4, 8, 4]}).trd.rank == [4, 8, 4]
+    with pytest.raises(TitanConfigError, match=r"titan.trd.include is not a valid regular expression"):
+        TitanConfig(trd={"include": ["(unclosed"]})
+
+
+def test_from_path_and_bad_files(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"titan": {"mlme": {}}}))
+    assert TitanConfig.from_ds_config(p).mlme.tile == 128
+    with pytest.raises(TitanConfigError, match="does not exist"):
+        TitanConfig.from_ds_config(tmp_path / "nope.json")
+    p.write_text("{not json")
+    with pytest.raises(TitanConfigError, match="not valid JSON"):
+        TitanConfig.from_ds_config(p)
+    with pytest.raises(TitanConfigError, match="must be an object"):
+        TitanConfig.from_ds_config({"titan": [1, 2]})
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = json.loads(path.read_text())
+    TitanConfig.from_ds_config(cfg)  # raises on any problem
+    assert "gradient_clipping" in cfg, "every shipped config sets gradient_clipping explicitly (DeepSpeed defaults to 1.0)"
+
+
+_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5000) | st.floats(allow_nan=True) |
+                       st.text(max_size=8) | st.just("auto"),
+                       lambda ch: st.lists(ch, max_size=3) | st.dictionaries(st.text(max_size=12), ch, max_size=4),
+                       max_leaves=12)
+_keys = st.sampled_from(["hms", "optimizer", "plasticity", "compression", "trd", "mlme", "device", "rank", "nvme_path",
+                         "lr", "density", "tile", "method", "include", "bogus"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(_keys, _values | st.dictionaries(_keys, _values, max_size=5), max_size=6))
+def test_fuzz_only_titan_config_errors(section):
+    try:
+        TitanConfig.from_ds_config({"titan": section})
+    except TitanConfigError as e:
+        assert e.errors and all(m.startswith("titan") for m in e.errors), e.errors

@@ -1,0 +1,167 @@
+"""Side-by-side benchmark harness: every row trains the same model on the same data, seed and token budget
+through ``launch/train.py`` (one fresh process group per row, so peak RSS is per row), in one invocation.
+
+The first row is the baseline: plain DeepSpeed with torch AdamW as the client optimizer. The table reports
+validation loss and its delta vs the baseline, tokens/s as a ratio to the baseline (this 2-core machine is
+noisy: ratios only; absolute times only from a GPU), accounted memory by category, peak RSS, weight compression
+(TRD) and gradient bytes on the wire.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = ["baseline_config", "compare", "run_row", "write_table", "ROOT"]
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
+
+
+def baseline_config(stage: int = 0, **overrides: Any) -> dict[str, Any]:
+    """The plain-DeepSpeed ds_config every benchmark starts from (ds_configs/baseline_adamw.json + ZeRO stage)."""
+    cfg = json.loads((ROOT / "ds_configs" / "baseline_adamw.json").read_text())
+    cfg["zero_optimization"] = {"stage": stage}
+    if stage > 0:
+        cfg["zero_allow_untested_optimizer"] = True  # torch AdamW as client optimizer is "untested" for ZeRO
+    cfg.update(copy.deepcopy(overrides))
+    return cfg
+
+
+def _launcher(num_ranks: int, port: int) -> list[str]:
+    if num_ranks == 1:
+        return [sys.executable]
+    ds = Path(sys.executable).with_name("deepspeed")
+    return [str(ds) if ds.exists() else "deepspeed", "--num_gpus", str(num_ranks), "--master_port", str(port)]
+
+
+def run_row(name: str, ds_config: dict[str, Any], *, steps: int, num_ranks: int = 1,
+            extra_args: Sequence[str] = (), workdir: Optional[Path] = None, timeout: Optional[float] = None,
+            log_dir: Optional[Path] = None) -> dict[str, Any]:
+    """Train one configuration; return its summary (launch/train.py --summary-out) plus name and status."""
+    from .utils import free_port
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="titan_bench_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg_path = workdir / f"{name}.json"
+    cfg_path.write_text(json.dumps(ds_config, indent=1))
+    summary_path = workdir / f"{name}.summary.json"
+    cmd = _launcher(num_ranks, free_port()) + [str(ROOT / "launch" / "train.py"), "--deepspeed_config",
+                                                 str(cfg_path), "--steps", str(steps), "--summary-out",
+                                                 str(summary_path), "--no-progress", *extra_args]
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    if num_ranks > 1:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+    log_path = (log_dir or workdir) / f"{name}.log"
+    with open(log_path, "w") as logf:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0 or not summary_path.exists():
+        tail = log_path.read_text()[-2000:]
+        return {"name": name, "status": f"failed (exit {proc.returncode}); log {log_path}", "log_tail": tail}
+    out = json.loads(summary_path.read_text())
+    out.update(name=name, status="ok", command=" ".join(cmd))
+    return out
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
+def _row_values(r: dict[str, Any], base: dict[str, Any], columns: Sequence[str]) -> dict[str, Any]:
+    if r.get("status") != "ok":
+        return {"config": r["name"], "status": r.get("status", "?")}
+    mem, tm = r.get("memory", {}), r.get("titan_metrics", {})
+    ok_base = base.get("status") == "ok"
+    vals = {
+        "config": r["name"],
+        "val_loss": r["val_loss"],
+        "delta_vs_base": r["val_loss"] - base["val_loss"] if ok_base else None,
+        "tokens_per_s_ratio": r["tokens_per_s"] / base["tokens_per_s"] if ok_base else None,
+        "params_MiB": mem.get("parameters", 0) / MiB,
+        "grads_MiB": mem.get("gradients", 0) / MiB,
+        "optim_MiB": mem.get("optimizer_state", 0) / MiB,
+        "activ_MiB": mem.get("activations", 0) / MiB,
+        "train_state_MiB": mem.get("training_state", 0) / MiB,
+        "peak_rss_MiB": r.get("peak_rss", 0) / MiB,
+        "trd_x_linears": tm.get("trd_compression_ratio", 1.0),
+        "trd_x_model": tm.get("trd_model_compression_ratio", 1.0),
+        "wire_x": tm.get("hge_compression_ratio", 1.0),
+        "wire_MiB_per_step": (tm["wire_bytes"] / MiB) if tm.get("wire_bytes") is not None else None,
+    }
+    for c in columns:
+        vals[c] = tm.get(c, r.get(c))
+    vals["status"] = "ok"
+    return vals
+
+
+def write_table(rows: list[dict[str, Any]], out: Path, *, title: str, steps: int, num_ranks: int,
+                columns: Sequence[str] = (), command: str = "") -> str:
+    """Write ``<out>.csv`` and ``<out>.md``; return the markdown."""
+    base = rows[0]
+    table = [_row_values(r, base, columns) for r in rows]
+    keys = list(dict.fromkeys(k for t in table for k in t))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(table)
+    import torch
+    model = base.get("model", {})
+    head = [f"### {title}", "",
+            f"Command: `{command}`" if command else "",
+            f"Machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
+            f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only'}; torch "
+            f"{torch.__version__}, deepspeed {_ds_version()}; {datetime.date.today().isoformat()}",
+            f"Workload: GPT {model.get('n_layer')}x{model.get('n_embd')} ({base.get('trainable_params', 0):,} params), "
+            f"context {model.get('block_size')}, micro-batch {base.get('micro_batch')} x {num_ranks} rank(s), "
+            f"{steps} steps (~{steps * (base.get('micro_batch') or 0) * num_ranks * (model.get('block_size') or 0) / 1e6:.2f}M "
+            f"tokens), seed 0, validation on the fixed held-out batches. Timings are ratios to the first row.", ""]
+    fmt = {"tokens_per_s_ratio": ".2f", "trd_x_linears": ".1f", "trd_x_model": ".2f", "wire_x": ".1f",
+           "delta_vs_base": "+.3f", "val_loss": ".3f"}
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for t in table:
+        lines.append("| " + " | ".join(_fmt(t.get(k), fmt.get(k, ".1f" if k.endswith("MiB") or k.endswith("_MiB_per_step") else ".3f"))
+                                       for k in keys) + " |")
+    md = "\n".join([h for h in head if h is not None] + lines) + "\n"
+    out.with_suffix(".md").write_text(md)
+    return md
+
+
+def _ds_version() -> str:
+    try:
+        import deepspeed
+        return deepspeed.__version__
+    except Exception as e:  # report, do not fail the table, if deepspeed cannot be imported here
+        return f"unavailable ({type(e).__name__})"
+
+
+def compare(rows: Iterable[tuple[str, dict[str, Any]]], *, steps: int, out: str | os.PathLike, num_ranks: int = 1,
+            extra_args: Sequence[str] = (), title: str = "", columns: Sequence[str] = (),
+            command: str = "", timeout: Optional[float] = None) -> list[dict[str, Any]]:
+    """Run every ``(name, ds_config)`` row with the same model/data/seed/tokens; write ``<out>.csv``/``.md``."""
+    from tqdm import tqdm
+    out = Path(out)
+    rows = list(rows)
+    log_dir = out.parent / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
+        for name, cfg in tqdm(rows, desc=title or "bench", unit="config"):
+            results.append(run_row(name, cfg, steps=steps, num_ranks=num_ranks, extra_args=extra_args,
+                                   workdir=Path(tmp), timeout=timeout, log_dir=log_dir))
+    (out.parent).mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    write_table(results, out, title=title or out.stem, steps=steps, num_ranks=num_ranks, columns=columns,
+                command=command or " ".join(sys.argv))
+    return results

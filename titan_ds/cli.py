@@ -1,0 +1,107 @@
+"""``titan-ds report``: what is available on this machine; ``titan-ds plan``: what fits a memory budget."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shutil
+import sys
+from typing import Any
+
+__all__ = ["main", "report"]
+
+PILLAR_MODULES = {"trd": "titan_ds.inject.trd", "mlme": "titan_ds.inject.mlme", "optimizer": "titan_ds.optim.install",
+                  "hms": "titan_ds.hms.install", "compression": "titan_ds.comm.hooks"}
+
+
+def _version(mod: str) -> str:
+    try:
+        return importlib.import_module(mod).__version__
+    except Exception as e:  # a missing optional package is a line of the report, not a crash
+        return f"not usable ({type(e).__name__}: {e})"
+
+
+def _pillars() -> dict[str, str]:
+    out = {}
+    for key, mod in PILLAR_MODULES.items():
+        try:
+            importlib.import_module(mod)
+            out[key] = "available"
+        except ModuleNotFoundError as e:
+            out[key] = f"not built yet ({e.name})"
+        except Exception as e:  # report why a pillar cannot load here
+            out[key] = f"fails to import: {type(e).__name__}: {e}"
+    return out
+
+
+def _kernels() -> dict[str, Any]:
+    try:
+        guard = importlib.import_module("titan_ds.kernels._guard")
+        return guard.describe()
+    except ModuleNotFoundError:
+        triton = _version("triton")
+        return {"triton": triton, "note": "kernels land with MLME (issue #4)"}
+
+
+def _disk(path: str, mb: int) -> dict[str, Any]:
+    os.makedirs(path, exist_ok=True)
+    usage = shutil.disk_usage(path)
+    out: dict[str, Any] = {"path": os.path.abspath(path), "free_GB": round(usage.free / 1e9, 1)}
+    try:
+        probe = importlib.import_module("titan_ds.hms.diskprobe")
+        out.update(probe.measure_disk(path, mb))
+    except ModuleNotFoundError:
+        out["speed"] = "measured by HMS's disk probe (issue #7), not built yet"
+    return out
+
+
+def _aio() -> str:
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        b = AsyncIOBuilder()
+        return "buildable" if b.is_compatible(verbose=False) else "not buildable here (needs libaio-dev); HMS does not need it"
+    except Exception as e:  # the op builder itself may fail to import on exotic setups
+        return f"unknown ({type(e).__name__}: {e})"
+
+
+def report(nvme_path: str = "./titan_storage", probe_mb: int = 64) -> dict[str, Any]:
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    return {
+        "python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+        "titan_ds": _version("titan_ds"), "torch": torch.__version__, "deepspeed": _version("deepspeed"),
+        "tensorly": _version("tensorly"), "triton": _version("triton"),
+        "accelerator": get_accelerator().device_name(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "kernels": _kernels(), "deepspeed_aio_op": _aio(), "nvme": _disk(nvme_path, probe_mb),
+        "pillars": _pillars(),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="titan-ds")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("report", help="versions, accelerator, Triton, aio op, disk speed, available pillars")
+    r.add_argument("--nvme-path", default="./titan_storage")
+    r.add_argument("--probe-mb", type=int, default=64)
+    r.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.cmd == "report":
+        rep = report(a.nvme_path, a.probe_mb)
+        if a.json:
+            print(json.dumps(rep, indent=1))
+        else:
+            for k, v in rep.items():
+                if isinstance(v, dict):
+                    print(f"{k}:")
+                    for kk, vv in v.items():
+                        print(f"  {kk}: {vv}")
+                else:
+                    print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""StepMetrics and memory accounting.
+
+Memory is *accounted*: the bytes of the tensors DeepSpeed and the optimizer hold, by category, found by walking
+them (deduplicated by storage), plus the saved-for-backward activations seen by ``saved_tensors_hooks`` during
+forward, plus the process's peak RSS. On a CUDA device ``torch.cuda.max_memory_allocated`` is reported too.
+"""
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+__all__ = ["StepMetrics", "MemoryBreakdown", "accounted_memory", "ActivationCounter", "peak_rss_bytes"]
+
+
+@dataclass
+class MemoryBreakdown:
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    peak_rss: int = 0
+    device_max_allocated: Optional[int] = None  # torch.cuda.max_memory_allocated on a GPU, else None
+
+    @property
+    def training_state(self) -> int:
+        """Parameters + gradients + optimizer state + activations: what the seed calls 'active overhead'."""
+        return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["training_state"] = self.training_state
+        return d
+
+
+@dataclass
+class StepMetrics:
+    """What ``trainer.step`` returns next to the loss. A pillar that is off reports its neutral value: the
+    compression ratios are 1.0 (nothing compressed) and ``*_on`` flags say whether the figure is real."""
+
+    step: int = 0
+    loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    trd_compression_ratio: float = 1.0
+    trd_model_compression_ratio: float = 1.0
+    hge_compression_ratio: float = 1.0
+    wire_bytes: Optional[int] = None
+    dense_grad_bytes: Optional[int] = None
+    plasticity: Optional[dict[str, int]] = None
+    hms: Optional[dict[str, Any]] = None
+    skipped_step: bool = False
+    trd_on: bool = False
+    compression_on: bool = False
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Set known fields from a pillar's metric source; unknown keys go to ``extra``."""
+        for k, v in values.items():
+            if k in self.__dataclass_fields__ and k not in ("memory", "extra"):
+                setattr(self, k, v)
+            else:
+                self.extra[k] = v
+        if "trd_compression_ratio" in values:
+            self.trd_on = True
+        if "hge_compression_ratio" in values:
+            self.compression_on = True
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["memory"] = self.memory.to_dict()
+        return d
+
+
+def peak_rss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    return (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
+
+
+def _sum_unique(tensors: Iterable[torch.Tensor], seen: set) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        k = _key(t)
+        if k in seen:
+            continue
+        seen.add(k)
+        total += _nbytes(t)
+    return total
+
+
+def _module_params(engine: Any) -> list[torch.Tensor]:
+    module = getattr(engine, "module", engine)
+    out = []
+    for p in module.parameters():
+        ds = getattr(p, "ds_tensor", None)  # ZeRO-3: this rank holds only its partition
+        out.append(ds if ds is not None else p)
+    return out
+
+
+def _optimizer_tensors(engine: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(master weights, their grads, state tensors) held by the optimizer (ZeRO wrapper + client optimizer)."""
+    opt = getattr(engine, "optimizer", None)
+    basic = getattr(engine, "basic_optimizer", opt)
+    masters, grads, state = [], [], []
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3 masters
+        for t in getattr(opt, attr, None) or []:
+            masters.append(t)
+            if getattr(t, "grad", None) is not None:
+                grads.append(t.grad)
+    averaged = getattr(opt, "averaged_gradients", None)  # ZeRO-1/2: reduced grad partitions by group
+    for g in (averaged.values() if isinstance(averaged, dict) else []):
+        grads.extend(x for x in (g or []) if isinstance(x, torch.Tensor))
+    if basic is not None and hasattr(basic, "state"):
+        for s in basic.state.values():
+            for v in (s.values() if isinstance(s, dict) else []):
+                if isinstance(v, torch.Tensor):
+                    state.append(v)
+                elif isinstance(v, (list, tuple)):
+                    state.extend(x for x in v if isinstance(x, torch.Tensor))
+    return masters, grads, state
+
+
+def accounted_memory(engine: Any, activations: int = 0) -> MemoryBreakdown:
+    """Bytes by category of what ``engine`` (a DeepSpeed engine or a plain module) holds right now.
+
+    Parameters are the module's (ZeRO-3: this rank's partitions). Gradients are the module's ``.grad`` plus the
+    ZeRO partitions' gradients. Optimizer state includes ZeRO's fp32 master partitions when they are separate
+    copies of the parameters (deduplicated by storage, so nothing is counted twice).
+    """
+    seen: set = set()
+    params = _module_params(engine)
+    p_bytes = _sum_unique(params, seen)
+    module = getattr(engine, "module", engine)
+    masters, opt_grads, state = _optimizer_tensors(engine)
+    g_bytes = _sum_unique([p.grad for p in module.parameters()] + opt_grads, seen)
+    o_bytes = _sum_unique(masters + state, seen)
+    mem = MemoryBreakdown(parameters=p_bytes, gradients=g_bytes, optimizer_state=o_bytes, activations=activations,
+                          peak_rss=peak_rss_bytes())
+    if torch.cuda.is_available():
+        mem.device_max_allocated = int(torch.cuda.max_memory_allocated())
+    return mem
+
+
+class ActivationCounter:
+    """Counts the bytes autograd saves for backward during a forward (deduplicated by storage, parameters
+    excluded: they are counted under 'parameters')."""
+
+    def __init__(self, module: Optional[torch.nn.Module] = None):
+        self.module = module
+        self.bytes = 0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator["ActivationCounter"]:
+        seen: set = set()
+        if self.module is not None:
+            for p in self.module.parameters():
+                if p.numel():
+                    seen.add(p.untyped_storage().data_ptr())
+        self.bytes = 0
+
+        def pack(t: torch.Tensor):
+            if t.numel():
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    self.bytes += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield self
