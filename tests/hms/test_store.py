@@ -74,7 +74,7 @@ def test_io_error_names_the_file(tmp_path):
         h.async_pread(torch.empty(4), str(tmp_path / "missing.swp"), 0)
 
 
-@pytest.mark.parametrize("direct", ["auto", "on", "off"])
+@pytest.mark.parametrize("direct", ["detect", "on", "off"])
 def test_direct_modes_round_trip(tmp_path, direct):
     from titan_ds.hms.io import probe_direct_io
     if direct == "on" and not probe_direct_io(str(tmp_path)):

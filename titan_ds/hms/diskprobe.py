@@ -35,7 +35,7 @@ def measure_disk(path: str, mb: int = 64, *, threads: int = 4, block_mb: int = 8
         raise ValueError(f"mb must be >= 1, got {mb}")
     os.makedirs(path, exist_ok=True)
     direct = probe_direct_io(path)
-    io = AsyncIOHandle(block_size=block_mb << 20, intra_op_parallelism=threads, direct="auto")
+    io = AsyncIOHandle(block_size=block_mb << 20, intra_op_parallelism=threads, direct="detect")
     nbytes = mb << 20
     buf = aligned_empty(nbytes)
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))

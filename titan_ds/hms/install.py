@@ -49,12 +49,12 @@ _MB = 1 << 20
 def validate_folder(path: str, key: str) -> str:
     """Create ``path`` if needed and check that it is writable; errors name ``key``."""
     full = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise TitanConfigError([f"{key}={path!r} exists but is not a folder; point it at a folder"])
     try:
         os.makedirs(full, exist_ok=True)
     except OSError as e:
         raise TitanConfigError([f"{key}={path!r} cannot be created ({e.strerror}); point it at a writable folder"])
-    if not os.path.isdir(full):
-        raise TitanConfigError([f"{key}={path!r} exists but is not a folder; point it at a folder"])
     probe = os.path.join(full, f".titan_write_probe.{os.getpid()}")
     try:
         with open(probe, "wb") as f:
@@ -179,11 +179,14 @@ class _HMSRuntime:
         return f"HMS(rank {self.rank}; tiers: {tiers}; DRAM cache {self.store.cache_budget / _MB:.0f} MiB)"
 
     def metrics(self) -> dict[str, Any]:
+        """Per step: bytes read/written/prefetched and stall seconds; cumulative: hit rates (all reads, and
+        parameter partitions ``param_hit_rate`` / optimizer state ``opt_hit_rate`` separately)."""
         now = self.store.stats.as_dict()
         st = self.store.stats
         step = {k: now[k] - self._last[k] for k in ("bytes_read", "bytes_written", "stall_s", "bytes_prefetched")}
         self._last = now
-        return {"hms": {"hit_rate": now["hit_rate"], **step,
+        rates = {k: v for k, v in now.items() if k.endswith("_hit_rate")}
+        return {"hms": {"hit_rate": now["hit_rate"], **rates, **step,
                         "hits": st.cache_hits + st.prefetch_hits, "misses": st.misses,
                         "disk_bytes": sum(t.used_bytes for t in self.store.tiers),
                         "dram_cache_bytes": self.store.cache_bytes}}

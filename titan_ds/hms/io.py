@@ -6,7 +6,7 @@
 ``block_size`` chunks that the pool's threads run with ``os.preadv``/``os.pwritev`` (which release the GIL),
 so several chunks are in flight at once, like libaio's queue.
 
-Direct I/O: with ``direct="auto"`` a folder is probed once (an aligned ``O_DIRECT`` write and read of one
+Direct I/O: with ``direct="detect"`` a folder is probed once (an aligned ``O_DIRECT`` write and read of one
 block); where the filesystem refuses (tmpfs, some overlay filesystems) the handle falls back to buffered I/O
 and logs that once per folder. ``direct="on"`` raises instead of falling back; ``"off"`` never tries. A
 request uses ``O_DIRECT`` only when its buffer address, file offset and length are all multiples of
@@ -133,9 +133,9 @@ class AsyncIOHandle:
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, single_submit: bool = False,
                  overlap_events: bool = True, intra_op_parallelism: int = 4, *,
-                 direct: Literal["auto", "on", "off"] = "auto", threads: Optional[int] = None):
-        if direct not in ("auto", "on", "off"):
-            raise ValueError(f"direct must be 'auto', 'on' or 'off', got {direct!r}")
+                 direct: Literal["detect", "on", "off"] = "detect", threads: Optional[int] = None):
+        if direct not in ("detect", "on", "off"):
+            raise ValueError(f"direct must be 'detect', 'on' or 'off', got {direct!r}")
         if block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size}")
         self.block_size, self.queue_depth = int(block_size), int(queue_depth)
@@ -195,7 +195,7 @@ class AsyncIOHandle:
         if not probe_direct_io(folder):
             if self.direct == "on":
                 raise OSError(errno.EINVAL, f"titan.hms.direct_io is 'on' but the filesystem of {folder!r} refuses "
-                                            f"O_DIRECT; set direct_io to 'auto' or 'off', or use another folder")
+                                            f"O_DIRECT; set direct_io to 'detect' or 'off', or use another folder")
             _log_once(folder, "titan hms: O_DIRECT not supported under %s; using buffered I/O there", folder)
             return False
         return addr % ALIGN == 0 and offset % ALIGN == 0 and nbytes % ALIGN == 0

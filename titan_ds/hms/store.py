@@ -94,14 +94,23 @@ class StoreStats:
     stall_s: float = 0.0
     bytes_prefetched: int = 0
     moves: int = 0
-    per_tier_reads: dict = field(default_factory=dict)
+    by_kind: dict = field(default_factory=dict)  # key prefix ("param", "opt") -> [hits, misses, stall_s]
+
+    def count(self, key: str, hit: bool, stall: float) -> None:
+        c = self.by_kind.setdefault(key.split("/", 1)[0], [0, 0, 0.0])
+        c[0 if hit else 1] += 1
+        c[2] += stall
 
     def as_dict(self) -> dict:
         hits = self.cache_hits + self.prefetch_hits
         total = hits + self.misses
-        return {"hit_rate": hits / total if total else 0.0, "bytes_read": self.bytes_read,
-                "bytes_written": self.bytes_written, "stall_s": self.stall_s,
-                "bytes_prefetched": self.bytes_prefetched, "reads": self.reads, "writes": self.writes}
+        out = {"hit_rate": hits / total if total else 0.0, "bytes_read": self.bytes_read,
+               "bytes_written": self.bytes_written, "stall_s": self.stall_s,
+               "bytes_prefetched": self.bytes_prefetched, "reads": self.reads, "writes": self.writes}
+        for kind, (h, m, st) in self.by_kind.items():
+            out[f"{kind}_hit_rate"] = h / (h + m) if h + m else 0.0
+            out[f"{kind}_stall_s"] = st
+        return out
 
 
 def _crcs(view: torch.Tensor, io: AsyncIOHandle) -> list[int]:
@@ -325,6 +334,7 @@ class TensorStore:
             if cached is not None:
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
+                self.stats.count(key, True, 0.0)
             staged = self._staged.pop(key, None) if cached is None else None
         if cached is not None:
             t = cached.clone() if out is None else out.copy_(cached)
@@ -334,16 +344,20 @@ class TensorStore:
             was_done = staged.done()
             t = staged.result()
             with self._lock:
+                stall = 0.0 if was_done else time.perf_counter() - t0
                 if was_done:
                     self.stats.prefetch_hits += 1
                 else:
                     self.stats.misses += 1
-                    self.stats.stall_s += time.perf_counter() - t0
+                    self.stats.stall_s += stall
+                self.stats.count(key, was_done, stall)
         else:
             t = self._read_file(key, self.path(key))
             with self._lock:
+                stall = time.perf_counter() - t0
                 self.stats.misses += 1
-                self.stats.stall_s += time.perf_counter() - t0
+                self.stats.stall_s += stall
+                self.stats.count(key, False, stall)
             self._maybe_cache(key, t)
         if out is not None:
             return out.copy_(t)
