@@ -1,5 +1,6 @@
-"""Predictors scored on a recorded ZeRO-3 parameter access trace (tests/hms/data/zero3_trace.json, recorded
-by ``tests/hms/zero3_harness.py --mode hms --steps 6 --record-trace ...``), plus exact cases."""
+"""Predictors scored on a recorded ZeRO-3 parameter access trace (tests/hms/data/zero3_trace_gpt.json: the
+reference GPT 6x256 under ZeRO-3 + HMS, 6 steps, recorded by ``launch/bench/bench_hms.py --parts t``), plus
+exact cases."""
 import json
 import os
 
@@ -9,7 +10,7 @@ import torch
 from titan_ds.hms.prefetch import (LSTMPredictor, NonePredictor, OraclePredictor, TracePredictor, make_predictor,
                                    replay)
 
-TRACE = os.path.join(os.path.dirname(__file__), "data", "zero3_trace.json")
+TRACE = os.path.join(os.path.dirname(__file__), "data", "zero3_trace_gpt.json")
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +53,29 @@ def test_recorded_trace_is_a_zero3_trace(steps):
     assert all(k.startswith("param/") for s in steps for k in s)
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("depth", [1, 4])
 def test_predictors_scored_on_recorded_trace(steps, depth):
     n_keys = len({k for s in steps for k in s})
     cap = max(depth, n_keys // 2)  # about half the parameters: reuse alone cannot hit everything
-    res = {name: replay(steps, make_predictor(name), capacity=cap, depth=depth) for name in ("none", "trace", "lstm")}
+    res = {name: replay(steps, make_predictor(name), capacity=cap, depth=depth) for name in ("none", "trace")}
     flat = [k for s in steps for k in s]
     oracle = replay(steps, OraclePredictor(flat), capacity=cap, depth=depth, evict="belady")
     # DeepSpeed's first step fetches in another order, so step 2 replays step 1 imperfectly; from step 3 on
     # the replay is exact
     assert replay(steps, TracePredictor(), capacity=cap, depth=depth, warmup_steps=2).hit_rate_after_first == 1.0
+    assert res["trace"].hit_rate_after_first >= 0.9
     assert oracle.hit_rate >= max(r.hit_rate for r in res.values())  # the oracle bounds every predictor
     assert res["none"].prefetched == 0 and res["none"].hit_rate_after_first < res["trace"].hit_rate_after_first
-    assert res["lstm"].hit_rate_after_first > res["none"].hit_rate_after_first
+
+
+def test_lstm_scored_on_recorded_trace(steps):
+    n_keys = len({k for s in steps for k in s})
+    cap, depth = n_keys // 2, 2
+    lstm = replay(steps, LSTMPredictor(), capacity=cap, depth=depth, warmup_steps=3)
+    none = replay(steps, NonePredictor(), capacity=cap, depth=depth, warmup_steps=3)
+    flat = [k for s in steps for k in s]
+    oracle = replay(steps, OraclePredictor(flat), capacity=cap, depth=depth, evict="belady", warmup_steps=3)
+    assert none.hit_rate_after_first < lstm.hit_rate_after_first <= oracle.hit_rate_after_first
 
 
 def test_lstm_learns_a_repeating_sequence():
