@@ -185,7 +185,7 @@ class _HMSRuntime:
         st = self.store.stats
         step = {k: now[k] - self._last[k] for k in ("bytes_read", "bytes_written", "stall_s", "bytes_prefetched")}
         self._last = now
-        rates = {k: v for k, v in now.items() if k.endswith("_hit_rate")}
+        rates = {k: v for k, v in now.items() if k.endswith(("_hit_rate", "_hits", "_misses"))}
         return {"hms": {"hit_rate": now["hit_rate"], **rates, **step,
                         "hits": st.cache_hits + st.prefetch_hits, "misses": st.misses,
                         "disk_bytes": sum(t.used_bytes for t in self.store.tiers),
@@ -213,8 +213,9 @@ class _HMSRuntime:
         step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
 
         def hms_step(*a, **kw):
+            boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances micro_steps
             out = step(*a, **kw)
-            if engine.is_gradient_accumulation_boundary():
+            if boundary:
                 self.param_swapper.end_step()
             return out
 

@@ -109,7 +109,7 @@ class StoreStats:
                "bytes_prefetched": self.bytes_prefetched, "reads": self.reads, "writes": self.writes}
         for kind, (h, m, st) in self.by_kind.items():
             out[f"{kind}_hit_rate"] = h / (h + m) if h + m else 0.0
-            out[f"{kind}_stall_s"] = st
+            out[f"{kind}_hits"], out[f"{kind}_misses"], out[f"{kind}_stall_s"] = h, m, st
         return out
 
 

@@ -227,7 +227,15 @@ class HMSOptimizerSwapper:
         """Nothing to prepare: gradient pieces are written when ZeRO-3 hands them over."""
 
     def post_backward(self) -> None:
-        """See pre_backward."""
+        """Backward is done and the optimizer step follows: start reading the first sub-group's state."""
+        if self._numel:
+            self._prefetch_subgroup(next(iter(self._numel)))
+
+    def _prefetch_subgroup(self, pid) -> None:
+        keys = [f"opt/{pid}/fp32", *(f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, [])),
+                *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
+        for key in keys:
+            self.store.prefetch(key)
 
     def flush_gradients(self) -> None:
         """Gradient writes are synchronous: nothing to flush."""
@@ -256,9 +264,7 @@ class HMSOptimizerSwapper:
             parameter.grad = g
         self.stall_s += time.perf_counter() - t0
         if async_parameter is not None and async_parameter.ds_id in self._numel:
-            nid = async_parameter.ds_id
-            for key in [f"opt/{nid}/fp32", *(f"opt/{nid}/state/{n}" for n in self._state_names.get(nid, []))]:
-                self.store.prefetch(key)
+            self._prefetch_subgroup(async_parameter.ds_id)
 
     def _write_state(self, parameter) -> None:
         pid = parameter.ds_id
