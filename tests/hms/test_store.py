@@ -92,8 +92,8 @@ s = TensorStore([Tier(sys.argv[1])], durable=False)
 s.scan()
 import titan_ds.hms.store as m
 orig = m.TensorStore._write_file
-def dying(self, path, head, view, durable):
-    orig(self, path, head, view[: view.numel() // 2], durable=durable)  # half the payload reaches the disk
+def dying(self, path, meta, hlen, view, durable):
+    orig(self, path, meta, hlen, view[: view.numel() // 2], durable=durable)  # half the payload reaches the disk
     os._exit(9)                                                         # then the process dies
 m.TensorStore._write_file = dying
 s.put("w", torch.full((4096,), 2.0))
@@ -193,3 +193,20 @@ def test_prefetch_counts_hits_and_bytes(tmp_path):
     x = store.get("a")
     assert x.numel() == 5000 and store.stats.bytes_prefetched == 20000
     assert store.stats.prefetch_hits == 1 and store.stats.misses == 0
+
+
+@pytest.mark.parametrize("numel", [1, 1025, (4 << 20) // 4 + 3, (4 << 20) // 4 + 1025, 2 * (4 << 20) // 4])
+def test_get_into_caller_buffer_bit_exact_and_verified(tmp_path, numel):
+    # sizes around the 4 KiB alignment and the 4 MiB CRC chunk: the tail read separately continues or starts a chunk
+    store = TensorStore([Tier(str(tmp_path))], durable=False)
+    x = _random(torch.float32, (numel,))
+    store.put("k", x)
+    out = torch.empty(numel)
+    assert store.get("k", out=out) is out and _bits_equal(out, x)
+    with open(store.path("k"), "r+b") as f:  # corrupt the last payload byte: caught on the direct path too
+        f.seek(ALIGN + numel * 4 - 1)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        store.get("k", out=out)

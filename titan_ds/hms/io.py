@@ -200,8 +200,12 @@ class AsyncIOHandle:
             return False
         return addr % ALIGN == 0 and offset % ALIGN == 0 and nbytes % ALIGN == 0
 
-    def _run(self, write: bool, view: torch.Tensor, path: str, offset: int) -> list[Future]:
+    def _run(self, write: bool, view: torch.Tensor, path: str, offset: int, block: Optional[int] = None,
+             post=None) -> list[Future]:
+        """Queue ``view``'s transfer as ``block``-sized chunk tasks; with ``post``, each task also returns
+        ``post(lo, hi)`` computed on its chunk (after reading it, or before writing it)."""
         nbytes = view.numel()
+        block = block or self.block_size
         direct = self._use_direct(path, view.data_ptr(), offset, nbytes)
         flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
         if direct:
@@ -211,11 +215,12 @@ class AsyncIOHandle:
         except OSError as e:
             raise OSError(e.errno, f"titan hms: cannot open {path!r} for {'writing' if write else 'reading'}: "
                                    f"{e.strerror}") from None
-        remaining = [max(1, -(-nbytes // self.block_size))]
+        remaining = [max(1, -(-nbytes // block))]
         lock = threading.Lock()
 
-        def chunk(lo: int, hi: int) -> int:
+        def chunk(lo: int, hi: int):
             try:
+                extra = post(lo, hi) if (post is not None and write) else None
                 mv = _mv(view[lo:hi])
                 done = 0
                 while done < hi - lo:
@@ -224,7 +229,9 @@ class AsyncIOHandle:
                     if n <= 0:
                         raise OSError(errno.EIO, f"short {'write' if write else 'read'} at byte {offset + lo + done}")
                     done += n
-                return done
+                if post is None:
+                    return done
+                return done, (post(lo, hi) if not write else extra)
             except OSError as e:
                 raise OSError(e.errno, f"titan hms: {'write to' if write else 'read from'} {path!r} failed: "
                                        f"{e.strerror or e}") from None
@@ -240,7 +247,30 @@ class AsyncIOHandle:
             f: Future = Future()
             f.set_result(0)
             return [f]
-        return [self._pool.submit(chunk, lo, min(lo + self.block_size, nbytes)) for lo in range(0, nbytes, self.block_size)]
+        return [self._pool.submit(chunk, lo, min(lo + block, nbytes)) for lo in range(0, nbytes, block)]
+
+    def transfer_with(self, write: bool, buffer: torch.Tensor, filename: str, file_offset: int, block: int,
+                      post) -> list:
+        """Synchronous transfer in ``block`` chunks, each running ``post(lo, hi)`` on its own thread (used to
+        checksum while reading or writing); returns the ``post`` results in chunk order."""
+        view = tensor_bytes(buffer)
+        futs = self._run(write, view, str(filename), int(file_offset), block=block, post=post)
+        out, n, first = [], 0, None
+        for f in futs:
+            try:
+                done, value = f.result()
+            except OSError as e:
+                first = first or e
+                continue
+            n += done
+            out.append(value)
+        if first is not None:
+            raise first
+        if write:
+            self.bytes_written += n
+        else:
+            self.bytes_read += n
+        return out
 
     def _submit(self, write: bool, buffer: torch.Tensor, filename: str, file_offset: int) -> int:
         view = tensor_bytes(buffer)
