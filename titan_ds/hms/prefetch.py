@@ -11,9 +11,11 @@ names the keys it expects next (``predict(depth)``); the swapper prefetches thos
   backward gathers, measured 12 swap-ins against 6 later), so the predictor keeps the order of the most
   recent complete step, not only the first: from the third step on it is exact.
 * ``lstm``  (:class:`LSTMPredictor`): the seed's "LSTM-based prefetch". A one-layer LSTM over key ids
-  (embedding 32, hidden 64), trained online: every ``train_every`` accesses it takes one Adam step on the
-  last ``window`` accesses (next-key cross-entropy, truncated BPTT); prediction rolls the network forward
-  greedily ``depth`` steps from its current state.
+  (embedding 32, hidden 64), trained online: at the end of every step it takes ``epochs`` passes of Adam
+  steps over that step's accesses, in windows of ``window`` with half-window stride (next-key
+  cross-entropy, truncated BPTT). Training happens at the step boundary, never inside an access: ZeRO-3
+  calls the swapper from its forward/backward hooks, where autograd must not be re-entered. Prediction
+  rolls the network forward greedily ``depth`` steps from its current state.
 * :class:`OraclePredictor` knows the future (the scoring upper bound), and :func:`replay` scores any
   predictor on a recorded trace with a bounded prefetch buffer (LRU eviction, or Belady's farthest-next-use
   eviction for the oracle bound): hit rate overall and after the first step, and bytes prefetched.
@@ -85,24 +87,22 @@ class TracePredictor:
 
 
 class LSTMPredictor:
-    """A small LSTM over key ids, trained online (see module docstring)."""
+    """A small LSTM over key ids, trained online at step boundaries (see module docstring)."""
 
     def __init__(self, max_keys: int = 4096, embed: int = 32, hidden: int = 64, window: int = 64,
-                 train_every: int = 16, lr: float = 1e-2, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
+                 epochs: int = 4, lr: float = 1e-2, seed: int = 0):
         self.ids: dict[str, int] = {}
         self.names: list[str] = []
-        self.max_keys, self.window, self.train_every = max_keys, window, train_every
+        self.max_keys, self.window, self.epochs = max_keys, window, epochs
         with torch.random.fork_rng():
-            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
+            torch.manual_seed(seed)
             self.emb = torch.nn.Embedding(max_keys, embed)
             self.cell = torch.nn.LSTMCell(embed, hidden)
             self.head = torch.nn.Linear(hidden, max_keys)
         params = [*self.emb.parameters(), *self.cell.parameters(), *self.head.parameters()]
         self.opt = torch.optim.Adam(params, lr=lr)
-        self.history: list[int] = []
+        self.step_ids: list[int] = []
         self.state: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.seen = 0
         self.train_steps = 0
 
     def _id(self, key: str) -> Optional[int]:
@@ -114,32 +114,26 @@ class LSTMPredictor:
 
     @torch.no_grad()
     def _advance(self, i: int, state):
-        h, c = self.cell(self.emb(torch.tensor([i])), state)
-        return h, c
+        return self.cell(self.emb(torch.tensor([i])), state)
 
     def observe(self, key: str) -> None:
         i = self._id(key)
         if i is None:
             return
-        self.history.append(i)
-        self.history = self.history[-(self.window + 1):]
+        self.step_ids.append(i)
         self.state = self._advance(i, self.state)
-        self.seen += 1
-        if self.seen % self.train_every == 0 and len(self.history) > 2:
-            self._train()
 
-    def _train(self) -> None:
-        seq = torch.tensor(self.history)
-        x = self.emb(seq[:-1])
-        state = None
-        logits = []
-        for t in range(x.shape[0]):
-            state = self.cell(x[t:t + 1], state)
-            logits.append(self.head(state[0]))
-        loss = torch.nn.functional.cross_entropy(torch.cat(logits), seq[1:])
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
+    def _train_window(self, seq: torch.Tensor) -> None:
+        with torch.enable_grad():
+            x = self.emb(seq[:-1])
+            state, logits = None, []
+            for t in range(x.shape[0]):
+                state = self.cell(x[t:t + 1], state)
+                logits.append(self.head(state[0]))
+            loss = torch.nn.functional.cross_entropy(torch.cat(logits), seq[1:])
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
         self.train_steps += 1
 
     @torch.no_grad()
@@ -155,7 +149,16 @@ class LSTMPredictor:
         return out
 
     def end_step(self) -> None:
-        """The LSTM learns the step boundary from the sequence itself."""
+        """Train on the step just finished, then keep the recurrent state (the next step continues it)."""
+        ids = torch.tensor(self.step_ids)
+        self.step_ids = []
+        if ids.numel() < 3:
+            return
+        stride = max(1, self.window // 2)
+        starts = list(range(0, max(1, ids.numel() - self.window) + 1, stride))
+        for _ in range(self.epochs):
+            for s0 in starts:
+                self._train_window(ids[s0:s0 + self.window + 1])
 
 
 class OraclePredictor:
