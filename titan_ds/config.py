@@ -65,7 +65,8 @@ class HMSConfig(_Strict):
     prefetch: Literal["trace", "lstm", "none"] = "trace"
     prefetch_depth: int = Field(default=2, ge=0)
     io_threads: int = Field(default=4, ge=1, le=64)
-    direct_io: Literal["auto", "on", "off"] = "auto"
+    # "detect" (not "auto": the titan section rejects "auto" values, which HF accelerate would try to fill)
+    direct_io: Literal["detect", "on", "off"] = "detect"
     spill_tiers: list[DiskTier] = Field(default_factory=list)
     nvme_capacity_mb: Optional[int] = Field(default=None, ge=1)
 
