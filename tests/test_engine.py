@@ -24,7 +24,7 @@ def test_missing_pillar_raises_naming_issue():
 
 
 def test_pillar_order_is_documented():
-    assert [p.key for p in PILLARS] == ["trd", "mlme", "optimizer", "hms", "compression"]
+    assert [p.key for p in PILLARS] == ["hms", "trd", "mlme", "optimizer", "compression"]
 
 
 def test_titan_state_rides_in_checkpoints(dist_env, tmp_path, monkeypatch):

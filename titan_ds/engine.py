@@ -2,14 +2,17 @@
 
 Order (each pillar's module exposes ``before_initialize(ctx)`` and, optionally, ``after_initialize(ctx)``):
 
-1. ``trd``         titan_ds.inject.trd      replace nn.Linear by tensor-ring layers (before DeepSpeed wraps the model)
-2. ``mlme``        titan_ds.inject.mlme     tiled attention / StripeFFN / chunked loss modules
-3. ``optimizer``   titan_ds.optim.install   build ASDT (+BSPS) when the user passed no optimizer; ZeRO flags
-4. ``hms``         titan_ds.hms.install     HMS swappers for ZeRO-3 NVMe offload (zero.Init when needed)
+1. ``hms``         titan_ds.hms.install     HMS swappers for ZeRO-3 NVMe offload; converts the model under zero.Init
+                                            and publishes its parameter swapper in ``ctx.zero_init_kwargs``
+2. ``trd``         titan_ds.inject.trd      replace nn.Linear by tensor-ring layers (under ZeRO-3 built inside
+                                            zero.Init(**ctx.zero_init_kwargs), so new cores stream through HMS too)
+3. ``mlme``        titan_ds.inject.mlme     tiled attention / StripeFFN / chunked loss / block recompute
+4. ``optimizer``   titan_ds.optim.install   build ASDT (+BSPS) when the user passed no optimizer; ZeRO flags
 5. ``compression`` titan_ds.comm.hooks      compressor on DeepSpeed's reduce path (after the engine exists)
 
-Module replacement comes first so that the optimizer is built over the final parameters; the compressor is
-installed last because it hooks the engine instance. With no ``"titan"`` section this is exactly
+HMS comes first because every parameter created afterwards under ZeRO-3 must use its swapper (DeepSpeed's own
+would need the aio op); module replacement comes before the optimizer so that it is built over the final
+parameters; the compressor is installed last because it hooks the engine instance. With no ``"titan"`` section this is exactly
 ``deepspeed.initialize``.
 """
 from __future__ import annotations
@@ -38,10 +41,10 @@ class Pillar:
 
 
 PILLARS: tuple[Pillar, ...] = (
+    Pillar("hms", "titan_ds.hms.install", "issue #7 (HMS)"),
     Pillar("trd", "titan_ds.inject.trd", "issue #3 (TRD)"),
     Pillar("mlme", "titan_ds.inject.mlme", "issue #4 (MLME)"),
     Pillar("optimizer", "titan_ds.optim.install", "issue #5 (ASDT + BSPS)"),
-    Pillar("hms", "titan_ds.hms.install", "issue #7 (HMS)"),
     Pillar("compression", "titan_ds.comm.hooks", "issue #6 (HGE + TGSS)"),
 )
 
@@ -68,8 +71,9 @@ class InitContext:
     reports: dict[str, Any] = field(default_factory=dict)
     metric_sources: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
     state_sources: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = field(default_factory=dict)
-    # wrap(inner) -> context manager factory for model construction (HMS/ZeRO-3 use it); see build_model()
-    extra_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    # keyword arguments every pillar passes to deepspeed.zero.Init when it creates parameters under ZeRO-3
+    # (HMS puts its parameter swapper here)
+    zero_init_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def add_metrics(self, fn: Callable[[], dict[str, Any]]) -> None:
         """Register ``fn() -> {StepMetrics field or extra key: value}``, called after every step."""

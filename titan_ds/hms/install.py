@@ -139,6 +139,7 @@ def before_initialize(ctx) -> None:
                             device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
                             prefetch_depth=hms.prefetch_depth)
     _convert_model(ctx.model, ctx.ds_config, pswap)
+    ctx.zero_init_kwargs["param_swapper"] = pswap  # parameters later pillars create (TRD cores) stream via HMS
     saved = (stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper)
     factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank)
     stage3.PartitionedOptimizerSwapper = stage3.PipelinedOptimizerSwapper = factory

@@ -330,6 +330,28 @@ def apply_mlme(model: nn.Module, cfg: Any) -> ReplacementReport:
     return report
 
 
+def _register_zero3_external_params(model: nn.Module) -> int:
+    """Under ZeRO-3 a module's parameters are gathered only around that module's own forward. StripeFFN reads
+    its ``fc``/``out`` children's weights inside one autograd Function, and the chunked loss reads the LM head's
+    weight: tell ZeRO-3 to gather those around the MLME module's forward and backward."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+    n = 0
+    for module in model.modules():
+        if isinstance(module, StripeFFN):
+            for child in module.children():
+                for p in child.parameters():
+                    register_external_parameter(module, p)
+                    n += 1
+        elif isinstance(module, ChunkedLMLoss) and isinstance(getattr(model, "head", None), nn.Module):
+            for p in model.head.parameters():
+                register_external_parameter(module, p)
+                n += 1
+    return n
+
+
 def before_initialize(ctx: Any) -> None:
     """Pillar hook: swap MLME modules into ``ctx.model`` before DeepSpeed wraps it; report in ``ctx.reports``."""
     ctx.reports["mlme"] = apply_mlme(ctx.model, ctx.titan.mlme)
+    if ctx.zero_stage() == 3:
+        n = _register_zero3_external_params(ctx.model)
+        log.info("titan.mlme: %d parameters registered with ZeRO-3 as used outside their module", n)

@@ -413,7 +413,7 @@ def before_initialize(ctx: Any) -> None:
     old = dict(ctx.model.named_modules())
     if ctx.zero_stage() == 3:
         import deepspeed
-        with deepspeed.zero.Init(config_dict_or_path=ctx.ds_config):
+        with deepspeed.zero.Init(config_dict_or_path=ctx.ds_config, **ctx.zero_init_kwargs):
             report = apply_trd(ctx.model, policy)
     else:
         report = apply_trd(ctx.model, policy)

@@ -154,7 +154,9 @@ def _stage3_layouts(zo: Any, names, units_by_param, dist) -> dict[int, tuple[tor
             if lo < hi:
                 pieces += _pieces_of(units, lo, hi, cursor)
             cursor += pn
-        if cursor != flat.numel():
+        # with NVMe optimizer offload the flat tensor is swapped out (0 elements) until its step: use its size
+        expected = flat.numel() or int(zo.fp16_partitioned_groups_flat_numel[s])
+        if cursor != expected:
             raise RuntimeError(f"ZeRO-3 sub-group {s}: partitions add up to {cursor} elements but the flat fp32 "
                                f"tensor has {flat.numel()}; DeepSpeed's layout changed, titan cannot map it")
         out[id(flat)] = (flat, Layout(pieces, sorted(split), group if world > 1 else None, zero=True))
