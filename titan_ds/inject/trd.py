@@ -42,7 +42,7 @@ from torch import nn
 
 from .policy import ReplacementReport, apply_policies
 
-__all__ = ["TensorRingLinear", "TRDPolicy", "factorize", "apply_trd", "before_initialize", "path_flops"]
+__all__ = ["TensorRingLinear", "TRDPolicy", "factorize", "tr_svd", "apply_trd", "before_initialize", "path_flops"]
 
 log = logging.getLogger("titan_ds.trd")
 
