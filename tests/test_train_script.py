@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import ROOT, run_deepspeed
+from tests.helpers.launch import ROOT, clean_env, run_deepspeed
 
 TINY = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "32", "--micro-batch", "4",
         "--val-batches", "2", "--no-progress"]
@@ -14,7 +14,7 @@ TINY = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "32", "--
 
 def _train(tmp, *extra, cfg="ds_configs/demo.json"):
     cmd = [sys.executable, "launch/train.py", "--deepspeed_config", cfg, *TINY, *extra]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
 
@@ -35,6 +35,8 @@ def test_resume_is_bit_exact(tmp_path):
     a, b = json.loads((tmp_path / "full.json").read_text()), json.loads((tmp_path / "resumed.json").read_text())
     assert a["val_loss"] == b["val_loss"]
     assert (tmp_path / "p.png").stat().st_size > 10_000
+    monitor = ROOT / "results" / "tmp" / "monitor" / "demo" / "Train_loss.csv"  # ds_configs/demo.json's csv_monitor
+    assert monitor.is_file() and len(monitor.read_text().splitlines()) >= 3
     mem = a["memory"]
     for k in ("parameters", "gradients", "optimizer_state", "activations", "peak_rss"):
         assert mem[k] > 0, k

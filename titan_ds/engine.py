@@ -147,15 +147,37 @@ def _world_size() -> int:
 
 
 def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
-    """Make engine.save_checkpoint/load_checkpoint carry titan state in client_state (instance-level)."""
+    """Make the engine instance's save_checkpoint/load_checkpoint crash-safe and carry titan state.
+
+    Save: DeepSpeed writes the shards (with ``save_latest=False``), rank 0 writes a checksum manifest, then
+    ``latest`` is replaced atomically. Load: the tag is verified against its manifest before DeepSpeed reads it.
+    See :mod:`titan_ds.checkpoint`.
+    """
+    import deepspeed.comm as dist
+    from pathlib import Path
+
+    from . import checkpoint as ckpt
+
     save, load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kw):
+        tag = tag or f"global_step{engine.global_steps}"
         state = dict(client_state or {})
         state["titan"] = runtime.state_dict()
-        return save(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kw)
+        ok = save(save_dir, tag=tag, client_state=state, save_latest=False, **kw)
+        dist.barrier()
+        if engine.global_rank == 0:
+            ckpt.write_manifest(Path(save_dir) / str(tag))
+            if save_latest:
+                ckpt.atomic_write_text(Path(save_dir) / "latest", str(tag))
+        dist.barrier()
+        return ok
 
     def load_checkpoint(load_dir, tag=None, **kw):
+        tag = tag or ckpt.read_latest(load_dir)
+        if tag is None:
+            return None, None
+        ckpt.verify_tag(Path(load_dir), str(tag))
         path, client = load(load_dir, tag=tag, **kw)
         if path is not None and runtime.state_sources:
             runtime.load_state_dict((client or {}).get("titan", {}))
@@ -163,6 +185,36 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _install_nonfinite_guard(engine: Any) -> None:
+    """ZeRO-1/2/3 already skip a step whose gradients hold NaN/Inf (an all-reduced overflow flag, also in fp32).
+    Without ZeRO and without an fp16/bf16 wrapper the client optimizer steps on them. Give that optimizer the same
+    behaviour: a MAX all-reduce of a local non-finite flag over the data-parallel group, and on a hit no update
+    and ``optimizer.overflow = True``, which DeepSpeed reads to count the skip and hold the lr schedule."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() != 0 or opt is None or opt is not engine.basic_optimizer:
+        return
+    import deepspeed.comm as dist
+    inner_step = opt.step
+    group = getattr(engine, "data_parallel_group", None)
+
+    def step(*a: Any, **kw: Any):
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        bad = torch.zeros(1, device=engine.device)
+        if grads:
+            bad += (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float()
+        if dist.is_initialized() and engine.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+        opt.overflow = bool(bad.item())
+        if opt.overflow:
+            log.warning("titan: non-finite gradients at step %d; step skipped on every rank (parameters and "
+                        "optimizer state unchanged)", engine.global_steps + 1)
+            return None
+        return inner_step(*a, **kw)
+
+    opt.overflow = False
+    opt.step = step
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
@@ -212,6 +264,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                            state_sources=ctx.state_sources)
     engine.titan = runtime
     _wrap_checkpointing(engine, runtime)
+    _install_nonfinite_guard(engine)
     return engine, opt, dl, sched
 
 

@@ -1,0 +1,147 @@
+"""Train a small MLP under ZeRO-3 (no offload / titan HMS / DeepSpeed's own NVMe swappers) and dump results.
+
+Run in a fresh process per configuration (1 rank: plain python with RANK/WORLD_SIZE set; 2 ranks:
+``deepspeed --num_gpus 2``). Usage::
+
+    python tests/hms/zero3_harness.py --mode {none,hms,ds_nvme} --steps N --out result.pt \
+        [--save-dir D --save-at K] [--load-dir D] [--nvme PATH] [--prefetch trace]
+
+The dump holds the per-step losses, the full parameters (gathered) and every sub-group's fp32 master and
+optimizer state, so that tests compare runs with torch.equal.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+# Two sub-groups: the first 279,040 fp32 elements (1.1 MB, above DeepSpeed's 1 MiB swap threshold), the
+# second 4,104 elements (16 kB, a "small" sub-group that DeepSpeed keeps in RAM and never restores).
+SUB_GROUP = 270_000
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 8))
+
+
+def ds_config(mode, nvme, prefetch, micro, gas, clip, dram_mb=1):
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+           "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": 3, "sub_group_size": SUB_GROUP, "stage3_param_persistence_threshold": 0}}
+    if mode == "hms":
+        cfg["titan"] = {"hms": {"nvme_path": nvme, "dram_cache_mb": dram_mb, "prefetch": prefetch, "io_threads": 2}}
+    elif mode == "cpu":
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    elif mode == "ds_nvme":
+        z = cfg["zero_optimization"]
+        z["offload_param"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8, "buffer_size": 300_000,
+                             "max_in_cpu": 0}
+        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 8}
+        cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                      "overlap_events": True}
+    return cfg
+
+
+def batch(step, rank, micro):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(micro, 32, generator=g), torch.randn(micro, 8, generator=g)
+
+
+def dump_state(engine, mode):
+    opt = engine.optimizer
+    out = {}
+    for i, p in enumerate(opt.fp32_partitioned_groups_flat):
+        if mode == "hms":
+            sw = opt.optimizer_swapper
+            st = {"fp32": sw.store.get(f"opt/{p.ds_id}/fp32")}
+            for n in sw._state_names.get(p.ds_id, []):
+                st[n] = sw.store.get(f"opt/{p.ds_id}/state/{n}")
+            for k, v in opt.optimizer.state.get(p, {}).items():
+                if k not in st:
+                    st[k] = v.clone() if torch.is_tensor(v) else v
+        elif mode == "ds_nvme" and opt._swappable_optimizer_subgroup(i):
+            opt._optimizer_states_and_gradient_swap_in(i)
+            st = {"fp32": p.data.clone(), **{k: (v.clone() if torch.is_tensor(v) else v)
+                                             for k, v in opt.optimizer.state.get(p, {}).items()}}
+            opt._release_swap_buffers(i)
+        else:
+            st = {"fp32": p.data.clone(), **{k: (v.clone() if torch.is_tensor(v) else v)
+                                             for k, v in opt.optimizer.state.get(p, {}).items()}}
+        out[i] = st
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["none", "cpu", "hms", "ds_nvme"], required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--nvme", default="/tmp/titan_hms_test")
+    ap.add_argument("--prefetch", default="trace")
+    ap.add_argument("--save-dir")
+    ap.add_argument("--save-at", type=int, default=-1)
+    ap.add_argument("--load-dir")
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--gas", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--dram-mb", type=int, default=1)
+    ap.add_argument("--record-trace", help="write the ZeRO-3 parameter access trace (per step) to this json")
+    ap.add_argument("--local_rank", type=int, default=0)
+    a = ap.parse_args()
+    import deepspeed
+    import titan_ds.engine as te
+    if a.mode == "ds_nvme":  # DeepSpeed's own swappers, over the titan aio-compatible handle (no libaio build)
+        from deepspeed.runtime.swap_tensor import (partitioned_optimizer_swapper, partitioned_param_swapper,
+                                                   pipelined_optimizer_swapper)
+        from titan_ds.hms.io import TitanAIOBuilder
+        for m in (partitioned_param_swapper, partitioned_optimizer_swapper, pipelined_optimizer_swapper):
+            m.AsyncIOBuilder = TitanAIOBuilder
+    cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
+    deepspeed.init_distributed()
+    rank = torch.distributed.get_rank()
+    if a.mode == "ds_nvme":  # DeepSpeed's swapper needs the model built under zero.Init on a CPU (seams 0.5)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            net = model()
+    else:
+        net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    engine, _, _, _ = te.initialize(model=net, optimizer=opt, lr_scheduler=sched, config=cfg)
+    start = 0
+    if a.record_trace:
+        engine.titan.reports["hms"].param_swapper.access_log = [[]]
+    if a.load_dir:
+        _, client = engine.load_checkpoint(a.load_dir)
+        start = engine.global_steps
+    losses = {}
+    for step in range(start, a.steps):
+        for micro in range(a.gas):
+            x, y = batch(step * a.gas + micro, rank, a.micro)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.setdefault(step, []).append(loss.item())
+        if step + 1 == a.save_at:
+            engine.save_checkpoint(a.save_dir)
+    with deepspeed.zero.GatheredParameters(list(net.parameters())):
+        params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    res = {"losses": losses, "params": params, "state": dump_state(engine, a.mode),
+           "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups]}
+    if a.mode == "hms":
+        res["hms"] = engine.titan.collect_metrics()["hms"]
+        if a.record_trace:
+            import json
+            ps = engine.titan.reports["hms"].param_swapper
+            log = [s for s in ps.access_log if s]
+            with open(a.record_trace, "w") as f:
+                json.dump({"source": "tests/hms/zero3_harness.py --mode hms", "steps": log}, f)
+    torch.save(res, a.out.replace(".pt", f".rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Crash-safe checkpoints on top of DeepSpeed's ``save_checkpoint``/``load_checkpoint``.
+
+DeepSpeed 0.19.8 writes ``latest`` with a plain ``open(..., 'w')`` after the shards, and never checks what it
+loads. titan_ds adds, for engines built by ``titan_ds.initialize``:
+
+1. a manifest ``<tag>/titan_manifest.json`` (size and SHA-256 of every file of the tag), written atomically by
+   rank 0 after all ranks finished writing: a tag without a manifest is incomplete and is never loaded;
+2. ``latest`` replaced atomically (write to a temp file, fsync, rename, fsync the folder) only after the
+   manifest exists, so a process killed at any point leaves ``latest`` on the last complete checkpoint;
+3. verification before loading: a missing, truncated or corrupted file raises :class:`CheckpointCorruptError`
+   naming the file and the remedy; nothing is loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["CheckpointCorruptError", "write_manifest", "verify_tag", "atomic_write_text", "complete_tags",
+           "MANIFEST"]
+
+MANIFEST = "titan_manifest.json"
+_CHUNK = 8 * 2**20
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A checkpoint that must not be loaded: incomplete, truncated or corrupted."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` so that a reader sees either the old or the new content, never a torn file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_manifest(tag_dir: Path) -> dict:
+    tag_dir = Path(tag_dir)
+    files = {}
+    for p in sorted(tag_dir.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}"):
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            files[p.relative_to(tag_dir).as_posix()] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    manifest = {"version": 1, "files": files}
+    atomic_write_text(tag_dir / MANIFEST, json.dumps(manifest, indent=1))
+    return manifest
+
+
+def verify_tag(load_dir: Path, tag: str) -> None:
+    """Raise :class:`CheckpointCorruptError` unless every file of ``tag`` matches its manifest."""
+    tag_dir = Path(load_dir) / tag
+    others = [t for t in complete_tags(load_dir) if t != tag]
+    remedy = (f"resume from an earlier complete checkpoint (tag= one of {others})" if others else
+              "no other complete checkpoint exists in this folder; start without --load-dir")
+    mpath = tag_dir / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointCorruptError(f"checkpoint {str(tag_dir)!r} has no {MANIFEST}: its save did not complete "
+                                     f"(killed or out of disk). Not loading it; {remedy}.")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointCorruptError(f"{str(mpath)!r} is unreadable ({e}); {remedy}.") from None
+    for rel, meta in manifest["files"].items():
+        p = tag_dir / rel
+        if not p.is_file():
+            raise CheckpointCorruptError(f"checkpoint file {str(p)!r} is missing; {remedy}.")
+        if p.stat().st_size != meta["bytes"]:
+            raise CheckpointCorruptError(f"checkpoint file {str(p)!r} is truncated or grown: {p.stat().st_size} "
+                                         f"bytes, manifest says {meta['bytes']}; {remedy}.")
+        if _sha256(p) != meta["sha256"]:
+            raise CheckpointCorruptError(f"checkpoint file {str(p)!r} fails its SHA-256 check (corrupted on disk); "
+                                         f"{remedy}.")
+
+
+def complete_tags(load_dir: Path) -> list[str]:
+    d = Path(load_dir)
+    if not d.is_dir():
+        return []
+    return sorted((p.name for p in d.iterdir() if (p / MANIFEST).is_file()), key=lambda t: (p_mtime(d / t), t))
+
+
+def p_mtime(p: Path) -> float:
+    return (p / MANIFEST).stat().st_mtime
+
+
+def read_latest(load_dir: Path) -> Optional[str]:
+    f = Path(load_dir) / "latest"
+    return f.read_text().strip() if f.is_file() else None

@@ -1,0 +1,368 @@
+"""Asynchronous file I/O for HMS, with the handle interface DeepSpeed's swappers use.
+
+:class:`AsyncIOHandle` provides ``async_pread``, ``async_pwrite``, ``wait``, ``new_cpu_locked_tensor``,
+``free_cpu_locked_tensor`` and ``is_pinned`` (plus the synchronous ``sync_pread``/``sync_pwrite`` and the
+``get_*`` accessors of DeepSpeed's ``aio_handle``). It is built on a thread pool: every request is split into
+``block_size`` chunks that the pool's threads run with ``os.preadv``/``os.pwritev`` (which release the GIL),
+so several chunks are in flight at once, like libaio's queue.
+
+Direct I/O: with ``direct="detect"`` a folder is probed once (an aligned ``O_DIRECT`` write and read of one
+block); where the filesystem refuses (tmpfs, some overlay filesystems) the handle falls back to buffered I/O
+and logs that once per folder. ``direct="on"`` raises instead of falling back; ``"off"`` never tries. A
+request uses ``O_DIRECT`` only when its buffer address, file offset and length are all multiples of
+:data:`ALIGN`; buffers from :meth:`new_cpu_locked_tensor` are aligned, so whole-buffer requests qualify.
+
+"Locked" buffers: on CUDA machines they are page-locked (``pin_memory``) for fast host-device copies; on the
+CPU they are ordinary memory aligned to :data:`ALIGN`. ``is_pinned`` is true for any view into a buffer
+returned by ``new_cpu_locked_tensor`` (DeepSpeed's swappers check views, not only whole buffers).
+
+The reference path is :func:`reference_pread`/:func:`reference_pwrite` (plain ``open``/``read``/``write``),
+used as the oracle in tests. DeepSpeed's libaio op is never built here: :func:`deepspeed_aio_available` only
+reports whether an already-built op could be loaded.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal, Optional
+
+import torch
+
+__all__ = ["ALIGN", "AsyncIOHandle", "aligned_empty", "probe_direct_io", "tensor_bytes",
+           "reference_pread", "reference_pwrite", "TitanAIOBuilder", "deepspeed_aio_available"]
+
+log = logging.getLogger("titan_ds.hms")
+
+# O_DIRECT needs buffer address, offset and length aligned to the logical block size; 4096 covers every
+# common device (512e and 4Kn disks, NVMe namespaces with 4 KiB LBAs).
+ALIGN = 4096
+_DIRECT_CACHE: dict[str, bool] = {}
+_LOGGED: set[str] = set()
+_LOCK = threading.Lock()
+
+
+def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` (rounded up to ALIGN) whose data pointer is ALIGN-aligned."""
+    padded = -(-max(nbytes, 1) // ALIGN) * ALIGN
+    raw = torch.empty(padded + ALIGN, dtype=torch.uint8)
+    if pin:
+        raw = raw.pin_memory()
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + padded]
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor's bytes (any dtype, any shape, 0-dim included)."""
+    if not t.is_contiguous():
+        raise ValueError("tensor_bytes needs a contiguous tensor; call .contiguous() first")
+    flat = t.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def _mv(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+def probe_direct_io(folder: str) -> bool:
+    """Whether ``folder``'s filesystem accepts an aligned O_DIRECT write and read (cached per folder)."""
+    folder = os.path.abspath(folder)
+    with _LOCK:
+        if folder in _DIRECT_CACHE:
+            return _DIRECT_CACHE[folder]
+    ok = False
+    if hasattr(os, "O_DIRECT"):
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".titan_direct_probe.{os.getpid()}.{threading.get_ident()}")
+        buf = aligned_empty(ALIGN)
+        buf.fill_(7)
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            try:
+                ok = os.pwritev(fd, [_mv(buf)], 0) == ALIGN and os.preadv(fd, [_mv(buf)], 0) == ALIGN
+            finally:
+                os.close(fd)
+        except OSError:
+            ok = False
+        finally:
+            if os.path.exists(probe):
+                os.remove(probe)
+    with _LOCK:
+        _DIRECT_CACHE[folder] = ok
+    return ok
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    with _LOCK:
+        if key in _LOGGED:
+            return
+        _LOGGED.add(key)
+    log.warning(msg, *args)
+
+
+def reference_pread(buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+    """Plain buffered read of ``buffer.nbytes`` bytes at ``offset`` (the test oracle)."""
+    view = tensor_bytes(buffer)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.readinto(_mv(view))
+
+
+def reference_pwrite(buffer: torch.Tensor, path: str, offset: int = 0) -> int:
+    """Plain buffered write of ``buffer``'s bytes at ``offset``, creating the file (the test oracle)."""
+    view = tensor_bytes(buffer.contiguous())
+    mode = "r+b" if os.path.exists(path) else "wb"
+    with open(path, mode) as f:
+        f.seek(offset)
+        return f.write(_mv(view))
+
+
+class AsyncIOHandle:
+    """Thread-pool file I/O with DeepSpeed's ``aio_handle`` interface (see module docstring).
+
+    ``async_pread(buffer, path, offset)`` / ``async_pwrite(...)`` return 0 at once and queue the request;
+    ``wait()`` blocks until every queued request is done and returns how many completed since the last
+    ``wait``; the first I/O error is re-raised there, naming the file.
+    """
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, single_submit: bool = False,
+                 overlap_events: bool = True, intra_op_parallelism: int = 4, *,
+                 direct: Literal["detect", "on", "off"] = "detect", threads: Optional[int] = None):
+        if direct not in ("detect", "on", "off"):
+            raise ValueError(f"direct must be 'detect', 'on' or 'off', got {direct!r}")
+        if block_size < ALIGN or block_size % ALIGN:
+            raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size}")
+        self.block_size, self.queue_depth = int(block_size), int(queue_depth)
+        self.single_submit, self.overlap_events = bool(single_submit), bool(overlap_events)
+        self.intra_op_parallelism = int(threads or intra_op_parallelism)
+        self.direct = direct
+        self._pool = ThreadPoolExecutor(max_workers=self.intra_op_parallelism, thread_name_prefix="titan-hms-io")
+        self._pending: list[tuple[int, list[Future]]] = []
+        self._locked: dict[int, tuple[int, int]] = {}  # storage data_ptr -> (start, end)
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # ------------------------------------------------------------------ DeepSpeed aio_handle accessors
+    def get_block_size(self) -> int:
+        return self.block_size
+
+    def get_queue_depth(self) -> int:
+        return self.queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self.single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self.overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self.intra_op_parallelism
+
+    def get_alignment(self) -> int:
+        return ALIGN
+
+    # ------------------------------------------------------------------ locked buffers
+    def new_cpu_locked_tensor(self, numel: int, example: torch.Tensor) -> torch.Tensor:
+        """An ALIGN-aligned CPU tensor of ``numel`` elements of ``example.dtype`` (page-locked under CUDA)."""
+        esize = torch.empty(0, dtype=example.dtype).element_size()
+        raw = aligned_empty(int(numel) * esize, pin=torch.cuda.is_available())
+        t = raw[:int(numel) * esize].view(example.dtype)
+        start = t.data_ptr()
+        self._locked[start] = (start, start + raw.numel())
+        return t
+
+    def free_cpu_locked_tensor(self, t: torch.Tensor) -> None:
+        if self._locked.pop(t.data_ptr(), None) is None:
+            raise ValueError("free_cpu_locked_tensor: tensor was not returned by new_cpu_locked_tensor")
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """True for a locked buffer or any view inside one."""
+        p = t.data_ptr()
+        end = p + t.numel() * t.element_size()
+        return any(s <= p and end <= e for s, e in self._locked.values())
+
+    # ------------------------------------------------------------------ I/O
+    def _use_direct(self, path: str, addr: int, offset: int, nbytes: int) -> bool:
+        if self.direct == "off" or not hasattr(os, "O_DIRECT"):
+            return False
+        folder = os.path.dirname(os.path.abspath(path))
+        if not probe_direct_io(folder):
+            if self.direct == "on":
+                raise OSError(errno.EINVAL, f"titan.hms.direct_io is 'on' but the filesystem of {folder!r} refuses "
+                                            f"O_DIRECT; set direct_io to 'detect' or 'off', or use another folder")
+            _log_once(folder, "titan hms: O_DIRECT not supported under %s; using buffered I/O there", folder)
+            return False
+        return addr % ALIGN == 0 and offset % ALIGN == 0 and nbytes % ALIGN == 0
+
+    def _run(self, write: bool, view: torch.Tensor, path: str, offset: int, block: Optional[int] = None,
+             post=None) -> list[Future]:
+        """Queue ``view``'s transfer as ``block``-sized chunk tasks; with ``post``, each task also returns
+        ``post(lo, hi)`` computed on its chunk (after reading it, or before writing it)."""
+        nbytes = view.numel()
+        block = block or self.block_size
+        direct = self._use_direct(path, view.data_ptr(), offset, nbytes)
+        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+        if direct:
+            flags |= os.O_DIRECT
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            raise OSError(e.errno, f"titan hms: cannot open {path!r} for {'writing' if write else 'reading'}: "
+                                   f"{e.strerror}") from None
+        remaining = [max(1, -(-nbytes // block))]
+        lock = threading.Lock()
+
+        def chunk(lo: int, hi: int):
+            try:
+                extra = post(lo, hi) if (post is not None and write) else None
+                mv = _mv(view[lo:hi])
+                done = 0
+                while done < hi - lo:
+                    sub = mv[done:]
+                    n = os.pwritev(fd, [sub], offset + lo + done) if write else os.preadv(fd, [sub], offset + lo + done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"short {'write' if write else 'read'} at byte {offset + lo + done}")
+                    done += n
+                if post is None:
+                    return done
+                return done, (post(lo, hi) if not write else extra)
+            except OSError as e:
+                raise OSError(e.errno, f"titan hms: {'write to' if write else 'read from'} {path!r} failed: "
+                                       f"{e.strerror or e}") from None
+            finally:
+                with lock:
+                    remaining[0] -= 1
+                    last = remaining[0] == 0
+                if last:
+                    os.close(fd)
+
+        if nbytes == 0:
+            os.close(fd)
+            f: Future = Future()
+            f.set_result(0)
+            return [f]
+        return [self._pool.submit(chunk, lo, min(lo + block, nbytes)) for lo in range(0, nbytes, block)]
+
+    def transfer_with(self, write: bool, buffer: torch.Tensor, filename: str, file_offset: int, block: int,
+                      post) -> list:
+        """Synchronous transfer in ``block`` chunks, each running ``post(lo, hi)`` on its own thread (used to
+        checksum while reading or writing); returns the ``post`` results in chunk order."""
+        view = tensor_bytes(buffer)
+        futs = self._run(write, view, str(filename), int(file_offset), block=block, post=post)
+        out, n, first = [], 0, None
+        for f in futs:
+            try:
+                done, value = f.result()
+            except OSError as e:
+                first = first or e
+                continue
+            n += done
+            out.append(value)
+        if first is not None:
+            raise first
+        if write:
+            self.bytes_written += n
+        else:
+            self.bytes_read += n
+        return out
+
+    def _submit(self, write: bool, buffer: torch.Tensor, filename: str, file_offset: int) -> int:
+        view = tensor_bytes(buffer)
+        futs = self._run(write, view, str(filename), int(file_offset))
+        self._pending.append((int(write), futs))
+        return 0
+
+    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._submit(False, buffer, filename, file_offset)
+
+    def async_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._submit(True, buffer, filename, file_offset)
+
+    def wait(self) -> int:
+        """Block until all queued requests finish; return their count; re-raise the first error."""
+        pending, self._pending = self._pending, []
+        first: Optional[BaseException] = None
+        for write, futs in pending:
+            for f in futs:
+                try:
+                    n = f.result()
+                except OSError as e:
+                    first = first or e
+                    continue
+                if write:
+                    self.bytes_written += n
+                else:
+                    self.bytes_read += n
+        if first is not None:
+            raise first
+        return len(pending)
+
+    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self.run_all([(False, buffer, filename, file_offset)])
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self.run_all([(True, buffer.contiguous(), filename, file_offset)])
+
+    def run_all(self, ops: list[tuple[bool, torch.Tensor, str, int]]) -> int:
+        """Run ``(write, buffer, path, offset)`` requests concurrently and wait for them (bytes moved).
+
+        Independent of the ``async_*``/``wait`` queue, so it is safe from any thread.
+        """
+        futs = [(w, self._run(w, tensor_bytes(b), str(p), int(o))) for w, b, p, o in ops]
+        n_r = n_w = 0
+        first: Optional[BaseException] = None
+        for w, fs in futs:
+            for f in fs:
+                try:
+                    n = f.result()
+                except OSError as e:
+                    first = first or e
+                    continue
+                if w:
+                    n_w += n
+                else:
+                    n_r += n
+        self.bytes_read += n_r
+        self.bytes_written += n_w
+        if first is not None:
+            raise first
+        return n_r + n_w
+
+    def submit(self, fn, *args) -> Future:
+        """Run ``fn(*args)`` on the I/O pool. ``fn`` must not wait on other pool work (no nesting)."""
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _Op:
+    aio_handle = AsyncIOHandle
+
+
+class TitanAIOBuilder:
+    """Drop-in for DeepSpeed's ``AsyncIOBuilder``: ``TitanAIOBuilder().load().aio_handle(...)`` builds nothing."""
+
+    def load(self, verbose: bool = True):
+        return _Op
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True
+
+
+def deepspeed_aio_available() -> bool:
+    """Whether DeepSpeed's libaio op is already built and loadable (never triggers a build)."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        b = AsyncIOBuilder()
+        import importlib
+        importlib.import_module(b.absolute_name())
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "not prebuilt"; we never JIT-build it
+        return False

@@ -1,0 +1,379 @@
+"""ZeRO-3 swappers over the HMS store: parameters (``param.nvme_swapper``) and optimizer state.
+
+:class:`HMSParamSwapper` implements the interface ZeRO-3 calls on DeepSpeed's
+``AsyncPartitionedParameterSwapper`` (deepspeed_seams.md 2.3): ``swappable_tensor``, ``get_buffer``,
+``swap_in``, ``synchronize_reads``, ``swap_out_and_release``, ``remove_partition_and_release_buffers``,
+``available_swap_in_buffers``, ``swap_into_buffer``, ``reserve_partitioned_swap_space``,
+``swap_out_partitioned_params``. Partitions live in the store under ``param/<ds_id>``. Buffers are allocated
+in the **parameter's own dtype** (DeepSpeed's swapper allocates them in the dtype ``zero.Init`` computed,
+which is bf16 on a CPU for an fp32 model: seams 0.5). The device budget bounds the bytes of partitions held
+in memory at once; ``available_swap_in_buffers`` reports how many more the budget admits. A predictor
+(:mod:`titan_ds.hms.prefetch`) sees every swap-in and names the partitions to read ahead into DRAM.
+
+:class:`HMSOptimizerSwapper` implements the ZeRO-3 optimizer-swapper interface (seams 2.4). Every fp32
+sub-group is swappable, whatever its size (DeepSpeed keeps sub-groups under 1 MiB in RAM, and its resume never
+restores them: appendix A). Per sub-group the store holds ``opt/<id>/fp32``, one file per element-wise state
+tensor (``opt/<id>/state/<name>``, any name, any size) and the gradient pieces ``opt/<id>/grad/<offset>``.
+Other state values (scalars such as ``step``) stay in ``optimizer.state``. :meth:`HMSOptimizerSwapper.snapshot`
+and :meth:`HMSOptimizerSwapper.restore` write and read a self-contained per-rank checkpoint of all of it,
+with the client optimizer's hyper-parameters, which DeepSpeed's NVMe resume skips (engine.py:4456).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from .prefetch import Predictor
+from .store import TensorStore, Tier
+
+__all__ = ["HMSParamSwapper", "HMSOptimizerSwapper", "PartitionedParamStatus"]
+
+log = logging.getLogger("titan_ds.hms")
+
+try:  # the enum ZeRO-3 compares against; importing it builds no op
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+except ImportError:  # pragma: no cover - deepspeed is a hard dependency of titan_ds
+    raise
+
+
+def _pkey(param) -> str:
+    return f"param/{param.ds_id}"
+
+
+class HMSParamSwapper:
+    """ZeRO-3 parameter-partition swapper over a :class:`TensorStore` (see module docstring)."""
+
+    def __init__(self, store: TensorStore, *, buffer_count: int = 5, device_budget_bytes: Optional[int] = None,
+                 predictor: Optional[Predictor] = None, prefetch_depth: int = 2):
+        self.store = store
+        self.buffer_count = int(buffer_count)
+        self.device_budget_bytes = device_budget_bytes
+        self.predictor = predictor
+        self.prefetch_depth = int(prefetch_depth)
+        self._numel: dict[Any, int] = {}
+        self._held: dict[Any, int] = {}  # ds_id -> bytes held in memory
+        self._inflight: list = []
+        self._largest = 1
+        self.swap_in_count = 0
+        self.stall_s = 0.0
+        self.access_log: Optional[list[list[str]]] = None  # set to [[]] to record the access trace, per step
+
+    # ------------------------------------------------------------------ budget
+    @property
+    def held_bytes(self) -> int:
+        return sum(self._held.values())
+
+    def available_swap_in_buffers(self) -> int:
+        if self.device_budget_bytes is None:
+            return max(0, self.buffer_count - len(self._held))
+        return max(0, (self.device_budget_bytes - self.held_bytes) // self._largest)
+
+    def _release(self, param) -> None:
+        self._held.pop(param.ds_id, None)
+        param.ds_tensor.data = torch.empty(0, dtype=param.ds_tensor.dtype)
+        param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+
+    # ------------------------------------------------------------------ ZeRO-3 interface
+    def swappable_tensor(self, param=None, numel=None) -> bool:
+        if (param is None) == (numel is None):
+            raise ValueError("swappable_tensor takes exactly one of param= or numel=")
+        n = param.ds_tensor.ds_numel if param is not None else numel
+        return n > 0  # every partition streams; small ones stay hot in the DRAM cache
+
+    def get_buffer(self, param, numel: int) -> torch.Tensor:
+        self._numel[param.ds_id] = int(numel)
+        self._held[param.ds_id] = int(numel) * torch.empty(0, dtype=param.dtype).element_size()
+        self._largest = max(self._largest, self._held[param.ds_id])
+        return torch.empty(int(numel), dtype=param.dtype)
+
+    def swap_out_and_release(self, params, async_op: bool = False, force_buffer_release: bool = False) -> None:
+        for p in params:
+            n = p.ds_tensor.ds_numel
+            self._numel[p.ds_id] = n
+            self.store.put(_pkey(p), p.ds_tensor.data.narrow(0, 0, n), durable=False)
+            self._release(p)
+
+    def swap_in(self, params, async_op: bool = True, swap_in_buffers=None) -> None:
+        bad = [p.ds_id for p in params if p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE]
+        if bad:
+            raise RuntimeError(f"titan hms: swap_in of partitions {bad} that are already available or in flight")
+        for i, p in enumerate(params):
+            key = _pkey(p)
+            self._observe(key)
+            if swap_in_buffers is not None:
+                self.store.get(key, out=swap_in_buffers[i].narrow(0, 0, p.ds_tensor.ds_numel))
+                self._held[p.ds_id] = swap_in_buffers[i].numel() * swap_in_buffers[i].element_size()
+                p.ds_tensor.data = swap_in_buffers[i].narrow(0, 0, p.ds_tensor.ds_numel).data
+                p.ds_tensor.status = PartitionedParamStatus.AVAILABLE
+                continue
+            self.store.prefetch(key)
+            self._held[p.ds_id] = p.ds_tensor.ds_numel * p.ds_tensor.element_size()
+            self._largest = max(self._largest, self._held[p.ds_id])
+            p.ds_tensor.status = PartitionedParamStatus.INFLIGHT
+            self._inflight.append(p)
+        if not async_op:
+            self.synchronize_reads()
+
+    def synchronize_reads(self) -> None:
+        t0 = time.perf_counter()
+        inflight, self._inflight = self._inflight, []
+        for p in inflight:
+            t = self.store.get(_pkey(p))
+            p.ds_tensor.data = t.reshape(-1).data
+            p.ds_tensor.status = PartitionedParamStatus.AVAILABLE
+        self.stall_s += time.perf_counter() - t0
+
+    def remove_partition_and_release_buffers(self, params) -> None:
+        for p in params:
+            self._release(p)
+
+    def swap_into_buffer(self, param, dest_buffer: torch.Tensor) -> None:
+        if param.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"titan hms: param {param.ds_id} is already available or in flight")
+        self.store.get(_pkey(param), out=dest_buffer.narrow(0, 0, param.ds_tensor.ds_numel))
+
+    def reserve_partitioned_swap_space(self, partition_num_elems) -> None:
+        """Nothing to reserve: ``swap_out_partitioned_params`` writes from the caller's tensors."""
+
+    def swap_out_partitioned_params(self, dst_fp16_params, src_fp32_params) -> None:
+        if len(dst_fp16_params) != len(src_fp32_params):
+            raise ValueError(f"{len(dst_fp16_params)} params but {len(src_fp32_params)} fp32 sources")
+        for p, src in zip(dst_fp16_params, src_fp32_params):
+            self.store.put(_pkey(p), src.to(p.ds_tensor.dtype), durable=False)
+            p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+
+    def get_path(self, param, must_exist: bool = False) -> str:
+        raise NotImplementedError("titan hms stores headed, checksummed files that DeepSpeed's fast_init cannot "
+                                  "read raw; set zero_optimization.offload_optimizer.fast_init to false")
+
+    def reserve_available_buffers(self):
+        return self.get_path(None)
+
+    def release_reserved_buffers(self) -> None:
+        self.get_path(None)
+
+    # ------------------------------------------------------------------ prediction
+    def _observe(self, key: str) -> None:
+        self.swap_in_count += 1
+        if self.access_log is not None:
+            self.access_log[-1].append(key)
+        if self.predictor is None:
+            return
+        self.predictor.observe(key)
+        self._prefetch_predicted()
+
+    def _prefetch_predicted(self) -> None:
+        for nxt in self.predictor.predict(self.prefetch_depth):
+            if nxt in self.store:
+                self.store.prefetch(nxt)
+
+    def end_step(self) -> None:
+        """A training step ended: the predictor learns the boundary and the next step's first keys are read."""
+        if self.access_log is not None:
+            self.access_log.append([])
+        if self.predictor is not None:
+            self.predictor.end_step()
+            self._prefetch_predicted()
+
+
+class HMSOptimizerSwapper:
+    """ZeRO-3 optimizer-state swapper over a :class:`TensorStore` (see module docstring).
+
+    Constructed by ZeRO-3 as ``cls(swap_config, aio_config, base_folder, optimizer, largest_numel, device,
+    dtype, timers)``; :func:`titan_ds.hms.install.before_initialize` binds ``store`` with a partial.
+    """
+
+    def __init__(self, swap_config, aio_config, base_folder, optimizer, largest_numel, device, dtype, timers,
+                 *, store: TensorStore, rank: int = 0):
+        self.store = store
+        self.optimizer = optimizer
+        self.dtype = dtype
+        self.device = device
+        # DeepSpeed's checkpointing copies this folder into <tag>/offloaded_tensors; it stays empty here because
+        # the state lives in the store and is checkpointed by snapshot()/restore().
+        self.swap_folder = os.path.join(base_folder, "optimizer", f"rank{rank}")
+        os.makedirs(self.swap_folder, exist_ok=True)
+        self._numel: dict[str, int] = {}
+        self._state_names: dict[str, list[str]] = {}
+        self._grads: dict[str, list[tuple[int, int]]] = {}
+        self.stall_s = 0.0
+
+    # ------------------------------------------------------------------ interface used by stage3.py
+    def is_swappable_tensor(self, tensor=None, numel=None) -> bool:
+        if tensor is None and numel is None:
+            raise ValueError("is_swappable_tensor needs tensor= or numel=")
+        return True  # every sub-group, small ones included (their resume is what DeepSpeed loses)
+
+    def initialize_parameters(self, parameters, src_tensors) -> None:
+        for p, src in zip(parameters, src_tensors):
+            self._numel[p.ds_id] = src.numel()
+            self.store.put(f"opt/{p.ds_id}/fp32", src.reshape(-1).to(self.dtype), durable=False)
+            self._state_names.setdefault(p.ds_id, [])
+
+    def initialize_from_swapped_fp16_params(self, *args, **kwargs) -> None:
+        raise NotImplementedError("titan hms does not support offload_optimizer.fast_init; set it to false")
+
+    def init_timers(self) -> None:
+        """Timers are kept as stall seconds in the store statistics."""
+
+    def log_timers(self) -> None:
+        """See init_timers."""
+
+    def pre_backward(self) -> None:
+        """Nothing to prepare: gradient pieces are written when ZeRO-3 hands them over."""
+
+    def post_backward(self) -> None:
+        """Backward is done and the optimizer step follows: start reading the first sub-group's state."""
+        if self._numel:
+            self._prefetch_subgroup(next(iter(self._numel)))
+
+    def _prefetch_subgroup(self, pid) -> None:
+        keys = [f"opt/{pid}/fp32", *(f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, [])),
+                *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
+        for key in keys:
+            self.store.prefetch(key)
+
+    def flush_gradients(self) -> None:
+        """Gradient writes are synchronous: nothing to flush."""
+
+    def _elementwise(self, p, name: str, value: Any) -> bool:
+        return torch.is_tensor(value) and value.numel() == self._numel.get(p.ds_id, -1) and value.numel() > 1
+
+    def swap_in_optimizer_state(self, parameter, async_parameter=None) -> None:
+        pid = parameter.ds_id
+        if pid not in self._numel:
+            return
+        t0 = time.perf_counter()
+        parameter.data = self.store.get(f"opt/{pid}/fp32")
+        state = self.optimizer.state[parameter]
+        for name in self._state_names.get(pid, []):
+            t = self.store.get(f"opt/{pid}/state/{name}")
+            if torch.is_tensor(state.get(name)):
+                state[name].data = t
+            else:
+                state[name] = t
+        pieces = self._grads.get(pid)
+        if pieces:
+            g = torch.zeros(self._numel[pid], dtype=self.dtype)
+            for off, n in pieces:
+                self.store.get(f"opt/{pid}/grad/{off}", out=g.narrow(0, off, n))
+            parameter.grad = g
+        self.stall_s += time.perf_counter() - t0
+        if async_parameter is not None and async_parameter.ds_id in self._numel:
+            self._prefetch_subgroup(async_parameter.ds_id)
+
+    def _write_state(self, parameter) -> None:
+        pid = parameter.ds_id
+        self.store.put(f"opt/{pid}/fp32", parameter.data, durable=False)
+        names = []
+        for name, value in self.optimizer.state.get(parameter, {}).items():
+            if self._elementwise(parameter, name, value):
+                self.store.put(f"opt/{pid}/state/{name}", value, durable=False)
+                names.append(name)
+        self._state_names[pid] = names
+
+    def _release(self, parameter) -> None:
+        parameter.data = torch.empty(0, dtype=self.dtype)
+        for name in self._state_names.get(parameter.ds_id, []):
+            v = self.optimizer.state[parameter].get(name)
+            if torch.is_tensor(v):
+                v.data = torch.empty(0, dtype=v.dtype)
+        parameter.grad = None
+
+    def swap_out_optimizer_state(self, parameter, async_swap: bool = False) -> None:
+        if parameter.ds_id not in self._numel:
+            return
+        self._write_state(parameter)
+        self._release(parameter)
+        self._grads[parameter.ds_id] = []
+
+    def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors) -> None:
+        pid = parameter.ds_id
+        if pid not in self._numel:
+            return
+        pieces = self._grads.setdefault(pid, [])
+        for off, t in zip(gradient_offsets, gradient_tensors):
+            self.store.put(f"opt/{pid}/grad/{int(off)}", t.reshape(-1).to(self.dtype), durable=False)
+            pieces[:] = [pc for pc in pieces if pc[0] != int(off)] + [(int(off), t.numel())]
+
+    def release_swap_buffers(self, parameter) -> None:
+        if parameter.ds_id in self._numel:
+            self._release(parameter)
+
+    def writeback_optimizer_state_and_gradients(self, parameter, write_opt_state: bool, write_gradients: bool) -> None:
+        pid = parameter.ds_id
+        if pid not in self._numel:
+            return
+        if write_opt_state:
+            self._write_state(parameter)
+        if write_gradients and parameter.grad is not None:
+            for off, n in self._grads.get(pid, []):
+                self.store.put(f"opt/{pid}/grad/{off}", parameter.grad.narrow(0, off, n), durable=False)
+        self._release(parameter)
+
+    def purge_state(self) -> None:
+        """Forget swapped optimizer state (ZeRO-3 calls this before loading a non-NVMe checkpoint)."""
+        for pid, names in self._state_names.items():
+            for name in names:
+                self.store.delete(f"opt/{pid}/state/{name}")
+            names.clear()
+
+    # ------------------------------------------------------------------ checkpoint
+    def snapshot(self, folder: str, fp32_params: list) -> dict:
+        """Write every sub-group's fp32 master, element-wise state and other state to ``folder`` (durable).
+
+        Returns the small metadata (also saved as ``folder/meta.pt``).
+        """
+        snap = TensorStore([Tier(folder)], io=self.store.io, durable=True)
+        meta: dict[str, Any] = {"subgroups": {}, "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
+        for p in fp32_params:
+            pid = p.ds_id
+            if pid not in self._numel:
+                raise RuntimeError(f"titan hms: sub-group {pid} is not managed by the HMS optimizer swapper")
+            snap.put(f"opt/{pid}/fp32", self.store.get(f"opt/{pid}/fp32"))
+            for name in self._state_names.get(pid, []):
+                snap.put(f"opt/{pid}/state/{name}", self.store.get(f"opt/{pid}/state/{name}"))
+            other = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state.get(p, {}).items()
+                     if k not in self._state_names.get(pid, [])}
+            meta["subgroups"][pid] = {"numel": self._numel[pid], "state_names": list(self._state_names.get(pid, [])),
+                                      "other": other}
+        torch.save(meta, os.path.join(folder, "meta.pt"))
+        return meta
+
+    def restore(self, folder: str, fp32_params: list, *, load_optimizer_states: bool = True) -> None:
+        """Inverse of :meth:`snapshot`: put the saved tensors back in the live store and state.
+
+        With ``load_optimizer_states=False`` only the fp32 masters come back (DeepSpeed's flag of that name).
+        """
+        meta = torch.load(os.path.join(folder, "meta.pt"), weights_only=False)
+        snap = TensorStore([Tier(folder)], io=self.store.io)
+        snap.scan()
+        if len(meta["param_groups"]) != len(self.optimizer.param_groups):
+            raise RuntimeError(f"titan hms: checkpoint {folder!r} has {len(meta['param_groups'])} optimizer param "
+                               f"groups, this optimizer has {len(self.optimizer.param_groups)}")
+        if load_optimizer_states:
+            for g, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
+                g.update(saved)
+        for p in fp32_params:
+            pid = p.ds_id
+            sg = meta["subgroups"].get(pid)
+            if sg is None or sg["numel"] != self._numel.get(pid):
+                raise RuntimeError(f"titan hms: checkpoint {folder!r} has no sub-group {pid} of the same size; "
+                                   f"resume with the same model, world size and sub_group_size")
+            self.store.put(f"opt/{pid}/fp32", snap.get(f"opt/{pid}/fp32"), durable=False)
+            if not load_optimizer_states:
+                continue
+            for name in sg["state_names"]:
+                self.store.put(f"opt/{pid}/state/{name}", snap.get(f"opt/{pid}/state/{name}"), durable=False)
+            self._state_names[pid] = list(sg["state_names"])
+            state = self.optimizer.state[p]
+            state.clear()
+            state.update(sg["other"])
+            for name in sg["state_names"]:
+                state[name] = torch.empty(0, dtype=self.dtype)
+            self._grads[pid] = []
