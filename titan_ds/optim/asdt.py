@@ -262,7 +262,6 @@ class ASDT(torch.optim.Optimizer):
                 if t.grad is None:
                     continue
                 layout = self._layout(t)
-                self._grad_acc += t.grad.numel() * t.grad.element_size()
                 st = self.state[t]
                 if not st:
                     st.update(step=0, momentum_units=[], anchor_units=[], momentum_lens={}, anchor_lens={})
@@ -272,6 +271,7 @@ class ASDT(torch.optim.Optimizer):
                         self._begin_engine_step(st["step"])
                 else:  # stage 0: a parameter that was frozen has skipped steps; its step is the engine step
                     st["step"] = self._engine_step + 1
+                self._grad_acc += t.grad.numel() * t.grad.element_size()  # after a new step was begun
                 self._update(t, st, layout, group)
         if not self._zero:
             self._begin_engine_step(self._engine_step + 1)
