@@ -94,3 +94,9 @@ def test_fuzz_only_titan_config_errors(section):
         TitanConfig.from_ds_config({"titan": section})
     except TitanConfigError as e:
         assert e.errors and all(m.startswith("titan") for m in e.errors), e.errors
+
+
+def test_config_reference_is_current():
+    from titan_ds.config_reference import render
+    assert (ROOT / "docs" / "config_reference.md").read_text() == render(), \
+        "regenerate: python -m titan_ds.config_reference > docs/config_reference.md"

@@ -58,9 +58,8 @@ def run_row(name: str, ds_config: dict[str, Any], *, steps: int, num_ranks: int 
                                                  str(summary_path), "--no-progress", *extra_args]
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    if num_ranks > 1:
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)  # the child sets up its own world; never rendezvous on a port this process holds
     log_path = (log_dir or workdir) / f"{name}.log"
     with open(log_path, "w") as logf:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)

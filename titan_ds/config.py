@@ -89,6 +89,9 @@ class OptimizerConfig(_Strict):
     importance: Literal["momentum", "grad_weight", "sketch"] = "momentum"
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     granularity: Literal["tensor", "block"] = "tensor"
+    block_size: int = Field(default=4096, ge=1)          # elements per unit when granularity="block"
+    sketch_width: int = Field(default=1 << 16, ge=16)    # TGSS table (importance="sketch"): width x depth fp32
+    sketch_depth: int = Field(default=3, ge=1, le=16)
 
     @field_validator("betas")
     @classmethod
@@ -111,27 +114,53 @@ class PlasticityConfig(_Strict):
     sleep_after: int = Field(default=100, ge=1)
     wake_every: int = Field(default=50, ge=1)
     ema: float = Field(default=0.9, ge=0, lt=1)
+    plateau_ratio: float = Field(default=0.5, gt=0, le=1)
 
 
 class CompressionConfig(_Strict):
-    """Gradient compression on DeepSpeed's reduce path (issue #6)."""
+    """Gradient compression on DeepSpeed's reduce path (issue #6; titan_ds/comm, docs/compress.md).
 
-    method: Literal["none", "topk", "tgss", "hge", "powersgd"] = "hge"
+    ``ratio`` is the target of dense bytes / bytes handed to the collective per rank; ``sketch_rows`` is the
+    number of count-sketch rows (tgss) or holograms (hge); ``warmup_steps`` optimizer steps run uncompressed;
+    ``seed`` keys the hashes and phases (identical on all ranks). A key that the chosen method does not use
+    is an error, not ignored.
+    """
+
+    method: Literal["none", "topk", "tgss", "hge"] = "hge"
     ratio: float = Field(default=50.0, ge=1)
     error_feedback: bool = True
     warmup_steps: int = Field(default=0, ge=0)
     sketch_rows: int = Field(default=3, ge=1, le=64)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**31)
+
+    @model_validator(mode="after")
+    def _used_keys(self) -> "CompressionConfig":
+        unused = {"none": ("ratio", "error_feedback", "sketch_rows", "seed"), "topk": ("sketch_rows", "seed")}
+        bad = sorted(set(unused.get(self.method, ())) & self.model_fields_set)
+        if bad:
+            raise ValueError(f"has {', '.join(bad)}, which method={self.method!r} does not use; remove "
+                             f"{'it' if len(bad) == 1 else 'them'} or choose a method that uses "
+                             f"{'it' if len(bad) == 1 else 'them'}")
+        return self
 
 
 class TRDConfig(_Strict):
-    """Tensor-ring linear layers (issue #3)."""
+    """Tensor-ring linear layers (issue #3; titan_ds/inject/trd.py, docs/trd.md).
+
+    ``rank``: one rank for every ring edge, or one per core (then every replaced layer must have that many
+    cores). ``include``/``exclude``: regexes, ``re.search`` on qualified module names (``blocks.0.mlp.fc``).
+    ``init``: ``random`` (variance-matched) or ``tr_svd`` (tensorly TR-SVD of the dense weight).
+    ``min_features``: skip linears with ``min(in, out)`` below this. ``mode_size``: target size of the tensor
+    modes the features are factored into. ``path``: ``cheapest`` picks the association with fewer multiply-adds per call.
+    """
 
     rank: Union[int, list[int]] = 16
     include: list[str] = Field(default_factory=lambda: [r"\.(qkv|proj|fc|out)$"])
     exclude: list[str] = Field(default_factory=list)
     init: Literal["random", "tr_svd"] = "random"
     min_features: int = Field(default=64, ge=1)
+    mode_size: int = Field(default=4, ge=2)
+    path: Literal["cheapest", "factored", "dense"] = "cheapest"
 
     @field_validator("rank")
     @classmethod
@@ -159,13 +188,31 @@ class TRDConfig(_Strict):
 
 
 class MLMEConfig(_Strict):
-    """Micro-layer materialization (issue #4): tiled attention, StripeFFN, chunked cross-entropy."""
+    """Micro-layer materialization (issue #4): tiled attention, StripeFFN, chunked cross-entropy.
+
+    attention: "tiled" (titan_ds.kernels.attention), "sdpa" (torch SDPA), "off" (attention left as built);
+    tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);
+    stripe_ffn: tokens per StripeFFN stripe, null = MLP left as built; chunked_loss: fuse the LM head with the
+    cross-entropy (reference GPT; HF models compute logits in forward and are left alone, with a warning);
+    loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary);
+    recompute_blocks: keep only each transformer block's input for backward and recompute the block inside
+    backward (one block's activations live at a time; costs one extra forward).
+    """
 
     attention: Literal["tiled", "sdpa", "off"] = "tiled"
     tile: int = Field(default=128, ge=16, le=1024)
     stripe_ffn: Optional[int] = Field(default=256, ge=1)
     chunked_loss: bool = True
     loss_chunk: int = Field(default=4096, ge=1)
+    loss_vocab_chunk: Optional[int] = Field(default=None, ge=1)
+    recompute_blocks: bool = False
+
+    @model_validator(mode="after")
+    def _something_on(self) -> "MLMEConfig":
+        if self.attention == "off" and self.stripe_ffn is None and not self.chunked_loss and not self.recompute_blocks:
+            raise ValueError("switches nothing on (attention \"off\", stripe_ffn null, chunked_loss "
+                             "false, recompute_blocks false); remove the \"mlme\" section or switch one on")
+        return self
 
     @field_validator("tile")
     @classmethod

@@ -156,8 +156,9 @@ def accounted_memory(engine: Any, activations: int = 0) -> MemoryBreakdown:
 
 
 class ActivationCounter:
-    """Counts the bytes autograd saves for backward during a forward (deduplicated by storage, parameters
-    excluded: they are counted under 'parameters')."""
+    """Counts the bytes autograd saves for backward during a forward (distinct storages; the module's parameters
+    are excluded: they are counted under 'parameters'). A thin wrapper of
+    :class:`titan_ds.kernels.saved.SavedTensorMeter` that remembers the last count in ``bytes``."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None):
         self.module = module
@@ -165,20 +166,9 @@ class ActivationCounter:
 
     @contextlib.contextmanager
     def track(self) -> Iterator["ActivationCounter"]:
-        seen: set = set()
-        if self.module is not None:
-            for p in self.module.parameters():
-                if p.numel():
-                    seen.add(p.untyped_storage().data_ptr())
+        from .kernels.saved import SavedTensorMeter
+        params = [p for p in self.module.parameters() if p.numel()] if self.module is not None else []
         self.bytes = 0
-
-        def pack(t: torch.Tensor):
-            if t.numel():
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in seen:
-                    seen.add(ptr)
-                    self.bytes += t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedTensorMeter(exclude=params) as meter:
             yield self
+        self.bytes = meter.bytes

@@ -11,11 +11,20 @@ from titan_ds.utils import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_deepspeed(script: str | Path, *args: str, num_ranks: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    ds = Path(sys.executable).with_name("deepspeed")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT", "LOCAL_SIZE")}
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE")
+
+
+def clean_env() -> dict:
+    """This process's environment without the one-process world the test session set up (a child must not
+    rendezvous on the port the parent's process group holds)."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_deepspeed(script: str | Path, *args: str, num_ranks: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    ds = Path(sys.executable).with_name("deepspeed")
+    env = clean_env()
     cmd = [str(ds), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

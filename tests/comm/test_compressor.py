@@ -1,0 +1,257 @@
+"""Unit tests for the gradient compressors (STYLE.md 4: exact case, error-feedback invariant, off-switch, state)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from titan_ds.comm.compressor import (REGISTRY, GradientReducer, LocalCollective, Segment, ThreadCollective,
+                                      build_compressor, check_layout, sketch_budget, topk_budget)
+from titan_ds.comm.hge import Hologram
+from titan_ds.comm.tgss import CountSketch, hash_bins, median_rows
+
+LOSSY = ["topk", "tgss", "hge"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def one(n: int, key: str = "p") -> list[Segment]:
+    return [Segment(key, 0, 0, n, n)]
+
+
+def run_ranks(world: int, fn):
+    """Run fn(rank, comm) in ``world`` threads sharing a ThreadCollective; return the results by rank."""
+    group = ThreadCollective(world)
+    out: list = [None] * world
+    errs: list = []
+
+    def target(r):
+        try:
+            out[r] = fn(r, group.rank(r))
+        except BaseException as e:  # surfaced below
+            errs.append(e)
+            group._barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errs:
+        raise errs[0]
+    return out
+
+
+# ------------------------------------------------------------------ 1. exact case
+def sparse(n: int, nnz: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.zeros(n)
+    x[torch.randperm(n, generator=gen)[:nnz]] = torch.randn(nnz, generator=gen)
+    return x
+
+
+@pytest.mark.parametrize("method", LOSSY)
+def test_exact_when_fewer_nonzeros_than_budget_one_rank(method):
+    n, ratio = 4096, 4.0
+    k = topk_budget(n, ratio) if method == "topk" else sketch_budget(n, ratio, 3)[0]
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(5):
+        x = sparse(n, k // 8, gen)
+        red = GradientReducer(method, ratio)
+        out = red.reduce(x, one(n), LocalCollective(), step=trial)
+        assert torch.equal(out, x), f"{method} trial {trial}: max err {(out - x).abs().max()}"
+        assert red.residuals.norm() == 0.0
+
+
+@pytest.mark.parametrize("method", ["tgss", "hge"])
+def test_sketch_exact_case_premise_is_the_candidate_count(method):
+    """The guarantee behind the exact case: the support is always among the candidates, and when there are
+    at most k candidates all of them are taken. Check both halves on the decoded sketch directly."""
+    n, ratio, rows = 4096, 4.0, 3
+    k, cols = sketch_budget(n, ratio, rows)
+    x = sparse(n, k // 8, torch.Generator().manual_seed(2))
+    comp = build_compressor(method, ratio, rows)
+    keys = comp.keys(n, cols, 7, x.device)
+    sk = comp.encode(x, keys, cols, 7)
+    est, cand = comp.estimate(sk, keys, n, cols, 7)
+    assert bool(cand[x != 0].all())
+    assert int(cand.sum()) <= k
+
+
+@pytest.mark.parametrize("method", LOSSY)
+def test_exact_sum_two_ranks(method):
+    n, ratio = 4096, 4.0
+    k = topk_budget(n, ratio) if method == "topk" else sketch_budget(n, ratio, 3)[0]
+    xs = [sparse(n, k // 16, torch.Generator().manual_seed(10 + r)) for r in range(2)]
+
+    def fn(r, comm):
+        return GradientReducer(method, ratio).reduce(xs[r], one(n), comm, step=3)
+
+    outs = run_ranks(2, fn)
+    assert torch.equal(outs[0], outs[1])  # every rank decodes the same sum
+    torch.testing.assert_close(outs[0], xs[0] + xs[1], rtol=0, atol=1e-7)
+
+
+# ------------------------------------------------------------------ 2. error-feedback invariant
+@pytest.mark.parametrize("method", LOSSY)
+def test_error_feedback_invariant(method):
+    """sent + new_residual == x + old_residual, exactly, over several steps; with one rank summed == sent."""
+    n = 3000
+    red = GradientReducer(method, 20.0)
+    old = torch.zeros(n)
+    for step in range(4):
+        x = torch.randn(n)
+        out = red.reduce(x, one(n), LocalCollective(), step)
+        new = red.residuals.residuals["p"].clone()
+        assert torch.equal(out + new, x + old), method
+        assert (out != 0).sum() < n // 5  # it did compress
+        old = new
+
+
+@pytest.mark.parametrize("method", LOSSY)
+def test_residuals_follow_parameters_not_buckets(method):
+    """The same parameters arriving in differently composed buckets keep one residual each."""
+    na, nb = 700, 500
+    red = GradientReducer(method, 10.0)
+    xa, xb = torch.randn(na), torch.randn(nb)
+    # step 0: one bucket [b | a]
+    red.reduce(torch.cat([xb, xa]), [Segment("b", 0, 0, nb, nb), Segment("a", 0, nb, na, na)], LocalCollective(), 0)
+    ra, rb = red.residuals.residuals["a"].clone(), red.residuals.residuals["b"].clone()
+    # step 1: a's second half alone, then a's first half with b
+    ya, yb = torch.randn(na), torch.randn(nb)
+    h = na // 2
+    out1 = red.reduce(ya[h:].clone(), [Segment("a", h, 0, na - h, na)], LocalCollective(), 1)
+    out2 = red.reduce(torch.cat([ya[:h], yb]), [Segment("a", 0, 0, h, na), Segment("b", 0, h, nb, nb)],
+                      LocalCollective(), 1)
+    sent_a = torch.cat([out2[:h], out1])
+    sent_b = out2[h:]
+    assert torch.equal(sent_a + red.residuals.residuals["a"], ya + ra)
+    assert torch.equal(sent_b + red.residuals.residuals["b"], yb + rb)
+
+
+def test_layout_must_tile_the_bucket():
+    with pytest.raises(RuntimeError, match="gap or overlap"):
+        check_layout([Segment("a", 0, 0, 5, 5), Segment("b", 0, 6, 4, 4)], 10)
+    with pytest.raises(RuntimeError, match="covers"):
+        check_layout([Segment("a", 0, 0, 5, 5)], 10)
+
+
+# ------------------------------------------------------------------ 3. fails when switched off
+@pytest.mark.parametrize("method", LOSSY)
+@pytest.mark.parametrize("ratio", [10.0, 100.0])
+def test_bytes_on_the_wire_meet_the_ratio(method, ratio):
+    """Would fail with compression off (method none sends 4n bytes: ratio 1)."""
+    n = 200_000
+    red = GradientReducer(method, ratio)
+    red.reduce(torch.randn(n), one(n), LocalCollective(), 0)
+    m = red.take_metrics()
+    assert m["dense_grad_bytes"] == 4 * n
+    assert ratio * 0.98 <= m["hge_compression_ratio"] <= ratio * 1.05, m
+    off = GradientReducer("none", 1.0)
+    off.reduce(torch.randn(n), one(n), LocalCollective(), 0)
+    assert off.take_metrics()["hge_compression_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("method", LOSSY)
+def test_error_feedback_off_loses_mass_on(method):
+    """A constant gradient over T steps: with error feedback the delivered total is T g minus one bounded
+    residual; without it, most of T g never arrives. (Fails if error_feedback is a no-op either way.)"""
+    n, T = 400, 150  # T * k >= 5 n for every method at ratio 4 (tgss: k = 14)
+    g = torch.randn(n)
+    tot = {}
+    for ef in (True, False):
+        red = GradientReducer(method, 4.0, error_feedback=ef)
+        s = torch.zeros(n)
+        for t in range(T):
+            s += red.reduce(g.clone(), one(n), LocalCollective(), t)
+        tot[ef] = (s - T * g).norm() / (T * g).norm()
+        if ef:
+            torch.testing.assert_close(s + red.residuals.residuals["p"], T * g, rtol=1e-5, atol=1e-4)
+        else:
+            assert red.residuals.residuals == {}
+    assert tot[True] < 0.5 * tot[False], tot
+
+
+def test_warmup_steps_are_dense():
+    n = 1000
+    red = GradientReducer("topk", 50.0, warmup_steps=2)
+    x = torch.randn(n)
+    assert torch.equal(red.reduce(x, one(n), LocalCollective(), 0), x)
+    assert red.take_metrics()["hge_compression_ratio"] == 1.0
+    assert not torch.equal(red.reduce(x, one(n), LocalCollective(), 2), x)
+    assert red.take_metrics()["hge_compression_ratio"] > 40
+
+
+# ------------------------------------------------------------------ 4. state round trip
+@pytest.mark.parametrize("method", LOSSY)
+def test_state_round_trip_keeps_residuals(method):
+    n = 1500
+    a = GradientReducer(method, 15.0, seed=3)
+    xs = [torch.randn(n) for _ in range(5)]
+    for t in range(3):
+        a.reduce(xs[t], one(n), LocalCollective(), t)
+    state = a.state_dict()
+    b = GradientReducer(method, 15.0, seed=3)
+    b.load_state_dict(state)
+    assert torch.equal(b.residuals.residuals["p"], a.residuals.residuals["p"])
+    assert a.residuals.norm() > 0
+    for t in (3, 4):
+        assert torch.equal(a.reduce(xs[t], one(n), LocalCollective(), t), b.reduce(xs[t], one(n), LocalCollective(), t))
+    fresh = GradientReducer(method, 15.0, seed=3)
+    # without the residuals the next step differs: the round trip is what keeps them
+    c = GradientReducer(method, 15.0, seed=3)
+    c.load_state_dict(state)
+    assert not torch.equal(fresh.reduce(xs[3], one(n), LocalCollective(), 3), c.reduce(xs[3], one(n), LocalCollective(), 3))
+
+
+def test_state_of_another_method_is_refused():
+    a = GradientReducer("topk", 10.0)
+    a.reduce(torch.randn(100), one(100), LocalCollective(), 0)
+    with pytest.raises(RuntimeError, match="same method"):
+        GradientReducer("tgss", 10.0).load_state_dict(a.state_dict())
+
+
+# ------------------------------------------------------------------ registry, sketches
+def test_registry_unknown_name_lists_choices():
+    assert sorted(REGISTRY) == ["hge", "none", "tgss", "topk"]
+    with pytest.raises(ValueError, match=r"unknown compressor 'powersgd'; choose one of \['hge', 'none', 'tgss', 'topk'\]"):
+        build_compressor("powersgd", 10.0)
+
+
+def test_hashes_in_range_and_balanced():
+    bins, bits = hash_bins(50_000, 3, 97, seed=5)
+    assert int(bins.min()) >= 0 and int(bins.max()) < 97
+    counts = torch.bincount(bins[0], minlength=97).float()
+    assert counts.std() / counts.mean() < 0.1  # ~Poisson(515): 0.044 expected
+    assert abs(float((bits >> 22).float().mean()) - 0.5) < 0.01
+    b2, _ = hash_bins(50_000, 3, 97, seed=6)
+    assert not torch.equal(bins, b2)
+    assert not torch.equal(bins[0], bins[1])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_median_rows_matches_torch(rows):
+    e = torch.randn(rows, 1000)
+    assert torch.equal(median_rows(e), e.median(dim=0).values)
+
+
+def test_sketches_are_linear():
+    n = 5000
+    x, y = torch.randn(n), torch.randn(n)
+    cs, hg = CountSketch(3, 128, 9), Hologram(3, 64, 9)
+    for enc in (cs.encode, hg.encode):
+        torch.testing.assert_close(enc(x) + enc(y), enc(x + y), rtol=1e-5, atol=1e-4)
+
+
+def test_single_heavy_coordinate_decodes_exactly():
+    n = 5000
+    x = torch.zeros(n)
+    x[1234] = 3.5
+    cs, hg = CountSketch(3, 128, 1), Hologram(3, 64, 1)
+    torch.testing.assert_close(cs.estimate(cs.encode(x), n), x)
+    # HGE averages holograms, so a zero coordinate colliding in one of them decodes to a fraction of x_i;
+    # the heavy one itself comes back exactly (|exp(j theta)|^2 = 1)
+    assert abs(float(hg.decode(hg.encode(x), n)[1234]) - 3.5) < 1e-6

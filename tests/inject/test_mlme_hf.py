@@ -1,0 +1,97 @@
+"""MLME policies on tiny random-initialised HuggingFace GPT-2 and Llama models: parity with the unmodified model."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from titan_ds.config import MLMEConfig  # noqa: E402
+from titan_ds.inject.mlme import apply_mlme  # noqa: E402
+from titan_ds.kernels.stripe_ffn import StripeFFN  # noqa: E402
+
+ATOL, RTOL = 3e-5, 3e-5
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=97, n_positions=64,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=96, vocab_size=97, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _loss_and_grads(model, ids, mask=None):
+    model.zero_grad()
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_hf_parity(build, padded):
+    model = build()
+    eager = copy.deepcopy(model)
+    report = apply_mlme(model, MLMEConfig(tile=16, stripe_ffn=7, chunked_loss=False))
+    kinds = {e.policy for e in report.entries}
+    assert kinds == {"mlme.attention", "mlme.stripe_ffn"} and len(report.entries) == 4, report.table()
+    assert list(model.state_dict()) == list(eager.state_dict())  # names and order unchanged
+    ids = torch.randint(0, 97, (2, 37))
+    mask = None
+    if padded:  # right padding, ragged lengths 37 and 20
+        mask = torch.ones(2, 37, dtype=torch.long)
+        mask[1, 20:] = 0
+    logits0, grads0 = _loss_and_grads(eager, ids, mask)
+    logits1, grads1 = _loss_and_grads(model, ids, mask)
+    keep = mask.bool() if padded else torch.ones(2, 37, dtype=torch.bool)
+    torch.testing.assert_close(logits1[keep], logits0[keep], atol=ATOL, rtol=RTOL)
+    assert grads0.keys() == grads1.keys()
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], atol=ATOL, rtol=RTOL, msg=lambda m: f"grad {n}: {m}")
+
+
+def test_hf_modules_really_swapped():
+    model = _llama()
+    apply_mlme(model, MLMEConfig(tile=16, stripe_ffn=8, chunked_loss=False))
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp, StripeFFN) and layer.mlp.kind == "gated"
+    assert layer.self_attn.config._attn_implementation == "titan_tiled"
+    assert model.config._attn_implementation != "titan_tiled"  # only the attention modules' own copies
+    from titan_ds.inject.mlme import mlme_policies
+    from titan_ds.inject.policy import apply_policies
+    assert apply_policies(model, mlme_policies(MLMEConfig(tile=16, stripe_ffn=8))).entries == []  # idempotent
+
+
+def test_right_padding_mask_takes_the_kernel_path():
+    """HF's 4-D mask for right padding is recognised as causal + key padding (the Triton-capable path)."""
+    from titan_ds.inject.mlme import _split_hf_mask
+    kpm = torch.arange(10)[None] < torch.tensor([[10], [4]])
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()[None, None] & kpm[:, None, None, :]
+    causal, got_kpm, dense = _split_hf_mask(mask, True, 10, 10)
+    assert causal and dense is None and torch.equal(got_kpm, kpm)
+    odd = mask.clone()
+    odd[0, 0, 5, 2] = False
+    assert _split_hf_mask(odd, True, 10, 10)[2] is not None  # anything else: the dense reference path
+
+
+def test_hf_attention_dropout_raises():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=32, attn_pdrop=0.1)
+    with pytest.raises(ValueError, match="attn_pdrop=0"):
+        apply_mlme(transformers.GPT2LMHeadModel(cfg), MLMEConfig(stripe_ffn=None, chunked_loss=False))
+
+
+def test_hf_chunked_loss_warns_not_silently(caplog):
+    model = _gpt2()
+    with caplog.at_level("WARNING", logger="titan_ds.inject"):
+        apply_mlme(model, MLMEConfig(attention="off", stripe_ffn=None, chunked_loss=True))
+    assert "chunked_loss has no effect" in caplog.text

@@ -1,0 +1,178 @@
+"""ASDT: flat path vs the reference loop, density honoured, bounded step, state dtype, checkpoint, delta."""
+import copy
+import math
+
+import pytest
+import torch
+
+from titan_ds.optim.asdt import ASDT, reference_step
+from titan_ds.optim.delta import apply_delta, save_delta
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+SHAPES = [(7, 13), (5,), (3, 4, 6), (1,), (33, 9)]
+
+
+def _params():
+    return [torch.randn(s, requires_grad=True) for s in SHAPES]
+
+
+def _grads(ps, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) for p in ps]
+
+
+def _run_flat(ps, steps, **kw):
+    opt = ASDT([(f"p{i}", p) for i, p in enumerate(ps)], **kw)
+    for t in range(steps):
+        for p, g in zip(ps, _grads(ps, t)):
+            p.grad = g
+        opt.step()
+    return opt
+
+
+def _run_reference(ps, steps, granularity="tensor", block_size=4096, **kw):
+    states = {}
+    for t in range(steps):
+        units = []
+        for i, (p, g) in enumerate(zip(ps, _grads(ps, t))):
+            w, gv = p.data.view(-1), g.view(-1)
+            step = p.numel() if granularity == "tensor" else block_size
+            for s in range(0, p.numel(), step):
+                units.append((w[s:s + step], gv[s:s + step], states.setdefault((i, s), {})))
+        reference_step(units, **kw)
+    return states
+
+
+@pytest.mark.parametrize("importance", ["momentum", "grad_weight"])
+@pytest.mark.parametrize("density", [1.0, 0.3, 0.05])
+@pytest.mark.parametrize("granularity", ["tensor", "block"])
+def test_flat_path_matches_reference_bit_exactly(importance, density, granularity):
+    a = _params()
+    b = [p.detach().clone() for p in a]
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), density=density, weight_decay=0.1, importance=importance)
+    opt = _run_flat(a, 6, granularity=granularity, block_size=10, **hp)
+    states = _run_reference(b, 6, granularity=granularity, block_size=10, state_dtype=torch.float32, **hp)
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa.data, pb)
+    # momentum buffers, unit by unit
+    for i, p in enumerate(a):
+        m = opt.state[p]["momentum"]
+        ref = torch.cat([states[(i, s)]["momentum"] for s in sorted(s for (j, s) in states if j == i)])
+        assert torch.equal(m, ref)
+
+
+def test_bf16_state_matches_reference_and_is_bf16():
+    a = _params()
+    b = [p.detach().clone() for p in a]
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), density=0.25, weight_decay=0.0, importance="momentum")
+    opt = _run_flat(a, 5, state_dtype="bf16", **hp)
+    _run_reference(b, 5, state_dtype=torch.bfloat16, **hp)
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa.data, pb)
+    assert all(st["momentum"].dtype == torch.bfloat16 for st in opt.state.values())
+    n = sum(p.numel() for p in a)
+    assert opt.state_bytes() == 2 * n
+
+
+@pytest.mark.parametrize("density", [0.1, 0.5])
+def test_density_is_honoured_and_step_is_bounded(density):
+    ps = _params()
+    before = [p.detach().clone() for p in ps]
+    lr = 1e-3
+    opt = _run_flat(ps, 1, lr=lr, density=density, weight_decay=0.0)
+    changed = sum(int((p.data != b).sum()) for p, b in zip(ps, before))
+    allowed = sum(math.ceil(density * p.numel()) for p in ps)
+    assert changed <= allowed and opt.last_selected == allowed  # continuous scores: no ties
+    for p, b in zip(ps, before):
+        # |w - lr*sign| is rounded to fp32: one ulp of |w| on top of lr
+        ulp = torch.finfo(torch.float32).eps * float(b.abs().max())
+        assert float((p.data - b).abs().max()) <= lr + ulp
+
+
+def test_fails_if_sparsity_is_off():
+    """density 0.1 changes ~10% of the elements; a dense sign step (density 1) would change all of them."""
+    ps = _params()
+    before = [p.detach().clone() for p in ps]
+    _run_flat(ps, 1, lr=1e-3, density=0.1)
+    frac = sum(int((p.data != b).sum()) for p, b in zip(ps, before)) / sum(p.numel() for p in ps)
+    assert frac < 0.2
+    ps2 = [b.clone().requires_grad_() for b in before]
+    _run_flat(ps2, 1, lr=1e-3, density=1.0)
+    assert all(bool((p.data != b).all()) for p, b in zip(ps2, before))
+
+
+def test_density_one_is_lion():
+    """Lion (Chen et al. 2023, Alg. 2) with decoupled decay, written out independently."""
+    ps = _params()
+    ref = [p.detach().clone() for p in ps]
+    m = [torch.zeros_like(r) for r in ref]
+    lr, (b1, b2), wd = 3e-3, (0.9, 0.99), 0.1
+    _run_flat(ps, 4, lr=lr, betas=(b1, b2), density=1.0, weight_decay=wd)
+    for t in range(4):
+        for i, g in enumerate(_grads(ref, t)):
+            c = m[i] * b1 + g * (1 - b1)
+            ref[i] = ref[i] - (torch.sign(c) + wd * ref[i]) * lr
+            m[i] = m[i] * b2 + g * (1 - b2)
+    for p, r in zip(ps, ref):
+        assert torch.equal(p.data, r)
+
+
+def test_sketch_importance_selects_density_and_differs_from_momentum():
+    ps = _params()
+    q = [p.detach().clone().requires_grad_() for p in ps]
+    o1 = _run_flat(ps, 3, lr=1e-2, density=0.2, importance="sketch", sketch_width=1 << 12)
+    _run_flat(q, 3, lr=1e-2, density=0.2, importance="momentum")
+    assert o1.last_selected <= sum(math.ceil(0.2 * p.numel()) for p in ps) + 5  # sketch ties are rare
+    assert any(not torch.equal(a.data, b.data) for a, b in zip(ps, q))
+    assert o1.state_bytes() == sum(4 * p.numel() for p in ps) + o1.sketch.nbytes
+
+
+def test_resume_is_bit_exact():
+    ps = _params()
+    q = [p.detach().clone().requires_grad_() for p in ps]
+    hp = dict(lr=1e-2, density=0.2, weight_decay=0.1, state_dtype="bf16", importance="sketch", sketch_width=256)
+    opt = ASDT([(f"p{i}", p) for i, p in enumerate(ps)], **hp)
+    for t in range(6):
+        for p, g in zip(ps, _grads(ps, t)):
+            p.grad = g
+        opt.step()
+        if t == 2:
+            saved = copy.deepcopy(opt.state_dict())
+            qs = [p.detach().clone() for p in ps]
+    opt2 = ASDT([(f"p{i}", p) for i, p in enumerate(q)], **hp)
+    for p, v in zip(q, qs):
+        p.data.copy_(v)
+    opt2.load_state_dict(saved)
+    assert all(st["momentum"].dtype == torch.bfloat16 for st in opt2.state.values())
+    for t in range(3, 6):
+        for p, g in zip(q, _grads(q, t)):
+            p.grad = g
+        opt2.step()
+    for a, b in zip(ps, q):
+        assert torch.equal(a.data, b.data)
+
+
+def test_delta_round_trip(tmp_path):
+    ps = _params()
+    base = {f"p{i}": p.detach().clone() for i, p in enumerate(ps)}
+    torch.save(base, tmp_path / "base.pt")
+    opt = _run_flat(ps, 3, lr=1e-2, density=0.1)
+    info = opt.save_delta(str(tmp_path / "d.pt"), str(tmp_path / "base.pt"))
+    restored = {k: v.clone() for k, v in base.items()}
+    apply_delta(restored, str(tmp_path / "d.pt"))
+    for i, p in enumerate(ps):
+        assert torch.equal(restored[f"p{i}"], p.data)
+    total = sum(p.numel() for p in ps)
+    assert 0 < info["changed"] <= 3 * sum(math.ceil(0.1 * p.numel()) for p in ps) < total
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="density"):
+        ASDT([torch.zeros(2, requires_grad=True)], density=1.5)
+    with pytest.raises(ValueError, match="importance"):
+        ASDT([torch.zeros(2, requires_grad=True)], importance="magic")

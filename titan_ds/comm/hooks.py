@@ -1,0 +1,337 @@
+"""Install a gradient compressor on one DeepSpeed engine's reduce path (the ``compression`` pillar).
+
+Seams (deepspeed_seams.md 3.1/3.3; each measured to carry all gradient bytes of its stage):
+
+* ZeRO-0: ``engine.allreduce_bucket(bucket, dp_group, dp_world_size)``; bucket elements are ``param.grad``.
+* ZeRO-1/2: ``optimizer.allreduce_bucket(bucket, dtype, rank, log, divide, process_group)`` (reduce-scatter
+  path, slices of the IPG buffer) and ``optimizer.gradient_reduction_w_predivide(tensor, dtype)`` (the whole
+  IPG buffer). ``optimizer.average_tensor`` is wrapped only to record which parameter sits at which offset of
+  the IPG buffer (``bucket.params`` order, as DeepSpeed itself assumes), so residuals are keyed by parameter.
+* ZeRO-3: the module global ``stage3.reduce_scatter_coalesced`` is replaced by a dispatcher (installed once,
+  reference-counted, restored when the last engine uninstalls) that compresses only while **this**
+  optimizer's ``__avg_scatter_grads`` is on the stack (a thread-local set by an instance-level wrapper); any
+  other caller gets DeepSpeed's function unchanged.
+
+Everything else is instance attributes on the engine or its optimizer: ``uninstall()`` deletes them and the
+class methods apply again. A ``dist.reduce`` to one owner (``rank=dst``) is done as a compressed all-reduce:
+the same bytes per rank are handed over, and every rank keeps its residual consistent.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Optional
+
+import torch
+
+from ..config import TitanConfigError
+from .compressor import GradientReducer, Segment
+
+__all__ = ["before_initialize", "after_initialize", "CompressionHooks", "DistCollective"]
+
+log = logging.getLogger("titan_ds.comm")
+
+_REPORT_KEY = "compression"
+
+
+class DistCollective:
+    """``deepspeed.comm`` collectives over one process group."""
+
+    def __init__(self, group: Any):
+        from deepspeed import comm as dist
+        self.dist, self.group = dist, group
+        self.world_size = dist.get_world_size(group=group)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        self.dist.all_reduce(t, group=self.group)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.dist.all_gather(out, t, group=self.group)
+        return out
+
+
+# ------------------------------------------------------------------------------- ZeRO-3 dispatcher
+_Z3 = threading.local()
+_Z3_INSTALLS = {"count": 0, "original": None}
+
+
+def _z3_dispatch(tensors, group=None):
+    hooks = getattr(_Z3, "active", None)
+    if hooks is None:
+        return _Z3_INSTALLS["original"](tensors, group)
+    return hooks._reduce_scatter(tensors, group)
+
+
+def _z3_acquire() -> None:
+    from deepspeed.runtime.zero import stage3
+    if _Z3_INSTALLS["count"] == 0:
+        _Z3_INSTALLS["original"] = stage3.reduce_scatter_coalesced
+        stage3.reduce_scatter_coalesced = _z3_dispatch
+    _Z3_INSTALLS["count"] += 1
+
+
+def _z3_release() -> None:
+    from deepspeed.runtime.zero import stage3
+    _Z3_INSTALLS["count"] -= 1
+    if _Z3_INSTALLS["count"] == 0:
+        stage3.reduce_scatter_coalesced = _Z3_INSTALLS["original"]
+        _Z3_INSTALLS["original"] = None
+
+
+# ------------------------------------------------------------------------------- the hooks
+class CompressionHooks:
+    """The reducer installed on one engine; ``install()``/``uninstall()``; residual state for checkpoints."""
+
+    def __init__(self, engine: Any, reducer: GradientReducer, stage: int):
+        self.engine, self.reducer, self.stage = engine, reducer, stage
+        self.names = {id(p): n for n, p in engine.module.named_parameters()}
+        self._ipg: Optional[tuple[int, int, int, list[Segment]]] = None  # (base ptr, elsize, numel, segments)
+        self._z3_params: Optional[list[Any]] = None
+        self._installed: list[tuple[Any, str]] = []
+        self.seam_calls: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        r = self.reducer
+        return (f"CompressionHooks(method={r.method!r}, ratio={r.ratio}, stage={self.stage}, "
+                f"error_feedback={r.error_feedback}, warmup_steps={r.warmup_steps}, seam_calls={self.seam_calls})")
+
+    # ---------------------------------------------------------------- install / uninstall
+    def _set(self, obj: Any, name: str, fn: Any) -> None:
+        if name in vars(obj):
+            raise RuntimeError(f"{type(obj).__name__}.{name} is already overridden on this instance "
+                               f"(titan compression installed twice?)")
+        setattr(obj, name, fn)
+        self._installed.append((obj, name))
+
+    def install(self) -> "CompressionHooks":
+        eng, opt = self.engine, self.engine.optimizer
+        if self.stage == 0:
+            self._set(eng, "allreduce_bucket", self._z0_allreduce_bucket)
+        elif self.stage in (1, 2):
+            self._set(opt, "average_tensor", self._z12_average_tensor(opt.average_tensor))
+            self._set(opt, "allreduce_bucket", self._z12_allreduce_bucket)
+            self._set(opt, "gradient_reduction_w_predivide", self._z12_predivide)
+        elif self.stage == 3:
+            name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+            self._set(opt, name, self._z3_avg_scatter(getattr(opt, name)))
+            _z3_acquire()
+        else:
+            raise TitanConfigError([f"zero_optimization.stage={self.stage} is not a ZeRO stage titan.compression "
+                                    f"knows (0, 1, 2, 3)"])
+        return self
+
+    def uninstall(self) -> None:
+        for obj, name in reversed(self._installed):
+            delattr(obj, name)
+        self._installed.clear()
+        if self.stage == 3:
+            _z3_release()
+
+    def _count(self, seam: str) -> None:
+        self.seam_calls[seam] = self.seam_calls.get(seam, 0) + 1
+
+    # ---------------------------------------------------------------- layouts (parameter, offset)
+    def _key(self, p: Any) -> str:
+        name = self.names.get(id(p))
+        if name is not None:
+            return name
+        ds_id = getattr(p, "ds_id", None)
+        if ds_id is None:
+            raise RuntimeError("titan compression: a gradient belongs to a parameter that is not in the engine's "
+                               "module; residuals could not be keyed")
+        return f"ds_id:{ds_id}"
+
+    def _grad_owners(self) -> dict[int, tuple[str, int]]:
+        return {p.grad.data_ptr(): (self._key(p), p.numel()) for p in self.engine.module.parameters()
+                if p.grad is not None}
+
+    def _layout(self, tensors: list[torch.Tensor]) -> list[Segment]:
+        """Segments of the flat concatenation of ``tensors``, each mapped to (parameter, offset)."""
+        out: list[Segment] = []
+        owners: Optional[dict[int, tuple[str, int]]] = None
+        flat_off = 0
+        for t in tensors:
+            n = t.numel()
+            ptr = t.data_ptr()
+            if self._ipg is not None and self._ipg[0] <= ptr < self._ipg[0] + self._ipg[1] * self._ipg[2]:
+                base, es, _, segs = self._ipg
+                lo = (ptr - base) // es
+                hi = lo + n
+                for s in segs:
+                    a, b = max(lo, s.flat_offset), min(hi, s.flat_offset + s.numel)
+                    if a < b:
+                        out.append(Segment(s.key, s.param_offset + a - s.flat_offset, flat_off + a - lo, b - a,
+                                           s.param_numel))
+            else:
+                owners = owners if owners is not None else self._grad_owners()
+                if ptr not in owners or owners[ptr][1] != n:
+                    raise RuntimeError(f"titan compression: a bucket element of {n} elements is neither in the "
+                                       f"recorded gradient buffer nor a parameter's .grad; cannot key residuals")
+                key, numel = owners[ptr]
+                out.append(Segment(key, 0, flat_off, n, numel))
+            flat_off += n
+        return out
+
+    def _comm(self, group: Any) -> DistCollective:
+        return DistCollective(group)
+
+    # ---------------------------------------------------------------- ZeRO-0
+    def _z0_allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
+        eng = self.engine
+        self._count("engine.allreduce_bucket")
+        flat = eng.flatten(bucket)
+        layout = self._layout(list(bucket))
+        comm = self._comm(dp_group)
+        world = dp_world_size if dp_world_size is not None else comm.world_size
+        summed = self.reducer.reduce(flat, layout, comm, eng.global_steps)
+        if eng.gradient_average:
+            summed.div_(world)
+        return summed
+
+    # ---------------------------------------------------------------- ZeRO-1/2
+    def _z12_average_tensor(self, original):
+        opt = self.engine.optimizer
+
+        def average_tensor(tensor, communication_data_type):
+            bucket = opt.ipg_buckets[communication_data_type]
+            segs, off = [], 0
+            for group_idx, idx_in_group, _ in bucket.params:
+                p = opt.bit16_groups[group_idx][idx_in_group]
+                segs.append(Segment(self._key(p), 0, off, p.numel(), p.numel()))
+                off += p.numel()
+            if off != tensor.numel():
+                raise RuntimeError(f"titan compression: IPG bucket holds {tensor.numel()} elements but its "
+                                   f"parameters add up to {off}; DeepSpeed's bucket layout changed")
+            self._ipg = (tensor.data_ptr(), tensor.element_size(), tensor.numel(), segs)
+            try:
+                return original(tensor, communication_data_type)
+            finally:
+                self._ipg = None
+
+        return average_tensor
+
+    def _z12_allreduce_bucket(self, bucket, communication_data_type, rank=None, log=None, divide=True,
+                              process_group=None):
+        opt = self.engine.optimizer
+        self._count("zero.allreduce_bucket" + ("" if rank is None else "(reduce)"))
+        group = opt.dp_process_group if process_group is None else process_group
+        comm = self._comm(group)
+        flat = opt.flatten(bucket)
+        if divide and opt.gradient_average:
+            flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
+        return self.reducer.reduce(flat, self._layout(list(bucket)), comm, self.engine.global_steps)
+
+    def _z12_predivide(self, tensor, communication_data_type):
+        opt = self.engine.optimizer
+        if tensor.numel() == 0:
+            return tensor
+        self._count("zero.gradient_reduction_w_predivide")
+        comm = self._comm(opt.dp_process_group)
+        flat = tensor.detach().clone()
+        if opt.gradient_average:
+            flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
+        summed = self.reducer.reduce(flat, self._layout([tensor]), comm, self.engine.global_steps)
+        tensor.copy_(summed)
+        return tensor
+
+    # ---------------------------------------------------------------- ZeRO-3
+    def _z3_avg_scatter(self, original):
+        def avg_scatter_grads(params_to_reduce, communication_data_type):
+            _Z3.active, self._z3_params = self, list(params_to_reduce)
+            try:
+                return original(params_to_reduce, communication_data_type)
+            finally:
+                _Z3.active, self._z3_params = None, None
+
+        return avg_scatter_grads
+
+    def _reduce_scatter(self, tensors, group):
+        """Same contract as ``reduce_scatter_coalesced``: averaged, this rank's ceil(n/W) chunk of each tensor."""
+        self._count("stage3.reduce_scatter_coalesced")
+        params = self._z3_params
+        if params is None or len(params) != len(tensors):
+            raise RuntimeError("titan compression: ZeRO-3 reduce-scatter called with tensors that do not match "
+                               "the parameters being reduced")
+        comm = self._comm(group)
+        world = comm.world_size
+        rank = comm.dist.get_rank(group=group)
+        segs, off = [], 0
+        for t, p in zip(tensors, params):
+            segs.append(Segment(self._key(p), 0, off, t.numel(), t.numel()))
+            off += t.numel()
+        flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)  # DeepSpeed pre-divides here too
+        summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps)
+        out, off = [], 0
+        for t in tensors:
+            n = t.numel()
+            chunk = math.ceil(n / world)
+            lo, hi = min(n, rank * chunk), min(n, (rank + 1) * chunk)
+            out.append(summed.narrow(0, off + lo, hi - lo).to(t.dtype))
+            off += n
+        return out
+
+    # ---------------------------------------------------------------- checkpoint state
+    def _dp_group(self) -> Any:
+        opt = self.engine.optimizer
+        return getattr(opt, "dp_process_group", None) or getattr(self.engine, "seq_data_parallel_group", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's residuals (gathered: DeepSpeed writes client_state from one rank only)."""
+        from deepspeed import comm as dist
+        local = self.reducer.state_dict()
+        group = self._dp_group()
+        world = dist.get_world_size(group=group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, local, group=group)
+        return {"world_size": world, "per_rank": gathered}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from deepspeed import comm as dist
+        group = self._dp_group()
+        world = dist.get_world_size(group=group)
+        if state["world_size"] != world:
+            raise RuntimeError(f"titan compression residuals were saved with {state['world_size']} data-parallel "
+                               f"ranks but this run has {world}; resume with the same number of ranks")
+        self.reducer.load_state_dict(state["per_rank"][dist.get_rank(group=group)])
+
+
+# ------------------------------------------------------------------------------- pillar entry points
+def _check(ctx: Any) -> None:
+    cfg = ctx.titan.compression
+    errors = []
+    if cfg.method != "none" and ctx.world_size < 2:
+        errors.append(f"titan.compression.method={cfg.method!r} needs at least 2 data-parallel ranks (there is "
+                      f"nothing to communicate with {ctx.world_size}); launch with `deepspeed --num_gpus 2` or "
+                      f"more, or remove \"compression\"")
+    zero = ctx.ds_config.get("zero_optimization", {}) or {}
+    stage = ctx.zero_stage()
+    if stage == 3 and zero.get("reduce_scatter", True) is False:
+        errors.append("zero_optimization.reduce_scatter=false with stage 3 reduces gradients outside the seam "
+                      "titan.compression hooks (stage3 __avg_scatter_contiguous_grads); remove it or set it to true")
+    if zero.get("zero_quantized_gradients"):
+        errors.append("zero_optimization.zero_quantized_gradients (ZeRO++ qgZ) and titan.compression both compress "
+                      "gradients; switch one off")
+    if ctx.ds_config.get("sparse_gradients"):
+        errors.append("sparse_gradients=true sends sparse embedding gradients around titan.compression; remove it")
+    if errors:
+        raise TitanConfigError(errors)
+
+
+def before_initialize(ctx: Any) -> None:
+    """Check the combination before any work starts; build the reducer (installed after initialize)."""
+    _check(ctx)
+    cfg = ctx.titan.compression
+    ctx.reports[_REPORT_KEY] = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
+                                               warmup_steps=cfg.warmup_steps, rows=cfg.sketch_rows, seed=cfg.seed)
+
+
+def after_initialize(ctx: Any) -> None:
+    """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""
+    reducer = ctx.reports[_REPORT_KEY]
+    hooks = CompressionHooks(ctx.engine, reducer, ctx.zero_stage()).install()
+    ctx.reports[_REPORT_KEY] = hooks
+    ctx.add_metrics(reducer.take_metrics)
+    ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)
+    log.info("titan: %r", hooks)

@@ -1,0 +1,187 @@
+"""StripeFFN: a transformer MLP computed in stripes of tokens, recomputing its hidden activation in backward.
+
+For tokens x (N, d) flattened from (..., d), an MLP ``y = out(hidden(x))`` whose ``hidden`` is ``act(fc(x))``
+(GPT, GPT-2) or ``act(gate(x)) * up(x)`` (Llama) and whose ``out`` is a linear map, is computed as:
+
+Forward (no autograd graph is kept):
+1. for each stripe s of ``stripe`` rows:  h_s = hidden(x_s) (stripe x 4d, transient);  y_s = h_s W_out^T + b_out.
+2. save x and W_out only: the (N, 4d) hidden tensor never exists for the whole sequence.
+
+Backward, for each stripe s:
+3. recompute h_s = hidden(x_s) with a local autograd graph (x_s a fresh leaf);
+4. dW_out += dy_s^T h_s;  db_out += colsum dy_s;  dh_s = dy_s W_out;
+5. (dx_s, d hidden params) = autograd.grad(h_s, (x_s, params), dh_s), accumulated over stripes.
+
+The output projection is never recomputed (step 4 uses h_s directly), so the extra cost over eager is one
+forward of ``hidden`` per stripe. An output projection that is not linear in the usual sense (nn.Linear, HF
+Conv1D) -- e.g. TRD's tensor-ring layer -- is recomputed with the hidden part (steps 3-5 on the whole MLP). Children keep the names of the MLP they replace (``fc``/``out``,
+``c_fc``/``c_proj``, ``gate_proj``/``up_proj``/``down_proj``), so state-dict keys are unchanged.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["StripeFFN", "stripe_ffn", "linear_parts"]
+
+
+def linear_parts(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+    """``(W, b)`` with W of shape (out, in) such that ``module(h) == h @ W.T + b``: nn.Linear, or HF Conv1D."""
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D: x @ W + b
+        return module.weight.t(), module.bias
+    raise TypeError(f"StripeFFN's output projection must be nn.Linear or transformers' Conv1D, got "
+                    f"{type(module).__name__}")
+
+
+class _StripeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w_out: Tensor, b_out: Optional[Tensor], stripe: int,
+                hidden: Callable[[Tensor], Tensor], *hparams: Tensor) -> Tensor:
+        n = x.shape[0]
+        y = None
+        for s in range(0, n, stripe):
+            h = hidden(x[s:s + stripe])
+            ys = h if w_out is None else torch.nn.functional.linear(h, w_out, b_out)
+            if y is None:
+                y = x.new_empty(n, ys.shape[-1], dtype=ys.dtype)
+            y[s:s + stripe] = ys
+            del h, ys  # the stripe's hidden activation is dropped here: this is the memory StripeFFN saves
+        ctx.save_for_backward(x, w_out)
+        ctx.stripe, ctx.hidden, ctx.has_bias = stripe, hidden, b_out is not None
+        ctx.hparams = hparams  # parameters (not activations): held by the modules anyway
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w_out = ctx.saved_tensors
+        hparams = ctx.hparams
+        trainable = [i for i, p in enumerate(hparams) if p.requires_grad]
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dw_out = None if w_out is None else torch.zeros_like(w_out, dtype=torch.float32)
+        dh_params: list[Optional[Tensor]] = [None] * len(hparams)
+        for s in range(0, x.shape[0], ctx.stripe):
+            dys = dy[s:s + ctx.stripe]
+            with torch.enable_grad():
+                xs = x[s:s + ctx.stripe].detach().requires_grad_(dx is not None)
+                h = ctx.hidden(xs)
+            if w_out is None:  # generic out module: hidden() is the whole MLP, recomputed with out
+                dh = dys
+            else:
+                dw_out += (dys.t() @ h.detach()).float()
+                dh = dys @ w_out
+            inputs = ([xs] if dx is not None else []) + [hparams[i] for i in trainable]
+            if not inputs:
+                continue
+            grads = torch.autograd.grad(h, inputs, dh, allow_unused=True)
+            if dx is not None:
+                dx[s:s + ctx.stripe] = grads[0]
+                grads = grads[1:]
+            for i, g in zip(trainable, grads):
+                if g is not None:
+                    if dh_params[i] is None:
+                        dh_params[i] = g
+                    else:
+                        dh_params[i].add_(g)  # in place: one parameter-sized buffer, not one per stripe
+        db_out = dy.sum(0) if ctx.has_bias else None
+        return (dx, None if dw_out is None else dw_out.to(w_out.dtype), db_out, None, None, *dh_params)
+
+
+def stripe_ffn(x: Tensor, hidden: Callable[[Tensor], Tensor], hidden_params: list[Tensor],
+               w_out: Optional[Tensor], b_out: Optional[Tensor], stripe: int) -> Tensor:
+    """``hidden(x) @ w_out.T + b_out`` in stripes of ``stripe`` tokens over the leading dims of ``x``.
+
+    With ``w_out=None``, ``hidden`` is the whole map (output projection included, e.g. a tensor-ring layer)
+    and is recomputed whole in backward; ``hidden_params`` must then hold every parameter it uses.
+    """
+    if stripe < 1:
+        raise ValueError(f"stripe must be >= 1 tokens, got {stripe}")
+    lead = x.shape[:-1]
+    y = _StripeFn.apply(x.reshape(-1, x.shape[-1]), w_out, b_out, stripe, hidden, *hidden_params)
+    return y.reshape(*lead, y.shape[-1])
+
+
+class StripeFFN(nn.Module):
+    """An MLP computed by :func:`stripe_ffn`, holding the replaced MLP's submodules under their original names.
+
+    Build with :meth:`plain` (``out(act(fc(x)))``) or :meth:`gated` (``down(act(gate(x)) * up(x))``).
+    ``dropout`` (a child name, optional) is applied to the output, outside the recomputed region.
+    """
+
+    def __init__(self, children: dict[str, nn.Module], kind: str, roles: dict[str, str], stripe: int,
+                 dropout: Optional[str] = None):
+        super().__init__()
+        if kind not in ("plain", "gated"):
+            raise ValueError(f"unknown StripeFFN kind {kind!r}; choose one of ['gated', 'plain']")
+        if stripe < 1:
+            raise ValueError(f"stripe must be >= 1 tokens, got {stripe}")
+        for name, child in children.items():
+            self.add_module(name, child)
+        self.kind, self.roles, self.stripe, self.dropout_name = kind, dict(roles), stripe, dropout
+        try:
+            linear_parts(self._role("out"))
+            self.out_is_linear = True
+        except TypeError:  # e.g. a tensor-ring layer from TRD: recompute it with the hidden part
+            self.out_is_linear = False
+
+    @classmethod
+    def plain(cls, fc: nn.Module, act: Callable[[Tensor], Tensor], out: nn.Module, stripe: int,
+              names: tuple[str, str, str] = ("fc", "act", "out"), dropout: Optional[tuple[str, nn.Module]] = None
+              ) -> "StripeFFN":
+        children = {names[0]: fc, names[2]: out}
+        if isinstance(act, nn.Module):
+            children[names[1]] = act
+        ffn = cls._build(children, "plain", {"fc": names[0], "act": names[1], "out": names[2]}, stripe, dropout)
+        if not isinstance(act, nn.Module):
+            ffn._act_fn = act  # a plain function (F.gelu): no state, nothing for the state dict
+        return ffn
+
+    @classmethod
+    def gated(cls, gate: nn.Module, up: nn.Module, down: nn.Module, act: nn.Module, stripe: int,
+              names: tuple[str, str, str, str] = ("gate_proj", "up_proj", "down_proj", "act_fn")) -> "StripeFFN":
+        children = {names[0]: gate, names[1]: up, names[2]: down, names[3]: act}
+        return cls._build(children, "gated", {"gate": names[0], "up": names[1], "out": names[2], "act": names[3]},
+                          stripe, None)
+
+    @classmethod
+    def _build(cls, children, kind, roles, stripe, dropout) -> "StripeFFN":
+        drop_name = None
+        if dropout is not None:
+            drop_name, drop_mod = dropout
+            children = {**children, drop_name: drop_mod}
+        return cls(children, kind, roles, stripe, drop_name)
+
+    def _role(self, role: str):
+        name = self.roles[role]
+        if role == "act" and name not in self._modules:
+            return self._act_fn
+        return getattr(self, name)
+
+    def hidden(self, x: Tensor) -> Tensor:
+        """The activation that is recomputed: ``act(fc(x))`` or ``act(gate(x)) * up(x)``."""
+        if self.kind == "plain":
+            return self._role("act")(self._role("fc")(x))
+        return self._role("act")(self._role("gate")(x)) * self._role("up")(x)
+
+    def _hidden_params(self) -> list[Tensor]:
+        out_name = self.roles["out"]
+        return [p for name, p in self.named_parameters() if not name.startswith(out_name + ".")]
+
+    def _whole(self, x: Tensor) -> Tensor:
+        return self._role("out")(self.hidden(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.out_is_linear:
+            w_out, b_out = linear_parts(self._role("out"))
+            y = stripe_ffn(x, self.hidden, self._hidden_params(), w_out, b_out, self.stripe)
+        else:
+            y = stripe_ffn(x, self._whole, list(self.parameters()), None, None, self.stripe)
+        if self.dropout_name is not None:
+            y = getattr(self, self.dropout_name)(y)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, stripe={self.stripe}"
