@@ -107,6 +107,28 @@ def configure_ds_config(ds: dict[str, Any], nvme_path: str, *, client_optimizer:
     return changed
 
 
+def _bound_allocator_retention() -> bool:
+    """Make glibc return freed large blocks to the OS (HMS allocates a fresh tensor per read on its I/O threads).
+
+    By default glibc raises its mmap threshold after frees (up to 32 MiB) and keeps one arena per thread, so
+    freed read buffers stay in the process: measured +1.2 GiB peak RSS on the 85M-parameter GPT (4.98 vs
+    3.75 GiB with ``MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_ARENA_MAX=2``). Same settings, via ``mallopt``.
+    Returns False where the C library is not glibc (nothing changed).
+    """
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold, m_arena_max = -3, -8
+    ok = bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_arena_max, 2))
+    if ok:
+        log.info("titan hms: glibc mmap threshold 1 MiB, 2 malloc arenas (freed I/O buffers go back to the OS)")
+    return ok
+
+
 def _rank() -> int:
     import torch.distributed as dist
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -123,6 +145,7 @@ def before_initialize(ctx) -> None:
                                   or ctx.titan.optimizer is not None)
     for c in changed:
         log.info("titan hms: set %s", c)
+    _bound_allocator_retention()
     deepspeed.init_distributed()
     rank = _rank()
     folder = os.path.join(root, "titan_hms", f"rank{rank}")
