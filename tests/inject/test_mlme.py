@@ -100,7 +100,8 @@ def test_wrong_mlp_layout_is_caught():
 
 
 def test_before_initialize_publishes_report():
-    ctx = SimpleNamespace(model=GPT(TINY), titan=TitanConfig(mlme={"tile": 16}), reports={})
+    from titan_ds.engine import InitContext
+    ctx = InitContext(model=GPT(TINY), titan=TitanConfig(mlme={"tile": 16}), ds_config={})
     before_initialize(ctx)
     assert len(ctx.reports["mlme"].entries) == 2 * TINY.n_layer + 1
     assert isinstance(ctx.model.blocks[0].attn.core, TiledAttention)
