@@ -152,7 +152,7 @@ def compare(rows: Iterable[tuple[str, dict[str, Any]]], *, steps: int, out: str 
     from tqdm import tqdm
     out = Path(out)
     rows = list(rows)
-    log_dir = out.parent / "logs"
+    log_dir = out.parent / "logs" / out.stem  # one folder per table: row names repeat across tables
     log_dir.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
