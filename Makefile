@@ -24,7 +24,7 @@ demo: $(VENV)/.installed
 	  --save-every 100
 
 demo2: $(VENV)/.installed
-	$(VENV)/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/demo.json \
+	$(VENV)/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/titan_full.json \
 	  --steps $(STEPS) --val-batches 16 --summary-out results/demo2/summary.json --plot results/demo2/demo.png
 
 test: $(VENV)/.installed

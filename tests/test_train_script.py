@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.launch import ROOT, clean_env, run_deepspeed
 
-TINY = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "32", "--micro-batch", "4",
+TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4",
         "--val-batches", "2", "--no-progress"]
 
 

@@ -83,7 +83,7 @@ def test_incomplete_tag_is_refused(saved):
 
 
 TRAIN = [sys.executable, "launch/train.py", "--deepspeed_config", "ds_configs/demo.json", "--layers", "2",
-         "--width", "32", "--heads", "4", "--context", "32", "--micro-batch", "4", "--val-batches", "1",
+         "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4", "--val-batches", "1",
          "--no-progress"]
 
 
