@@ -139,7 +139,7 @@ def test_checkpoint_resume_is_bit_exact(stage, tmp_path):
 
 
 _TWO_RANK = r"""
-import os, torch
+import os, pathlib, torch
 from tests.inject.test_trd import Tiny
 from tests.inject.test_trd_deepspeed import _config, _adamw, _loss, _batches
 from titan_ds.engine import initialize
@@ -151,7 +151,9 @@ losses = []
 for _ in range(4):  # one fixed sample per rank: the loss must fall
     idx = _batches(1)[0][int(os.environ["RANK"]):][:1]
     loss = _loss(engine, idx); engine.backward(loss); engine.step(); losses.append(loss.item())
-print("RESULT", os.environ["RANK"], local, [g.ds_numel for g in fc.cores], losses, flush=True)
+# one file per rank: two ranks printing to one stdout can interleave their lines
+pathlib.Path(__file__).with_name("result" + os.environ["RANK"] + ".txt").write_text(
+    " ".join(map(str, (os.environ["RANK"], local, [g.ds_numel for g in fc.cores], losses))))
 """
 
 
@@ -162,7 +164,7 @@ def test_zero3_two_ranks_partition_and_train(tmp_path):
     script = tmp_path / "two_rank.py"
     script.write_text(_TWO_RANK)
     out = run_deepspeed(script, num_ranks=2, timeout=900)
-    lines = [l.split("RESULT ", 1)[1] for l in out.stdout.splitlines() if "RESULT " in l]
+    lines = [f.read_text() for f in sorted(tmp_path.glob("result*.txt"))]
     assert len(lines) == 2, out.stdout[-3000:] + out.stderr[-3000:]
     for line in lines:
         rank, local, full, losses = _parse(line)
