@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def main(argv=None) -> None:
     rows = [(Path(c).stem, json.loads(Path(c).read_text())) for c in a.configs]
     compare(rows, steps=a.steps, out=a.out, num_ranks=a.ranks, extra_args=a.train_args.split(),
             title=a.title or f"compare: {', '.join(n for n, _ in rows)}",
-            command="python launch/bench/compare.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+            command="python launch/bench/compare.py " + shlex.join(argv if argv is not None else sys.argv[1:]))
     print(Path(a.out).with_suffix(".md").read_text())
 
 

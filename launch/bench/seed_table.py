@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     names = a.profiles.split(",")
     rows = [(n, json.loads((ROOT / "ds_configs" / f"{n}.json").read_text())) for n in names]
-    cmd = "python launch/bench/seed_table.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python launch/bench/seed_table.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     results = compare(rows, steps=a.steps, out=a.out, num_ranks=a.ranks, extra_args=a.train_args.split(),
                       title="Seed table: plain DeepSpeed vs titan profiles (seed workload)", command=cmd)
     print(Path(a.out).with_suffix(".md").read_text())
