@@ -123,6 +123,9 @@ def main(argv=None) -> dict:
     if hasattr(model, "parameters") and any(hasattr(p, "ds_numel") for p in model.parameters()):
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     acts = ActivationCounter(engine.module)
+    for out in (args.metrics_out, args.summary_out, args.plot):
+        if out and rank == 0:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
     mfile = open(args.metrics_out, "a" if args.load_dir else "w") if (args.metrics_out and rank == 0) else None
     bar = None
     if rank == 0 and not args.no_progress:

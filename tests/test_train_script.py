@@ -25,16 +25,16 @@ def _losses(path):
 
 def test_resume_is_bit_exact(tmp_path):
     _train(tmp_path, "--steps", "6", "--metrics-out", str(tmp_path / "full.jsonl"), "--summary-out",
-           str(tmp_path / "full.json"), "--plot", str(tmp_path / "p.png"))
+           str(tmp_path / "new" / "full.json"), "--plot", str(tmp_path / "new" / "p.png"))  # folders created
     _train(tmp_path, "--steps", "3", "--save-dir", str(tmp_path / "ck"), "--metrics-out", str(tmp_path / "a.jsonl"))
     _train(tmp_path, "--steps", "6", "--load-dir", str(tmp_path / "ck"), "--metrics-out", str(tmp_path / "b.jsonl"),
            "--summary-out", str(tmp_path / "resumed.json"))
     full = _losses(tmp_path / "full.jsonl")
     assert _losses(tmp_path / "a.jsonl") == full[:3]
     assert _losses(tmp_path / "b.jsonl") == full[3:]  # exact float equality, not approx
-    a, b = json.loads((tmp_path / "full.json").read_text()), json.loads((tmp_path / "resumed.json").read_text())
+    a, b = json.loads((tmp_path / "new" / "full.json").read_text()), json.loads((tmp_path / "resumed.json").read_text())
     assert a["val_loss"] == b["val_loss"]
-    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert (tmp_path / "new" / "p.png").stat().st_size > 10_000
     monitor = ROOT / "results" / "tmp" / "monitor" / "demo" / "Train_loss.csv"  # ds_configs/demo.json's csv_monitor
     assert monitor.is_file() and len(monitor.read_text().splitlines()) >= 3
     mem = a["memory"]
