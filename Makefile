@@ -9,7 +9,11 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 export TITAN_CACHE := $(CURDIR)/.cache
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo demo2 test test-fast report bench-baseline clean
+# DeepSpeed JIT-builds its CPU shared-memory all-reduce op on the first init_distributed (2-15 min on 2 cores):
+# build it once here, where nothing times it out, rather than inside the first test or demo step.
+SHM_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
+
+.PHONY: demo demo2 test test-fast report bench-baseline clean clean-shm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,22 +21,30 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-demo: $(VENV)/.installed
+$(SHM_OP): $(VENV)/.installed
+	rm -f $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/lock  # left by a build that was killed; loads would wait on it
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"
+
+# Free /dev/shm files that earlier DeepSpeed CPU runs leaked (only ones no live process uses).
+clean-shm: $(VENV)/.installed
+	$(VENV)/bin/titan-ds clean-shm
+
+demo: $(SHM_OP)
 	$(VENV)/bin/deepspeed --num_gpus 1 launch/train.py --deepspeed_config ds_configs/demo.json \
 	  --steps $(STEPS) --val-every 100 --val-batches 16 --metrics-out results/demo/metrics.jsonl \
 	  --summary-out results/demo/summary.json --plot results/demo/demo.png --save-dir results/demo/checkpoints \
 	  --save-every 100
 
-demo2: $(VENV)/.installed
+demo2: $(SHM_OP)
 	$(VENV)/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/titan_full.json \
 	  --steps $(STEPS) --val-batches 16 --summary-out results/demo2/summary.json --plot results/demo2/demo.png
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow" tests
-	$(PY) -m pytest -q -m slow tests
+test: $(SHM_OP) clean-shm
+	$(PY) -m pytest -q -m "not slow" tests --durations=10
+	$(PY) -m pytest -q -m slow tests --durations=25
 
-test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow" tests
+test-fast: $(SHM_OP)
+	$(PY) -m pytest -q -m "not slow" tests --durations=10
 
 report: $(VENV)/.installed
 	$(VENV)/bin/titan-ds report

@@ -2,13 +2,12 @@
 ranks, with checkpoint/resume bit-exact with all of them on."""
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import ROOT, clean_env, run_deepspeed
+from tests.helpers.launch import ROOT, clean_env, run_deepspeed, run as run_group
 
 TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4",
         "--val-batches", "1", "--no-progress"]
@@ -39,7 +38,7 @@ def _profile(tmp: Path, stage: int, hms: bool, compression: bool) -> Path:
 def _run(cfg: Path, ranks: int, *extra: str):
     args = ["launch/train.py", "--deepspeed_config", str(cfg), *TINY, *extra]
     if ranks == 1:
-        r = subprocess.run([sys.executable, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+        r = run_group([sys.executable, *args], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                            timeout=900)
     else:
         r = run_deepspeed(*args, num_ranks=ranks, timeout=900)

@@ -1,12 +1,11 @@
 """launch/train.py end to end: 1 rank, checkpoint resume is bit-exact; 2 ranks run (slow)."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import ROOT, clean_env, run_deepspeed
+from tests.helpers.launch import ROOT, clean_env, run_deepspeed, run as run_group
 
 TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4",
         "--val-batches", "2", "--no-progress"]
@@ -14,7 +13,7 @@ TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--
 
 def _train(tmp, *extra, cfg="ds_configs/demo.json"):
     cmd = [sys.executable, "launch/train.py", "--deepspeed_config", cfg, *TINY, *extra]
-    r = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+    r = run_group(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
 

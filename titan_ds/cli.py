@@ -1,4 +1,5 @@
-"""``titan-ds report``: what is available on this machine; ``titan-ds plan``: what fits a memory budget."""
+"""``titan-ds report``: what is available on this machine; ``titan-ds clean-shm``: free the shared memory that
+earlier DeepSpeed CPU runs leaked."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +81,13 @@ def report(nvme_path: str = "./titan_storage", probe_mb: int = 64) -> dict[str, 
     }
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="titan-ds")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -87,7 +95,25 @@ def main(argv=None) -> int:
     r.add_argument("--nvme-path", default="./titan_storage")
     r.add_argument("--probe-mb", type=int, default=64)
     r.add_argument("--json", action="store_true")
+    c = sub.add_parser("clean-shm", help="remove /dev/shm files that earlier DeepSpeed CPU runs leaked "
+                                         "(deepspeed_allreduce_buffer_*, 66 MB per rank and run; only unused ones)")
+    c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     a = p.parse_args(argv)
+    if a.cmd == "clean-shm":
+        from .utils import stale_deepspeed_shm
+        stale = stale_deepspeed_shm()
+        size = sum(_size(f) for f in stale)
+        if not a.dry_run:
+            for f in stale:
+                try:
+                    os.unlink(f)
+                except FileNotFoundError:
+                    pass
+        verb = "would remove" if a.dry_run else "removed"
+        print(f"titan-ds clean-shm: {verb} {len(stale)} leaked DeepSpeed shared-memory file(s) ({size / 2**20:.0f} MiB)")
+        for f in stale:
+            print(f"  {f}")
+        return 0
     if a.cmd == "report":
         rep = report(a.nvme_path, a.probe_mb)
         if a.json:

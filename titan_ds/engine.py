@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import TitanConfig, TitanConfigError, load_ds_config
+from .utils import release_deepspeed_shm
 
 __all__ = ["initialize", "InitContext", "TitanRuntime", "PILLARS"]
 
@@ -236,8 +237,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     raw = _resolve_config(args, config)
     titan = TitanConfig.from_ds_config(raw) if raw is not None else None
     if titan is None:
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
+        out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                   training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
+        release_deepspeed_shm()
+        return out
     if model is None:
         raise ValueError("titan_ds.initialize needs model=; the titan pillars act on the model")
     ds_config = load_ds_config(raw)
@@ -259,6 +262,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     engine, opt, dl, sched = deepspeed.initialize(
         args=args, model=ctx.model, optimizer=ctx.optimizer, model_parameters=ctx.model_parameters,
         training_data=training_data, lr_scheduler=ctx.lr_scheduler, config=ds_config, **kwargs)
+    release_deepspeed_shm()
     ctx.engine = engine
     for p in active:
         after = getattr(modules[p.key], "after_initialize", None)

@@ -5,7 +5,8 @@ import logging
 import os
 import socket
 
-__all__ = ["ensure_dist_env", "free_port", "rank", "get_logger"]
+__all__ = ["ensure_dist_env", "free_port", "rank", "get_logger", "release_deepspeed_shm",
+           "stale_deepspeed_shm"]
 
 
 def free_port() -> int:
@@ -21,6 +22,75 @@ def ensure_dist_env() -> None:
         return
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+
+
+SHM_DIR = "/dev/shm"
+
+
+def release_deepspeed_shm() -> bool:
+    """Unlink the shared-memory file DeepSpeed 0.19.8 leaks on every CPU process.
+
+    ``deepspeed.init_distributed`` on the CPU accelerator runs ``shm_initialize``
+    (``ops/csrc/cpu/comm/shm.cpp``): each rank creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
+    (66 MB), maps its peers' files, and never unlinks its own (``shared_close`` is never called). The files
+    outlive the process, so every run, even a killed one, leaves 66 MB per rank in RAM until reboot; a few
+    hundred runs fill a 24 GB machine. Once every rank has mapped its peers (the barrier), the names are no
+    longer needed: unlinking this rank's own name frees it when the last mapping goes, at process exit or kill.
+
+    Call on every rank after ``deepspeed.init_distributed`` (``titan_ds.initialize`` does). Returns whether a
+    file was unlinked; a second call, or a world without the shm all-reduce, does nothing.
+    """
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized():
+        return False
+    me = dist.get_rank()
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    path = os.path.join(SHM_DIR, f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{me}")
+    if not os.path.exists(path):  # same answer on every rank: they all create theirs in init_distributed
+        return False
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every peer has mapped this rank's buffer before its name goes
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _paths_in_use() -> set[str]:
+    """Every file some live process maps or holds open (what /proc shows this user)."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                used.update(line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                used.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except (OSError, IndexError):  # the process ended, or is another user's
+            continue
+    return {u.removesuffix(" (deleted)") for u in used}
+
+
+def stale_deepspeed_shm(remove: bool = False) -> list[str]:
+    """This user's ``deepspeed_allreduce_buffer_*`` files in /dev/shm that no live process maps or holds open:
+    the leak of earlier runs (see :func:`release_deepspeed_shm`). With ``remove`` they are unlinked. A file a
+    running job still uses is never listed."""
+    if not os.path.isdir(SHM_DIR):
+        return []
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_"
+    names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    if not names:
+        return []
+    used = _paths_in_use()
+    stale = [os.path.join(SHM_DIR, n) for n in names if os.path.join(SHM_DIR, n) not in used]
+    if remove:
+        for path in stale:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    return stale
 
 
 def rank() -> int:

@@ -18,6 +18,7 @@ import deepspeed
 from deepspeed import comm as dist
 
 import titan_ds.engine as titan_engine
+from titan_ds.utils import release_deepspeed_shm
 
 p = argparse.ArgumentParser()
 p.add_argument("--stage", type=int, required=True)
@@ -126,6 +127,7 @@ def train(method: str, rank: int) -> dict:
 
 def main():
     deepspeed.init_distributed()
+    release_deepspeed_shm()
     rank = dist.get_rank()
     results = {}
     for method in args.methods.split(","):

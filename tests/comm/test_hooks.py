@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.launch import run as run_group
 from titan_ds.comm import hooks
 from titan_ds.config import TitanConfig, TitanConfigError
 from titan_ds.engine import InitContext
@@ -74,7 +74,7 @@ def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: f
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(29600 + stage),
            str(ROOT / "tests/comm/multirank_compress.py"), "--stage", str(stage), "--methods", methods,
            "--reduce-scatter", str(reduce_scatter), "--ratio", str(ratio), "--steps", "30", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = run_group(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

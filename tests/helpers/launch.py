@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,31 @@ def clean_env() -> dict:
     return env
 
 
+def run(cmd, *, timeout: float, check: bool = False, capture_output: bool = False, text: bool = False,
+        **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that, on timeout, kills the child's whole process group (the launcher's ranks, a
+    JIT build's ninja and compilers), not only the child: an orphaned build keeps its lock file and every later
+    load of that op would wait on it forever."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with subprocess.Popen(cmd, start_new_session=True, text=text, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check:
+        r.check_returncode()
+    return r
+
+
 def run_deepspeed(script: str | Path, *args: str, num_ranks: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
     ds = Path(sys.executable).with_name("deepspeed")
     env = clean_env()
     cmd = [str(ds), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(script), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -9,11 +9,12 @@ which takes the same path.
 """
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.helpers.launch import run as run_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -32,7 +33,7 @@ def _port() -> int:
 def run(tmp, name, *args, ranks=1):
     out = str(tmp / f"{name}.pt")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", "/work/main/.cache/torch_extensions")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     if ranks == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
         cmd = [PY, HARNESS]
@@ -40,7 +41,7 @@ def run(tmp, name, *args, ranks=1):
         ds = os.path.join(os.path.dirname(PY), "deepspeed")
         cmd = [ds, "--num_gpus", str(ranks), "--master_port", str(_port()), HARNESS]
     cmd += ["--out", out, "--nvme", str(tmp / "nvme" / name), *map(str, args)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    p = run_group(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return [torch.load(out.replace(".pt", f".rank{r}.pt"), weights_only=False) for r in range(ranks)]
 

@@ -1,10 +1,11 @@
 """ASDT (+BSPS) under DeepSpeed ZeRO 1/2/3 takes exactly the steps of stage 0 (1 rank here; 2 ranks: slow)."""
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.helpers.launch import run as run_group
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zero_harness as h  # noqa: E402
@@ -61,7 +62,7 @@ def test_two_ranks_all_stages_match_stage0(tmp_path):
            "--out", str(tmp_path)]
     bindir = os.path.dirname(sys.executable)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    r = run_group(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for case in ("sparse", "block_bf16", "bsps"):
         for rank in (0, 1):

@@ -15,7 +15,7 @@ import torch
 import titan_ds
 from titan_ds.checkpoint import MANIFEST, CheckpointCorruptError, complete_tags
 from tests.helpers.equal_run import TINY, ds_config
-from tests.helpers.launch import ROOT, clean_env
+from tests.helpers.launch import ROOT, clean_env, run as run_group
 from titan_ds.models import GPT
 
 
@@ -96,7 +96,7 @@ def test_kill9_at_random_points_then_resume_bit_exact(tmp_path):
     """kill -9 while training and checkpointing every step (so also mid-save); resume continues exactly."""
     steps = 150  # long enough that the kill always lands mid-run
     ref = tmp_path / "ref.jsonl"
-    subprocess.run(TRAIN + ["--steps", str(steps), "--metrics-out", str(ref)], cwd=ROOT, env=clean_env(), check=True,
+    run_group(TRAIN + ["--steps", str(steps), "--metrics-out", str(ref)], cwd=ROOT, env=clean_env(), check=True,
                    capture_output=True, timeout=600)
     full = _losses(ref)
     rng = random.Random(1)
@@ -113,7 +113,7 @@ def test_kill9_at_random_points_then_resume_bit_exact(tmp_path):
         latest = (ck / "latest").read_text()
         assert (ck / latest / MANIFEST).is_file(), "latest must point at a complete checkpoint"
         out = tmp_path / f"resumed{trial}.jsonl"
-        subprocess.run(TRAIN + ["--steps", str(steps), "--load-dir", str(ck), "--metrics-out", str(out)], cwd=ROOT, env=clean_env(),
+        run_group(TRAIN + ["--steps", str(steps), "--load-dir", str(ck), "--metrics-out", str(out)], cwd=ROOT, env=clean_env(),
                        check=True, capture_output=True, timeout=600)
         resumed = _losses(out)
         start = int(latest.removeprefix("step"))
