@@ -255,3 +255,56 @@ def test_single_heavy_coordinate_decodes_exactly():
     # HGE averages holograms, so a zero coordinate colliding in one of them decodes to a fraction of x_i;
     # the heavy one itself comes back exactly (|exp(j theta)|^2 = 1)
     assert abs(float(hg.decode(hg.encode(x), n)[1234]) - 3.5) < 1e-6
+
+
+# ------------------------------------------------------------------ non-finite steps
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("method", ["none", *LOSSY])
+def test_nonfinite_on_one_rank_is_seen_by_all_and_leaves_residuals_unchanged(method, bad):
+    """Step 1's second bucket holds NaN/Inf on rank 0 only: every rank gets a non-finite sum (so DeepSpeed skips
+    the step everywhere), and every rank's residuals, including those the first, finite bucket had already
+    updated, are back to their values after step 0. Step 2 is finite and updates them again."""
+    n = 2048
+    poison = float(bad)
+
+    def fn(r, comm):
+        red = GradientReducer(method, 8.0, seed=3)
+        gen = torch.Generator().manual_seed(10 + r)
+        a, b = [Segment("a", 0, 0, n, n)], [Segment("b", 0, 0, n, n)]
+        red.reduce(torch.randn(n, generator=gen), a, comm, step=0)
+        red.reduce(torch.randn(n, generator=gen), b, comm, step=0)
+        red.end_step()
+        after0 = {k: v.clone() for k, v in red.residuals.residuals.items()}
+        s1a = red.reduce(torch.randn(n, generator=gen), a, comm, step=1)  # finite: writes residual "a"
+        g = torch.randn(n, generator=gen)
+        if r == 0:
+            g[5] = poison
+        s1b = red.reduce(g, b, comm, step=1)
+        red.end_step()
+        after1 = {k: v.clone() for k, v in red.residuals.residuals.items()}
+        s2 = red.reduce(torch.randn(n, generator=gen), a, comm, step=2)
+        return (bool(torch.isfinite(s1a).all()), bool(torch.isfinite(s1b).all()), after0, after1,
+                bool(torch.isfinite(s2).all()), red.residuals.residuals["a"].clone(), red.take_metrics())
+
+    for r, (fin_a, fin_b, after0, after1, fin2, res2, m) in enumerate(run_ranks(2, fn)):
+        assert fin_a and not fin_b, f"rank {r}: the poisoned bucket's sum must be non-finite on every rank"
+        assert after0.keys() == after1.keys()
+        for k in after0:
+            assert torch.equal(after0[k], after1[k]), f"rank {r}: residual {k} changed by the skipped step"
+        assert fin2 and torch.isfinite(res2).all()
+        assert m["compression_nonfinite_steps"] == 1
+        if method != "none":
+            assert not torch.equal(res2, after0["a"]), "a finite step after the skip updates residuals again"
+
+
+def test_residual_journal_is_released_after_the_step():
+    red = GradientReducer("topk", 8.0)
+    seg = one(1024)
+    red.reduce(torch.randn(1024), seg, LocalCollective(), step=0)
+    assert red.residuals.nbytes() == 1024 * 4  # created in this step: no earlier value to keep
+    red.end_step()
+    assert red.residuals.nbytes() == 1024 * 4
+    red.reduce(torch.randn(1024), seg, LocalCollective(), step=1)
+    assert red.residuals.nbytes() == 2 * 1024 * 4  # residual + its value at the step's start
+    red.end_step()
+    assert red.residuals.nbytes() == 1024 * 4

@@ -18,6 +18,7 @@ compressor with the pieces every method shares:
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
@@ -29,6 +30,8 @@ __all__ = [
     "Compressor", "DenseCompressor", "TopKCompressor", "SketchCompressor", "REGISTRY", "build_compressor",
     "GradientReducer",
 ]
+
+log = logging.getLogger("titan_ds.comm")
 
 
 # ----------------------------------------------------------------------------------------- collectives
@@ -122,15 +125,23 @@ class Segment:
 
 
 class ResidualStore:
-    """Error-feedback residuals, one fp32 tensor per parameter (created on first use), addressed by offset."""
+    """Error-feedback residuals, one fp32 tensor per parameter (created on first use), addressed by offset.
+
+    Writes are journaled per optimizer step (:meth:`begin`): the first write to a parameter's residual in a
+    step keeps its previous value, so that :meth:`rollback` can put back exactly what the step started from
+    when the step turns out to be skipped (non-finite gradients). :meth:`commit` drops the journal. The
+    journal holds at most one copy of the residuals, and only while a step is being reduced and applied.
+    """
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
+        self._journal: dict[str, Optional[torch.Tensor]] = {}  # key -> value at step start (None: created)
 
     def _get(self, seg: Segment, device: torch.device) -> torch.Tensor:
         r = self.residuals.get(seg.key)
         if r is None:
             r = self.residuals[seg.key] = torch.zeros(seg.param_numel, dtype=torch.float32, device=device)
+            self._journal.setdefault(seg.key, None)
         elif r.numel() != seg.param_numel:
             raise RuntimeError(f"residual for {seg.key!r} has {r.numel()} elements but the parameter has "
                                f"{seg.param_numel}: the model changed under a running compressor")
@@ -144,7 +155,27 @@ class ResidualStore:
     def write(self, new: torch.Tensor, layout: list[Segment]) -> None:
         for s in layout:
             r = self._get(s, new.device)
+            if s.key not in self._journal:
+                self._journal[s.key] = r.clone()
             r[s.param_offset:s.param_offset + s.numel] = new[s.flat_offset:s.flat_offset + s.numel]
+
+    def commit(self) -> None:
+        """The step was applied: its residual writes stand."""
+        self._journal.clear()
+
+    def rollback(self) -> None:
+        """The step is skipped: every residual goes back to its value at the step's start."""
+        for key, old in self._journal.items():
+            if old is None:
+                self.residuals.pop(key, None)
+            else:
+                self.residuals[key].copy_(old)
+        self._journal.clear()
+
+    def nbytes(self) -> int:
+        """Bytes held now: the residuals and, mid-step, the journal."""
+        held = list(self.residuals.values()) + [t for t in self._journal.values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def norm(self) -> float:
         return float(sum(float(r.double().pow(2).sum()) for r in self.residuals.values()) ** 0.5)
@@ -154,6 +185,7 @@ class ResidualStore:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.residuals = {k: v.detach().clone().float() for k, v in state.items()}
+        self._journal.clear()
 
 
 def check_layout(layout: list[Segment], numel: int) -> None:
@@ -287,6 +319,10 @@ class SketchCompressor:
         keys = self.keys(n, cols, seed, acc.device)
         sketch = self.encode(acc, keys, cols, seed)
         comm.all_reduce_sum(sketch)
+        if not bool(torch.isfinite(sketch).all()):
+            # some rank's gradient holds NaN/Inf, and every rank holds this same summed sketch: all of them
+            # return a non-finite sum (the step will be skipped everywhere) and skip the second round
+            return torch.full_like(acc, float("nan")), torch.zeros_like(acc)
         idx = self.select(sketch, keys, n, k, cols, seed)
         del keys  # rows x n hashes: freed before the second round
         vals = acc[idx].contiguous()
@@ -322,6 +358,11 @@ class GradientReducer:
 
     ``reduce(flat, layout, comm, step)`` returns the **sum over ranks** of the (compressed) gradient, in
     ``flat``'s dtype; the seams divide where DeepSpeed would. Steps ``< warmup_steps`` go dense.
+
+    Non-finite gradients: every compressor returns a non-finite sum on **every** rank when any rank's gradient
+    holds NaN/Inf (dense and sketch sums carry it; top-k sends NaN/Inf first). DeepSpeed then skips the step on
+    all ranks, and the reducer rolls its residuals back to the step's start, so a skipped step leaves them
+    unchanged (and later steps are not poisoned by a NaN kept in a residual).
     """
 
     def __init__(self, method: str, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0,
@@ -335,10 +376,17 @@ class GradientReducer:
         self.total_dense = 0
         self.total_wire = 0
         self.calls = 0
+        self.nonfinite_steps = 0
         self._step, self._call_in_step = -1, 0
+        self._skipped_step: Optional[int] = None  # the step whose sum was non-finite (its residuals rolled back)
+
+    def end_step(self) -> None:
+        """After the optimizer step: keep this step's residual writes (a skipped step's were rolled back)."""
+        self.residuals.commit()
 
     def _call_seed(self, step: int) -> int:
         if step != self._step:
+            self.residuals.commit()  # a new step: the previous one's writes stand (no end_step was called)
             self._step, self._call_in_step = step, 0
         self._call_in_step += 1
         # identical on all ranks: same config seed, same step, same call order (collectives are ordered)
@@ -357,7 +405,14 @@ class GradientReducer:
             if self.error_feedback:
                 self.residuals.add_into(acc, layout)
             summed, sent = self.compressor.reduce(acc, counting, seed)
-            if self.error_feedback:
+            if not bool(torch.isfinite(summed).all()):  # the same verdict on every rank (see the class doc)
+                if self._skipped_step != step:
+                    self._skipped_step = step
+                    self.nonfinite_steps += 1
+                    log.warning("titan compression: non-finite gradients at step %d; residuals rolled back to the "
+                                "step's start (DeepSpeed skips the step on every rank)", step + 1)
+                self.residuals.rollback()
+            elif self.error_feedback and self._skipped_step != step:
                 self.residuals.write(acc - sent, layout)
             summed = summed.to(flat.dtype)
         self.calls += 1
@@ -372,7 +427,8 @@ class GradientReducer:
         ratio = self.dense_bytes / self.wire_bytes if self.wire_bytes else None
         out = {"hge_compression_ratio": ratio, "wire_bytes": self.wire_bytes, "dense_grad_bytes": self.dense_bytes,
                "compression_method": self.method,
-               "compression_total_ratio": self.total_dense / self.total_wire if self.total_wire else None}
+               "compression_total_ratio": self.total_dense / self.total_wire if self.total_wire else None,
+               "compression_state_bytes": self.residuals.nbytes(), "compression_nonfinite_steps": self.nonfinite_steps}
         self.dense_bytes = self.wire_bytes = 0
         return out
 

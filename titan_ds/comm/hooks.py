@@ -120,7 +120,19 @@ class CompressionHooks:
         else:
             raise TitanConfigError([f"zero_optimization.stage={self.stage} is not a ZeRO stage titan.compression "
                                     f"knows (0, 1, 2, 3)"])
+        self._set(eng, "step", self._engine_step(eng.step))
         return self
+
+    def _engine_step(self, original):
+        """After each optimizer step the residual journal goes (a skipped step's writes were already undone)."""
+        def step(*args, **kwargs):
+            before = self.engine.global_steps
+            out = original(*args, **kwargs)
+            if self.engine.global_steps != before:
+                self.reducer.end_step()
+            return out
+
+        return step
 
     def uninstall(self) -> None:
         for obj, name in reversed(self._installed):
