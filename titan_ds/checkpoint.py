@@ -8,18 +8,23 @@ loads. titan_ds adds, for engines built by ``titan_ds.initialize``:
 2. ``latest`` replaced atomically (write to a temp file, fsync, rename, fsync the folder) only after the
    manifest exists, so a process killed at any point leaves ``latest`` on the last complete checkpoint;
 3. verification before loading: a missing, truncated or corrupted file raises :class:`CheckpointCorruptError`
-   naming the file and the remedy; nothing is loaded.
+   naming the file and the remedy; nothing is loaded;
+4. a save that fails on any rank (disk full, I/O error) fails on every rank with :class:`CheckpointSaveError`,
+   which names the folder, the free space and the cause; the partial tag is removed, ``latest`` and every earlier
+   checkpoint are untouched, and the engine's state in memory is unchanged (training can go on, or save elsewhere).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["CheckpointCorruptError", "write_manifest", "verify_tag", "atomic_write_text", "complete_tags",
-           "MANIFEST"]
+__all__ = ["CheckpointCorruptError", "CheckpointSaveError", "write_manifest", "verify_tag", "atomic_write_text",
+           "complete_tags", "save_failure_message", "remove_partial_tag", "MANIFEST"]
 
 MANIFEST = "titan_manifest.json"
 _CHUNK = 8 * 2**20
@@ -27,6 +32,62 @@ _CHUNK = 8 * 2**20
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint that must not be loaded: incomplete, truncated or corrupted."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (on this rank or another); the previous checkpoints are intact."""
+
+
+_FULL_BELOW = 16 * 2**20  # a failed write with less free than this on the filesystem: call it full
+
+
+def _is_enospc(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    for p in (Path(path), *Path(path).parents):
+        if p.exists():
+            return shutil.disk_usage(p).free
+    return None
+
+
+def save_failure_message(save_dir: Path, tag: str, exc: Optional[BaseException], failed_ranks: list[int],
+                         removed: bool) -> str:
+    """What a failed save tells the user: where, why (disk full or the error), what is intact, what to do."""
+    save_dir = Path(save_dir)
+    free = _free_bytes(save_dir)
+    full = (exc is not None and _is_enospc(exc)) or (free is not None and free < _FULL_BELOW)
+    latest = read_latest(save_dir)
+    where = f"checkpoint {tag!r} could not be written to {str(save_dir)!r}"
+    who = f" (failed on rank{'s' if len(failed_ranks) > 1 else ''} {', '.join(map(str, failed_ranks))})"
+    if full:
+        why = f": the filesystem is full ({(free or 0) / 2**20:.1f} MiB free)"
+        fix = "free space there or pass another save folder, then save again"
+    else:
+        why = f": {type(exc).__name__}: {exc}" if exc is not None else " (another rank's write failed)"
+        fix = "check the folder is writable and healthy, then save again"
+    intact = (f"`latest` still names {latest!r}, which is intact" if latest else "no earlier checkpoint exists there")
+    partial = ("the partial tag was removed" if removed else
+               "the partial tag has no valid manifest and is never loaded")
+    return (f"{where}{who}{why}. Nothing was lost: {intact}; {partial}; the training state in memory is "
+            f"unchanged. To fix: {fix}.")
+
+
+def remove_partial_tag(tag_dir: Path) -> bool:
+    """Delete the tag folder a failed save created (call it only for a folder that did not exist before the save:
+    an earlier save of the same tag is left alone, and its manifest no longer matches, so it is never loaded)."""
+    tag_dir = Path(tag_dir)
+    if not tag_dir.is_dir():
+        return False
+    shutil.rmtree(tag_dir, ignore_errors=True)
+    return not tag_dir.exists()
 
 
 def _sha256(path: Path) -> str:

@@ -155,8 +155,9 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
     """Make the engine instance's save_checkpoint/load_checkpoint crash-safe and carry titan state.
 
     Save: DeepSpeed writes the shards (with ``save_latest=False``), rank 0 writes a checksum manifest, then
-    ``latest`` is replaced atomically. Load: the tag is verified against its manifest before DeepSpeed reads it.
-    See :mod:`titan_ds.checkpoint`.
+    ``latest`` is replaced atomically. A write that fails on any rank (disk full) raises CheckpointSaveError on
+    every rank after the partial tag is removed. Load: the tag is verified against its manifest before DeepSpeed
+    reads it. See :mod:`titan_ds.checkpoint`.
     """
     import deepspeed.comm as dist
     from pathlib import Path
@@ -169,13 +170,32 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
         tag = tag or f"global_step{engine.global_steps}"
         state = dict(client_state or {})
         state["titan"] = runtime.state_dict()
-        ok = save(save_dir, tag=tag, client_state=state, save_latest=False, **kw)
-        dist.barrier()
-        if engine.global_rank == 0:
-            ckpt.write_manifest(Path(save_dir) / str(tag))
-            if save_latest:
-                ckpt.atomic_write_text(Path(save_dir) / "latest", str(tag))
-        dist.barrier()
+        tag_dir = Path(save_dir) / str(tag)
+        existed = tag_dir.exists()
+        err: Optional[BaseException] = None
+        try:
+            ok = save(save_dir, tag=tag, client_state=state, save_latest=False, **kw)
+        except Exception as e:  # disk full, I/O error: agree with the other ranks before anyone raises
+            err = e
+            dist.barrier()  # the ranks that did not fail wait in DeepSpeed's closing barrier
+        failed = _ranks_where(err is not None)  # every rank's shards are written (or not) past this point
+        if not failed:
+            if engine.global_rank == 0:
+                try:
+                    ckpt.write_manifest(tag_dir)
+                    if save_latest:
+                        ckpt.atomic_write_text(Path(save_dir) / "latest", str(tag))
+                except OSError as e:  # no room for the manifest or `latest`: the tag stays incomplete
+                    err = e
+            failed = _ranks_where(err is not None)
+        if failed:
+            removed = False
+            if engine.global_rank == 0 and not existed:
+                removed = ckpt.remove_partial_tag(tag_dir)
+            dist.barrier()
+            msg = ckpt.save_failure_message(Path(save_dir), str(tag), err, failed, removed)
+            log.error("titan: %s", msg)
+            raise ckpt.CheckpointSaveError(msg) from err
         return ok
 
     def load_checkpoint(load_dir, tag=None, **kw):
@@ -190,6 +210,17 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint
+
+
+def _ranks_where(flag: bool) -> list[int]:
+    """The global ranks on which ``flag`` holds (a collective: every rank must call it)."""
+    import deepspeed.comm as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [0] if flag else []
+    flags = torch.zeros(dist.get_world_size())
+    flags[dist.get_rank()] = float(flag)
+    dist.all_reduce(flags)
+    return [i for i, f in enumerate(flags.tolist()) if f]
 
 
 def _install_nonfinite_guard(engine: Any) -> None:

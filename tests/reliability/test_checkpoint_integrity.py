@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import titan_ds
-from titan_ds.checkpoint import MANIFEST, CheckpointCorruptError, complete_tags
+from titan_ds.checkpoint import MANIFEST, CheckpointCorruptError, CheckpointSaveError, complete_tags
 from tests.helpers.equal_run import TINY, ds_config
 from tests.helpers.launch import ROOT, clean_env, run as run_group
 from titan_ds.models import GPT
@@ -80,6 +80,56 @@ def test_incomplete_tag_is_refused(saved):
     with pytest.raises(CheckpointCorruptError, match="did not complete"):
         e.load_checkpoint(str(d), tag="b")
     assert e.load_checkpoint(str(d), tag="a")[0] is not None
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a 4 MiB tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def _fill(folder: Path, leave: int) -> Path:
+    """Write a ballast file until only ``leave`` bytes are free on ``folder``'s filesystem."""
+    ballast = folder / "ballast"
+    free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    with open(ballast, "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+    return ballast
+
+
+def test_disk_full_during_save_is_a_clear_error_and_loses_nothing(dist_env, small_disk):
+    e = _engine()
+    _step(e, 0)
+    e.save_checkpoint(str(small_disk), tag="a")
+    _step(e, 1)
+    before = [p.detach().clone() for p in e.module.parameters()]
+    state = [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in e.basic_optimizer.state.values()]
+    ballast = _fill(small_disk, leave=16 * 1024)  # room for a few kB: not for a checkpoint (~700 kB)
+    with pytest.raises(CheckpointSaveError) as info:
+        e.save_checkpoint(str(small_disk), tag="b")
+    msg = str(info.value)
+    assert "checkpoint 'b' could not be written" in msg and str(small_disk) in msg
+    assert "filesystem is full" in msg and "`latest` still names 'a', which is intact" in msg
+    assert "partial tag was removed" in msg and "free space there or pass another save folder" in msg
+    assert (small_disk / "latest").read_text() == "a" and not (small_disk / "b").exists()
+    assert complete_tags(small_disk) == ["a"]
+    # the engine's state is untouched: same parameters and optimizer state, and training goes on
+    assert all(torch.equal(a, b) for a, b in zip(before, e.module.parameters()))
+    after = list(e.basic_optimizer.state.values())
+    assert len(state) == len(after) and all(torch.equal(v, a[k]) for s, a in zip(state, after) for k, v in s.items())
+    _step(e, 2)
+    ballast.unlink()  # space freed: the next save works, and loads
+    e.save_checkpoint(str(small_disk), tag="c")
+    assert (small_disk / "latest").read_text() == "c"
+    fresh = _engine()
+    path, _ = fresh.load_checkpoint(str(small_disk))
+    assert path is not None
+    assert all(torch.equal(a, b) for a, b in zip(e.module.parameters(), fresh.module.parameters()))
+    assert fresh.load_checkpoint(str(small_disk), tag="a")[0] is not None  # the earlier one is still good
 
 
 TRAIN = [sys.executable, "launch/train.py", "--deepspeed_config", "ds_configs/demo.json", "--layers", "2",
