@@ -91,6 +91,7 @@ def _row_values(r: dict[str, Any], base: dict[str, Any], columns: Sequence[str])
         "grads_MiB": mem.get("gradients", 0) / MiB,
         "optim_MiB": mem.get("optimizer_state", 0) / MiB,
         "activ_MiB": mem.get("activations", 0) / MiB,
+        "comm_MiB": mem.get("compression_state", 0) / MiB,
         "train_state_MiB": mem.get("training_state", 0) / MiB,
         "peak_rss_MiB": r.get("peak_rss", 0) / MiB,
         "trd_x_linears": tm.get("trd_compression_ratio", 1.0),

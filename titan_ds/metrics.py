@@ -23,13 +23,15 @@ class MemoryBreakdown:
     gradients: int = 0
     optimizer_state: int = 0
     activations: int = 0
+    compression_state: int = 0  # gradient compression's error-feedback residuals (and, mid-step, their journal)
     peak_rss: int = 0
     device_max_allocated: Optional[int] = None  # torch.cuda.max_memory_allocated on a GPU, else None
 
     @property
     def training_state(self) -> int:
-        """Parameters + gradients + optimizer state + activations: what the seed calls 'active overhead'."""
-        return self.parameters + self.gradients + self.optimizer_state + self.activations
+        """Parameters + gradients + optimizer state + activations + compression residuals: what the seed calls
+        'active overhead'."""
+        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.compression_state
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,6 +136,12 @@ def _optimizer_tensors(engine: Any) -> tuple[list[torch.Tensor], list[torch.Tens
     return masters, grads, state
 
 
+def _compression_bytes(engine: Any) -> int:
+    hooks = getattr(getattr(engine, "titan", None), "reports", {}).get("compression")
+    reducer = getattr(hooks, "reducer", None)
+    return reducer.residuals.nbytes() if reducer is not None else 0
+
+
 def accounted_memory(engine: Any, activations: int = 0) -> MemoryBreakdown:
     """Bytes by category of what ``engine`` (a DeepSpeed engine or a plain module) holds right now.
 
@@ -149,7 +157,7 @@ def accounted_memory(engine: Any, activations: int = 0) -> MemoryBreakdown:
     g_bytes = _sum_unique([p.grad for p in module.parameters()] + opt_grads, seen)
     o_bytes = _sum_unique(masters + state, seen)
     mem = MemoryBreakdown(parameters=p_bytes, gradients=g_bytes, optimizer_state=o_bytes, activations=activations,
-                          peak_rss=peak_rss_bytes())
+                          compression_state=_compression_bytes(engine), peak_rss=peak_rss_bytes())
     if torch.cuda.is_available():
         mem.device_max_allocated = int(torch.cuda.max_memory_allocated())
     return mem

@@ -12,6 +12,7 @@ from tests.helpers.launch import run as run_group
 from titan_ds.comm import hooks
 from titan_ds.config import TitanConfig, TitanConfigError
 from titan_ds.engine import InitContext
+from titan_ds.utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +72,7 @@ def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: f
     out = tmp_path / "summary.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TITAN_TEST_CKPT=str(tmp_path / "ckpt"))
     env.setdefault("TORCH_EXTENSIONS_DIR", "/work/main/.cache/torch_extensions")
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(29600 + stage),
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
            str(ROOT / "tests/comm/multirank_compress.py"), "--stage", str(stage), "--methods", methods,
            "--reduce-scatter", str(reduce_scatter), "--ratio", str(ratio), "--steps", "30", "--out", str(out)]
     proc = run_group(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)

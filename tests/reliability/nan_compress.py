@@ -61,6 +61,8 @@ def run(stage, method, rank):
         out["losses"].append(loss)
         out["nonfinite_metric"].append(m.extra.get("compression_nonfinite_steps"))
         out["residual_norm_finite"].append(bool(torch.isfinite(torch.tensor(hooks.reducer.residuals.norm()))))
+    out["compression_state"] = m.memory.compression_state  # measured after backward: residuals + their journal
+    out["residual_bytes"] = sum(t.numel() * t.element_size() for t in hooks.reducer.residuals.residuals.values())
     out["final_params_finite"] = all(bool(torch.isfinite(p).all()) for p in trainer.engine.module.parameters())
     return out
 

@@ -1,6 +1,7 @@
 """NaN on one rank's gradient with gradient compression on (2 ranks, ZeRO 0/2/3 with topk/hge/tgss): the step
 is skipped on every rank, the compressor's residuals, the optimizer state and the parameters come through it
-unchanged, StepMetrics and the log report it, and training continues with finite losses."""
+unchanged, StepMetrics and the log report it, and training continues with finite losses. StepMetrics' memory
+counts the residuals (and their journal, alive from backward to the optimizer step)."""
 import json
 
 import pytest
@@ -26,6 +27,7 @@ def test_nan_on_one_rank_skips_everywhere_and_keeps_residuals(tmp_path):
             assert all(res["unchanged"].values()), (where, res["unchanged"])
             assert res["nonfinite_metric"][POISON:] == [1] * (7 - POISON), where  # in StepMetrics.extra
             assert all(res["residual_norm_finite"]) and res["final_params_finite"], where
+            assert res["residual_bytes"] > 0 and res["compression_state"] == 2 * res["residual_bytes"], where
             later = res["losses"][POISON + 1:]
             assert all(l == l and abs(l) < 1e4 for l in later), (where, later)  # training continues, finite
     assert "non-finite gradients at step 4" in out  # the log names the step (1-based, as DeepSpeed counts)
