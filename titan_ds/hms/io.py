@@ -284,9 +284,10 @@ class AsyncIOHandle:
     def async_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
         return self._submit(True, buffer, filename, file_offset)
 
-    def wait(self) -> int:
-        """Block until all queued requests finish; return their count; re-raise the first error."""
-        pending, self._pending = self._pending, []
+    def _drain(self, pending: list[tuple[bool, list[Future]]]) -> int:
+        """Wait for every future of ``(write, futures)``, count the bytes moved, re-raise the first I/O error
+        once all of them are done (a buffer is never handed back while a thread still fills it)."""
+        moved = 0
         first: Optional[BaseException] = None
         for write, futs in pending:
             for f in futs:
@@ -295,12 +296,19 @@ class AsyncIOHandle:
                 except OSError as e:
                     first = first or e
                     continue
+                moved += n
                 if write:
                     self.bytes_written += n
                 else:
                     self.bytes_read += n
         if first is not None:
             raise first
+        return moved
+
+    def wait(self) -> int:
+        """Block until all queued requests finish; return their count; re-raise the first error."""
+        pending, self._pending = self._pending, []
+        self._drain(pending)
         return len(pending)
 
     def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
@@ -314,25 +322,7 @@ class AsyncIOHandle:
 
         Independent of the ``async_*``/``wait`` queue, so it is safe from any thread.
         """
-        futs = [(w, self._run(w, tensor_bytes(b), str(p), int(o))) for w, b, p, o in ops]
-        n_r = n_w = 0
-        first: Optional[BaseException] = None
-        for w, fs in futs:
-            for f in fs:
-                try:
-                    n = f.result()
-                except OSError as e:
-                    first = first or e
-                    continue
-                if w:
-                    n_w += n
-                else:
-                    n_r += n
-        self.bytes_read += n_r
-        self.bytes_written += n_w
-        if first is not None:
-            raise first
-        return n_r + n_w
+        return self._drain([(w, self._run(w, tensor_bytes(b), str(p), int(o))) for w, b, p, o in ops])
 
     def submit(self, fn, *args) -> Future:
         """Run ``fn(*args)`` on the I/O pool. ``fn`` must not wait on other pool work (no nesting)."""
