@@ -90,6 +90,7 @@ class CompressionHooks:
         self._ipg: Optional[tuple[int, int, int, list[Segment]]] = None  # (base ptr, elsize, numel, segments)
         self._z3_params: Optional[list[Any]] = None
         self._installed: list[tuple[Any, str]] = []
+        self._step_prev: Any = None
         self.seam_calls: dict[str, int] = {}
 
     def __repr__(self) -> str:
@@ -120,7 +121,9 @@ class CompressionHooks:
         else:
             raise TitanConfigError([f"zero_optimization.stage={self.stage} is not a ZeRO stage titan.compression "
                                     f"knows (0, 1, 2, 3)"])
-        self._set(eng, "step", self._engine_step(eng.step))
+        # engine.step may already be another pillar's wrapper (HMS): chain onto it, restore it on uninstall
+        self._step_prev = vars(eng).get("step")
+        eng.step = self._engine_step(eng.step)
         return self
 
     def _engine_step(self, original):
@@ -135,6 +138,11 @@ class CompressionHooks:
         return step
 
     def uninstall(self) -> None:
+        if "step" in vars(self.engine):
+            if self._step_prev is None:
+                del self.engine.step
+            else:
+                self.engine.step = self._step_prev
         for obj, name in reversed(self._installed):
             delattr(obj, name)
         self._installed.clear()
