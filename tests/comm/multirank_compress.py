@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -146,3 +147,10 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Skip interpreter finalization: after main() has written its results, a C++ thread torn down there
+    # sometimes aborts the process ("terminate called without an active exception", SIGABRT, no Python frame;
+    # about one run in five under pytest here, not seen with launch/train.py). The launcher would report that
+    # as a failed job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
