@@ -2,7 +2,7 @@
 
 Exact command (from the repository root; what produced results/mlme_kernels.* and results/mlme.*):
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=/work/main/.cache/torch_extensions \
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions \
         python launch/bench/bench_mlme.py --steps 200
 
 Part 1 (kernels, one process, no DeepSpeed): for sequence lengths 256..4096 on the seed model's shapes (width 256,

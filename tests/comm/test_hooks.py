@@ -71,7 +71,7 @@ GRAD_OPS = ("all_reduce", "reduce", "all_gather", "reduce_scatter_tensor")
 def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: float = 20.0) -> dict:
     out = tmp_path / "summary.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TITAN_TEST_CKPT=str(tmp_path / "ckpt"))
-    env.setdefault("TORCH_EXTENSIONS_DIR", "/work/main/.cache/torch_extensions")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
            str(ROOT / "tests/comm/multirank_compress.py"), "--stage", str(stage), "--methods", methods,
            "--reduce-scatter", str(reduce_scatter), "--ratio", str(ratio), "--steps", "30", "--out", str(out)]
