@@ -178,7 +178,7 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
         except Exception as e:  # disk full, I/O error: agree with the other ranks before anyone raises
             err = e
             dist.barrier()  # the ranks that did not fail wait in DeepSpeed's closing barrier
-        failed = _ranks_where(err is not None)  # every rank's shards are written (or not) past this point
+        failed = _ranks_where(err is not None, engine.device)  # every rank has finished writing past here
         if not failed:
             if engine.global_rank == 0:
                 try:
@@ -187,7 +187,7 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
                         ckpt.atomic_write_text(Path(save_dir) / "latest", str(tag))
                 except OSError as e:  # no room for the manifest or `latest`: the tag stays incomplete
                     err = e
-            failed = _ranks_where(err is not None)
+            failed = _ranks_where(err is not None, engine.device)
         if failed:
             removed = False
             if engine.global_rank == 0 and not existed:
@@ -212,12 +212,13 @@ def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
-def _ranks_where(flag: bool) -> list[int]:
-    """The global ranks on which ``flag`` holds (a collective: every rank must call it)."""
+def _ranks_where(flag: bool, device: Any = "cpu") -> list[int]:
+    """The global ranks on which ``flag`` holds (a collective: every rank must call it). ``device`` is the
+    engine's: NCCL reduces only device tensors."""
     import deepspeed.comm as dist
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [0] if flag else []
-    flags = torch.zeros(dist.get_world_size())
+    flags = torch.zeros(dist.get_world_size(), device=device)
     flags[dist.get_rank()] = float(flag)
     dist.all_reduce(flags)
     return [i for i, f in enumerate(flags.tolist()) if f]
