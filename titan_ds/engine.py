@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import TitanConfig, TitanConfigError, load_ds_config
-from .utils import release_deepspeed_shm
+from .utils import after_init_distributed
 
 __all__ = ["initialize", "InitContext", "TitanRuntime", "PILLARS"]
 
@@ -271,7 +271,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if titan is None:
         out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                                    training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
-        release_deepspeed_shm()
+        after_init_distributed()
         return out
     if model is None:
         raise ValueError("titan_ds.initialize needs model=; the titan pillars act on the model")
@@ -294,7 +294,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     engine, opt, dl, sched = deepspeed.initialize(
         args=args, model=ctx.model, optimizer=ctx.optimizer, model_parameters=ctx.model_parameters,
         training_data=training_data, lr_scheduler=ctx.lr_scheduler, config=ds_config, **kwargs)
-    release_deepspeed_shm()
+    after_init_distributed()
     ctx.engine = engine
     for p in active:
         after = getattr(modules[p.key], "after_initialize", None)

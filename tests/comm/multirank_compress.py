@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 import torch
@@ -19,7 +18,7 @@ import deepspeed
 from deepspeed import comm as dist
 
 import titan_ds.engine as titan_engine
-from titan_ds.utils import release_deepspeed_shm
+from titan_ds.utils import after_init_distributed
 
 p = argparse.ArgumentParser()
 p.add_argument("--stage", type=int, required=True)
@@ -128,7 +127,7 @@ def train(method: str, rank: int) -> dict:
 
 def main():
     deepspeed.init_distributed()
-    release_deepspeed_shm()
+    after_init_distributed()
     rank = dist.get_rank()
     results = {}
     for method in args.methods.split(","):
@@ -146,11 +145,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    # Skip interpreter finalization: after main() has written its results, a C++ thread torn down there
-    # sometimes aborts the process ("terminate called without an active exception", SIGABRT, no Python frame;
-    # about one run in five under pytest here, not seen with launch/train.py). The launcher would report that
-    # as a failed job.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    main()  # titan_ds.utils.guard_interpreter_exit (via after_init_distributed) keeps the exit clean

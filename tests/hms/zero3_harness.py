@@ -102,9 +102,9 @@ def main():
         for m in (partitioned_param_swapper, partitioned_optimizer_swapper, pipelined_optimizer_swapper):
             m.AsyncIOBuilder = TitanAIOBuilder
     cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
-    from titan_ds.utils import release_deepspeed_shm
+    from titan_ds.utils import after_init_distributed
     deepspeed.init_distributed()
-    release_deepspeed_shm()
+    after_init_distributed()
     rank = torch.distributed.get_rank()
     if a.mode == "ds_nvme":  # DeepSpeed's swapper needs the model built under zero.Init on a CPU (seams 0.5)
         with deepspeed.zero.Init(config_dict_or_path=cfg):

@@ -102,8 +102,8 @@ def init_single_process() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend="gloo")
-    from titan_ds.utils import release_deepspeed_shm
-    release_deepspeed_shm()
+    from titan_ds.utils import after_init_distributed
+    after_init_distributed()
 
 
 if __name__ == "__main__":
@@ -114,8 +114,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
-    from titan_ds.utils import release_deepspeed_shm
-    release_deepspeed_shm()
+    from titan_ds.utils import after_init_distributed
+    after_init_distributed()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     for case in a.cases.split(","):
         for stage in (0, 1, 2, 3):

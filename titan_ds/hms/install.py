@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..config import TitanConfigError
-from ..utils import release_deepspeed_shm
+from ..utils import after_init_distributed
 from .io import AsyncIOHandle
 from .prefetch import make_predictor
 from .store import Tier, TensorStore
@@ -148,7 +148,7 @@ def before_initialize(ctx) -> None:
         log.info("titan hms: set %s", c)
     _bound_allocator_retention()
     deepspeed.init_distributed()
-    release_deepspeed_shm()
+    after_init_distributed()
     rank = _rank()
     folder = os.path.join(root, "titan_hms", f"rank{rank}")
     shutil.rmtree(folder, ignore_errors=True)  # swap files of an earlier run are stale; checkpoints live elsewhere
