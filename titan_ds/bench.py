@@ -146,10 +146,13 @@ def _ds_version() -> str:
         return f"unavailable ({type(e).__name__})"
 
 
-def compare(rows: Iterable[tuple[str, dict[str, Any]]], *, steps: int, out: str | os.PathLike, num_ranks: int = 1,
+def compare(rows: Iterable[tuple[Any, ...]], *, steps: int, out: str | os.PathLike, num_ranks: int = 1,
             extra_args: Sequence[str] = (), title: str = "", columns: Sequence[str] = (),
             command: str = "", timeout: Optional[float] = None) -> list[dict[str, Any]]:
-    """Run every ``(name, ds_config)`` row with the same model/data/seed/tokens; write ``<out>.csv``/``.md``."""
+    """Run every ``(name, ds_config)`` row with the same model/data/seed/tokens; write ``<out>.csv``/``.md``.
+
+    A row may be ``(name, ds_config, row_args)``: ``row_args`` are appended to ``extra_args`` for that row only
+    (e.g. ``["--lr", "3e-3"]`` to give the baseline its own learning rate)."""
     from tqdm import tqdm
     out = Path(out)
     rows = list(rows)
@@ -157,8 +160,9 @@ def compare(rows: Iterable[tuple[str, dict[str, Any]]], *, steps: int, out: str 
     log_dir.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
-        for name, cfg in tqdm(rows, desc=title or "bench", unit="config"):
-            results.append(run_row(name, cfg, steps=steps, num_ranks=num_ranks, extra_args=extra_args,
+        for name, cfg, *row_args in tqdm(rows, desc=title or "bench", unit="config"):
+            args = [*extra_args, *(row_args[0] if row_args else ())]
+            results.append(run_row(name, cfg, steps=steps, num_ranks=num_ranks, extra_args=args,
                                    workdir=Path(tmp), timeout=timeout, log_dir=log_dir))
     (out.parent).mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))

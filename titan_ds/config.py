@@ -152,6 +152,8 @@ class TRDConfig(_Strict):
     ``init``: ``random`` (variance-matched) or ``tr_svd`` (tensorly TR-SVD of the dense weight).
     ``min_features``: skip linears with ``min(in, out)`` below this. ``mode_size``: target size of the tensor
     modes the features are factored into. ``path``: ``cheapest`` picks the association with fewer multiply-adds per call.
+    ``core_lr_scale``: the cores' learning rate as a multiple of the optimizer's (a reparametrization, so it holds
+    under any lr schedule; exact for Adam-type and sign optimizers; docs/trd.md).
     """
 
     rank: Union[int, list[int]] = 16
@@ -161,6 +163,7 @@ class TRDConfig(_Strict):
     min_features: int = Field(default=64, ge=1)
     mode_size: int = Field(default=4, ge=2)
     path: Literal["cheapest", "factored", "dense"] = "cheapest"
+    core_lr_scale: float = Field(default=1.0, gt=0, le=1000)
 
     @field_validator("rank")
     @classmethod

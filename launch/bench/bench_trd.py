@@ -2,6 +2,7 @@
 
     python launch/bench/bench_trd.py --steps 200                  # -> results/trd.{csv,md,json}
     python launch/bench/bench_trd.py --paths                      # -> results/trd_paths.{csv,md}
+    python launch/bench/bench_trd.py --lr-probe --steps 200       # -> results/trd_lr_scale.{csv,md,json}
 
 The first form runs, through titan_ds.bench.compare (same GPT 6x256, context 128, micro-batch 16, data, seed
 and token budget for every row): the plain-DeepSpeed AdamW baseline, then TRD (``"titan": {"trd": ...}``, random
@@ -36,6 +37,16 @@ def rows() -> list[tuple[str, dict]]:
         out.append((f"trd_r{r}", baseline_config(titan={"trd": {"rank": r}})))
     out.append(("trd_r8_modes16", baseline_config(titan={"trd": {"rank": 8, "mode_size": 16}})))
     return out
+
+
+def lr_probe_rows(rank: int = 12, scale: float = 3.0, lr: float = 1e-3) -> list[tuple]:
+    """The rank-12 (35x) point with its cores at ``scale`` x the lr (``trd.core_lr_scale``), against dense at
+    the base lr and at ``scale`` x it (so the delta compares each model at its better lr, not one tuned side)."""
+    hi = f"{lr * scale:g}"
+    return [("dense_adamw", baseline_config()),
+            (f"dense_adamw_lr{hi}", baseline_config(), ["--lr", hi]),
+            (f"trd_r{rank}", baseline_config(titan={"trd": {"rank": rank}})),
+            (f"trd_r{rank}_core_lr_x{scale:g}", baseline_config(titan={"trd": {"rank": rank, "core_lr_scale": scale}}))]
 
 
 def _time(fn, reps: int) -> float:
@@ -116,11 +127,18 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="results/trd")
     p.add_argument("--paths", action="store_true", help="measure the contraction-path rule instead")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--lr-probe", action="store_true", help="rank 12 with trd.core_lr_scale 3 vs dense at two lrs")
     p.add_argument("--train-args", default="", help="extra launch/train.py flags")
     a = p.parse_args(argv)
     cmd = "python launch/bench/bench_trd.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.paths:
         print(paths(Path("results/trd_paths"), a.reps))
+        return
+    if a.lr_probe:
+        out = a.out if a.out != "results/trd" else "results/trd_lr_scale"
+        compare(lr_probe_rows(), steps=a.steps, out=out, extra_args=a.train_args.split(),
+                title="TRD: cores at 3x the learning rate (trd.core_lr_scale) vs dense at 1x and 3x", command=cmd)
+        print(Path(out).with_suffix(".md").read_text())
         return
     compare(rows(), steps=a.steps, out=a.out, extra_args=a.train_args.split(),
             title="TRD: tensor-ring block linears vs dense AdamW", command=cmd,

@@ -320,3 +320,63 @@ def test_trd_off_means_model_unchanged():
 def test_trd_config_defaults_round_trip():
     cfg = TRDConfig()
     assert (cfg.rank, cfg.init, cfg.min_features, cfg.mode_size, cfg.path) == (16, "random", 64, 4, "cheapest")
+
+
+# ---------------------------------------------------------------- core_lr_scale
+def test_core_lr_scale_keeps_the_function_and_tr_svd_error():
+    torch.manual_seed(3)
+    plain = TensorRingLinear(32, 48, 4, dtype=torch.float64)
+    torch.manual_seed(3)
+    scaled = TensorRingLinear(32, 48, 4, core_lr_scale=3.0, dtype=torch.float64)
+    assert torch.allclose(scaled.reference_weight(), plain.reference_weight(), rtol=1e-12, atol=1e-15)
+    assert torch.allclose(scaled.core_0, plain.core_0 / 3.0)  # the stored parameter is G / c
+    x = torch.randn(5, 32, dtype=torch.float64)
+    for path in ("factored", "dense"):
+        scaled.path = path
+        assert torch.allclose(scaled(x), scaled.reference_forward(x), rtol=1e-10, atol=1e-12)
+    w = torch.randn(48, 32, dtype=torch.float64)
+    torch.manual_seed(4)  # the rank padding of init_from_dense is random
+    a = TensorRingLinear(32, 48, 4, init="tr_svd", dense_weight=w, dtype=torch.float64)
+    torch.manual_seed(4)
+    b = TensorRingLinear(32, 48, 4, init="tr_svd", dense_weight=w, core_lr_scale=0.5, dtype=torch.float64)
+    assert b.init_error == pytest.approx(a.init_error, rel=1e-9)
+    assert "core_lr_scale=3" in repr(scaled) and "core_lr_scale" not in repr(plain)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_core_lr_scale_is_a_core_learning_rate_multiplier_under_adam(opt_cls):
+    """c * P_k stepped by Adam at lr moves the ring exactly as plain cores stepped at lr * c (bias at lr)."""
+    c, lr, steps = 4.0, 1e-3, 3
+    torch.manual_seed(1)
+    plain = TensorRingLinear(16, 24, 3, dtype=torch.float64)
+    torch.manual_seed(1)
+    scaled = TensorRingLinear(16, 24, 3, core_lr_scale=c, dtype=torch.float64)
+    kw = dict(eps=1e-30, weight_decay=0.0)
+    o_plain = opt_cls([{"params": plain.cores, "lr": lr * c}, {"params": [plain.bias], "lr": lr}], **kw)
+    o_scaled = opt_cls(scaled.parameters(), lr=lr, **kw)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x, t = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(8, 24, generator=g, dtype=torch.float64)
+        for m, o in ((plain, o_plain), (scaled, o_scaled)):
+            o.zero_grad()
+            ((m(x) - t) ** 2).mean().backward()
+            o.step()
+    moved = (plain.reference_weight() - TensorRingLinear(16, 24, 3, dtype=torch.float64).reference_weight()).norm()
+    assert moved > 0
+    assert torch.allclose(scaled.reference_weight(), plain.reference_weight(), rtol=1e-9, atol=1e-12)
+    assert torch.allclose(scaled.bias, plain.bias, rtol=1e-12, atol=1e-15)
+
+
+def test_core_lr_scale_config_and_policy():
+    cfg = TitanConfig.from_ds_config({"titan": {"trd": {"rank": 4, "core_lr_scale": 3}}})
+    assert cfg.trd.core_lr_scale == 3.0
+    m = nn.Sequential()
+    m.add_module("block", nn.Sequential())
+    m.block.add_module("fc", nn.Linear(64, 64))
+    apply_trd(m, TRDPolicy.from_config(cfg.trd))
+    assert isinstance(m.block.fc, TensorRingLinear) and m.block.fc.core_lr_scale == 3.0
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(TitanConfigError, match="core_lr_scale"):
+            TitanConfig.from_ds_config({"titan": {"trd": {"core_lr_scale": bad}}})
+    with pytest.raises(ValueError, match="core_lr_scale"):
+        TensorRingLinear(8, 8, 2, core_lr_scale=0.0)

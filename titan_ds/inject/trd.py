@@ -106,13 +106,20 @@ class TensorRingLinear(nn.Module):
         init: ``random`` (variance-matched) or ``tr_svd`` (needs ``dense_weight``).
         dense_weight: (out, in) weight to decompose, only with ``init="tr_svd"``.
         dense_bias: initial bias (out,), only with ``bias=True``; default ``nn.Linear``'s init.
+        core_lr_scale: ``c``. Each core is stored as ``P_k`` and used as ``G_k = c * P_k`` (``P_k`` initialised
+            to ``G_k / c``, so the layer's function is unchanged). Adam-type and sign optimizers take steps of
+            the same size whatever a gradient's scale, so a step on ``P_k`` moves ``G_k`` ``c`` times as far:
+            a ``c``x learning rate for the cores that no lr scheduler can overwrite (DeepSpeed's schedulers
+            set one lr on every param group). Decoupled weight decay keeps the base rate. 1 = plain cores.
     """
 
     def __init__(self, in_features: int, out_features: int, rank: Rank, modes: Optional[tuple[Sequence[int], Sequence[int]]] = None,
                  bias: bool = True, *, mode_size: int = 4, path: Path = "cheapest", init: str = "random",
                  dense_weight: Optional[torch.Tensor] = None, dense_bias: Optional[torch.Tensor] = None,
-                 device: Any = None, dtype: Optional[torch.dtype] = None):
+                 core_lr_scale: float = 1.0, device: Any = None, dtype: Optional[torch.dtype] = None):
         super().__init__()
+        if not (core_lr_scale > 0 and math.isfinite(core_lr_scale)):
+            raise ValueError(f"core_lr_scale must be a finite number > 0, got {core_lr_scale}")
         if in_features < 1 or out_features < 1:
             raise ValueError(f"in_features and out_features must be >= 1, got {in_features}, {out_features}")
         if path not in _PATHS:
@@ -124,6 +131,7 @@ class TensorRingLinear(nn.Module):
         if dense_bias is not None and not bias:
             raise ValueError("dense_bias= given but bias=False")
         self.in_features, self.out_features, self.path = in_features, out_features, path
+        self.core_lr_scale = float(core_lr_scale)
         in_modes, out_modes = modes if modes is not None else (factorize(in_features, mode_size), factorize(out_features, mode_size))
         self.in_modes, self.out_modes = [int(n) for n in in_modes], [int(n) for n in out_modes]
         if math.prod(self.in_modes) != in_features or math.prod(self.out_modes) != out_features:
@@ -158,6 +166,11 @@ class TensorRingLinear(nn.Module):
     def cores(self) -> list[nn.Parameter]:
         return [getattr(self, f"core_{k}") for k in range(len(self.modes))]
 
+    def ring(self) -> list[torch.Tensor]:
+        """The cores as the layer uses them: ``core_lr_scale * P_k`` (the parameters themselves when it is 1)."""
+        c = self.core_lr_scale
+        return self.cores if c == 1.0 else [g * c for g in self.cores]
+
     @property
     def boundary(self) -> int:
         """R = r_0 * r_p: the width of the two ring edges between the input and the output cores."""
@@ -165,7 +178,8 @@ class TensorRingLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, modes={self.in_modes}x{self.out_modes}, "
-                f"ranks={self.ranks}, bias={self.bias is not None}, path={self.path}")
+                f"ranks={self.ranks}, bias={self.bias is not None}, path={self.path}"
+                + (f", core_lr_scale={self.core_lr_scale:g}" if self.core_lr_scale != 1.0 else ""))
 
     # ------------------------------------------------------------------ init
     def reset_parameters(self) -> None:
@@ -175,7 +189,7 @@ class TensorRingLinear(nn.Module):
         with torch.no_grad():
             for k, g in enumerate(self.cores):
                 std = math.sqrt(target ** (1.0 / d) / math.sqrt(self.ranks[k] * self.ranks[(k + 1) % d]))
-                g.normal_(0.0, std)
+                g.normal_(0.0, std / self.core_lr_scale)
             if self.bias is not None:
                 bound = 1.0 / math.sqrt(self.in_features)
                 self.bias.uniform_(-bound, bound)
@@ -189,7 +203,7 @@ class TensorRingLinear(nn.Module):
         for g, f in zip(self.cores, factors):
             pad = torch.randn(g.shape, dtype=torch.float64, device=f.device) * (TR_SVD_PAD * f.pow(2).mean().sqrt())
             pad[: f.shape[0], :, : f.shape[2]] = f
-            g.copy_(pad)
+            g.copy_(pad / self.core_lr_scale)
         w = weight.detach().double()
         return float((self.reference_weight().double() - w).norm() / w.norm().clamp_min(1e-300))
 
@@ -197,7 +211,7 @@ class TensorRingLinear(nn.Module):
     def merged(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``Am`` (in, R) and ``Cm`` (R, out) with ``W^T = Am @ Cm`` (R index = (r_0 index, r_p index))."""
         p = len(self.in_modes)
-        cores = self.cores
+        cores = self.ring()
         a = _merge(cores[:p])   # (r_0, in, r_p)
         c = _merge(cores[p:])   # (r_p, out, r_0)
         am = a.permute(1, 0, 2).reshape(self.in_features, -1)
@@ -206,7 +220,7 @@ class TensorRingLinear(nn.Module):
 
     def reference_weight(self) -> torch.Tensor:
         """The dense (out, in) weight, contracting the whole ring in order and taking the trace (test oracle)."""
-        full = _merge(self.cores)                                  # (r_0, in*out, r_0)
+        full = _merge(self.ring())                                 # (r_0, in*out, r_0)
         w_t = torch.diagonal(full, dim1=0, dim2=2).sum(-1)          # (in*out,)
         return w_t.reshape(self.in_features, self.out_features).t()
 
@@ -236,11 +250,12 @@ class TensorRingLinear(nn.Module):
     # ------------------------------------------------------------------ conversion
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: Rank, *, init: str = "random", modes=None, mode_size: int = 4,
-                    path: Path = "cheapest") -> "TensorRingLinear":
+                    path: Path = "cheapest", core_lr_scale: float = 1.0) -> "TensorRingLinear":
         """A TR layer for ``linear`` (bias copied; cores random or TR-SVD of its weight)."""
         return cls(linear.in_features, linear.out_features, rank, modes, linear.bias is not None, mode_size=mode_size,
                    path=path, init=init, dense_weight=linear.weight if init == "tr_svd" else None,
-                   dense_bias=linear.bias, device=linear.weight.device, dtype=linear.weight.dtype)
+                   dense_bias=linear.bias, core_lr_scale=core_lr_scale, device=linear.weight.device,
+                   dtype=linear.weight.dtype)
 
     @torch.no_grad()
     def to_linear(self) -> nn.Linear:
@@ -286,13 +301,15 @@ class TRDPolicy:
     name = "trd"
 
     def __init__(self, rank: Rank = 16, include: Sequence[str] = (r"\.(qkv|proj|fc|out)$",), exclude: Sequence[str] = (),
-                 init: str = "random", min_features: int = 64, mode_size: int = 4, path: Path = "cheapest"):
+                 init: str = "random", min_features: int = 64, mode_size: int = 4, path: Path = "cheapest",
+                 core_lr_scale: float = 1.0):
         if init not in _INITS:
             raise ValueError(f"unknown init {init!r}; choose one of {list(_INITS)}")
         ranks = [rank] if isinstance(rank, int) else list(rank)
         if not ranks or min(ranks) < 1:
             raise ValueError(f"trd rank must be an int >= 1 or a non-empty list of them, got {rank}")
         self.rank, self.init, self.min_features, self.mode_size, self.path = rank, init, min_features, mode_size, path
+        self.core_lr_scale = core_lr_scale
         self.include = [re.compile(p) for p in include]
         self.exclude = [re.compile(p) for p in exclude]
         self.matched: dict[str, list[str]] = {p.pattern: [] for p in self.include}
@@ -301,7 +318,7 @@ class TRDPolicy:
     def from_config(cls, cfg: Any) -> "TRDPolicy":
         """From a ``TRDConfig`` (titan_ds.config)."""
         return cls(rank=cfg.rank, include=cfg.include, exclude=cfg.exclude, init=cfg.init, min_features=cfg.min_features,
-                   mode_size=cfg.mode_size, path=cfg.path)
+                   mode_size=cfg.mode_size, path=cfg.path, core_lr_scale=cfg.core_lr_scale)
 
     def matches(self, name: str, module: nn.Module) -> bool:
         if isinstance(module, TensorRingLinear):  # replaced earlier: counts as matched, is not replaced again
@@ -322,7 +339,8 @@ class TRDPolicy:
 
     def replace(self, name: str, module: nn.Module) -> nn.Module:
         try:
-            return _gathered_from_linear(module, self.rank, init=self.init, mode_size=self.mode_size, path=self.path)
+            return _gathered_from_linear(module, self.rank, init=self.init, mode_size=self.mode_size, path=self.path,
+                                         core_lr_scale=self.core_lr_scale)
         except ValueError as e:
             raise ValueError(f"titan.trd cannot replace {name!r} ({module.in_features} -> {module.out_features}): {e}") from None
 
