@@ -56,8 +56,23 @@ def test_guard_registers_once_and_settles_only_where_gloo_threads_run(monkeypatc
     assert utils.guard_interpreter_exit() is True
     assert utils.guard_interpreter_exit() is False  # idempotent: one handler however many engines
     assert registered == [utils._settle_gloo_workers]
-    assert utils._gloo_worker_threads() == 0  # this pytest process has no process group
-    assert utils._settle_gloo_workers() is False  # so exit is not slowed down
+    slept = []
+    monkeypatch.setattr(utils.time, "sleep", slept.append)
+    monkeypatch.setattr(utils, "_gloo_worker_threads", lambda: 0)
+    assert utils._settle_gloo_workers() is False and slept == []  # no gloo threads: exit is not slowed down
+    monkeypatch.setattr(utils, "_gloo_worker_threads", lambda: 2)
+    assert utils._settle_gloo_workers() is True and slept == [utils.GLOO_SETTLE_S]
+
+
+def test_gloo_worker_threads_are_counted():
+    code = ("import torch.distributed as d\nfrom titan_ds.utils import _gloo_worker_threads as n\nbefore = n()\n"
+            f"d.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}')\n"
+            "print(before, n())")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    before, after = map(int, p.stdout.split())
+    assert before == 0 and after > 0
 
 
 @pytest.mark.slow
