@@ -100,15 +100,11 @@ def main(argv=None) -> int:
     c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     a = p.parse_args(argv)
     if a.cmd == "clean-shm":
-        from .utils import stale_deepspeed_shm
+        from .utils import stale_deepspeed_shm, unlink_quietly
         stale = stale_deepspeed_shm()
         size = sum(_size(f) for f in stale)
         if not a.dry_run:
-            for f in stale:
-                try:
-                    os.unlink(f)
-                except FileNotFoundError:
-                    pass
+            unlink_quietly(stale)
         verb = "would remove" if a.dry_run else "removed"
         print(f"titan-ds clean-shm: {verb} {len(stale)} leaked DeepSpeed shared-memory file(s) ({size / 2**20:.0f} MiB)")
         for f in stale:

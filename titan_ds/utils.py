@@ -149,12 +149,17 @@ def stale_deepspeed_shm(remove: bool = False) -> list[str]:
     used = _paths_in_use()
     stale = [os.path.join(SHM_DIR, n) for n in names if os.path.join(SHM_DIR, n) not in used]
     if remove:
-        for path in stale:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        unlink_quietly(stale)
     return stale
+
+
+def unlink_quietly(paths: list[str]) -> None:
+    """Unlink each path; one already gone (another cleaner, the job's own exit) is not an error."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def rank() -> int:
