@@ -2,7 +2,8 @@
 
     python launch/bench/bench_trd.py --steps 200                  # -> results/trd.{csv,md,json}
     python launch/bench/bench_trd.py --paths                      # -> results/trd_paths.{csv,md}
-    python launch/bench/bench_trd.py --lr-probe --steps 200       # -> results/trd_lr_scale.{csv,md,json}
+    python launch/bench/bench_trd.py --lr-probe --steps 200 --lrs 1e-3,3e-3 --scales 1,3,10
+                                                                  # -> results/trd_lr_scale.{csv,md,json}
 
 The first form runs, through titan_ds.bench.compare (same GPT 6x256, context 128, micro-batch 16, data, seed
 and token budget for every row): the plain-DeepSpeed AdamW baseline, then TRD (``"titan": {"trd": ...}``, random
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shlex
 import statistics
 import sys
 import time
@@ -39,14 +41,20 @@ def rows() -> list[tuple[str, dict]]:
     return out
 
 
-def lr_probe_rows(rank: int = 12, scale: float = 3.0, lr: float = 1e-3) -> list[tuple]:
-    """The rank-12 (35x) point with its cores at ``scale`` x the lr (``trd.core_lr_scale``), against dense at
-    the base lr and at ``scale`` x it (so the delta compares each model at its better lr, not one tuned side)."""
-    hi = f"{lr * scale:g}"
-    return [("dense_adamw", baseline_config()),
-            (f"dense_adamw_lr{hi}", baseline_config(), ["--lr", hi]),
-            (f"trd_r{rank}", baseline_config(titan={"trd": {"rank": rank}})),
-            (f"trd_r{rank}_core_lr_x{scale:g}", baseline_config(titan={"trd": {"rank": rank, "core_lr_scale": scale}}))]
+def lr_probe_rows(rank: int = 12, lrs: tuple[float, ...] = (1e-3, 3e-3),
+                  scales: tuple[float, ...] = (1.0, 3.0)) -> list[tuple]:
+    """A grid at the rank-12 (35x) point: dense at every lr in ``lrs``, then TRD at every (lr, core_lr_scale).
+
+    Dense gets the same lrs as TRD, so each delta can be read against dense at its own best lr (the first row is
+    the base of the table's deltas: dense at ``lrs[0]``)."""
+    out = []
+    for lr in lrs:
+        out.append((f"dense_adamw_lr{lr:g}", baseline_config(), ["--lr", f"{lr:g}"]))
+    for lr in lrs:
+        for c in scales:
+            trd = {"rank": rank} if c == 1.0 else {"rank": rank, "core_lr_scale": c}
+            out.append((f"trd_r{rank}_lr{lr:g}_core_x{c:g}", baseline_config(titan={"trd": trd}), ["--lr", f"{lr:g}"]))
+    return out
 
 
 def _time(fn, reps: int) -> float:
@@ -127,17 +135,22 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="results/trd")
     p.add_argument("--paths", action="store_true", help="measure the contraction-path rule instead")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--lr-probe", action="store_true", help="rank 12 with trd.core_lr_scale 3 vs dense at two lrs")
+    p.add_argument("--lr-probe", action="store_true", help="rank 12: dense and TRD over --lrs x --scales")
+    p.add_argument("--lrs", default="1e-3,3e-3", help="--lr-probe: learning rates (the first is the base row)")
+    p.add_argument("--scales", default="1,3", help="--lr-probe: trd.core_lr_scale values")
     p.add_argument("--train-args", default="", help="extra launch/train.py flags")
     a = p.parse_args(argv)
-    cmd = "python launch/bench/bench_trd.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python launch/bench/bench_trd.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     if a.paths:
         print(paths(Path("results/trd_paths"), a.reps))
         return
     if a.lr_probe:
         out = a.out if a.out != "results/trd" else "results/trd_lr_scale"
-        compare(lr_probe_rows(), steps=a.steps, out=out, extra_args=a.train_args.split(),
-                title="TRD: cores at 3x the learning rate (trd.core_lr_scale) vs dense at 1x and 3x", command=cmd)
+        grid = lr_probe_rows(lrs=tuple(float(x) for x in a.lrs.split(",")),
+                             scales=tuple(float(x) for x in a.scales.split(",")))
+        compare(grid, steps=a.steps, out=out, extra_args=a.train_args.split(),
+                title="TRD rank 12 (35x): learning rate x trd.core_lr_scale, against dense at the same lrs",
+                command=cmd)
         print(Path(out).with_suffix(".md").read_text())
         return
     compare(rows(), steps=a.steps, out=a.out, extra_args=a.train_args.split(),
