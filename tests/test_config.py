@@ -100,3 +100,19 @@ def test_config_reference_is_current():
     from titan_ds.config_reference import render
     assert (ROOT / "docs" / "config_reference.md").read_text() == render(), \
         "regenerate: python -m titan_ds.config_reference > docs/config_reference.md"
+
+
+def test_compression_methods_come_from_the_registry():
+    """titan.compression.method's choices and each method's refused keys are the compressor classes' own."""
+    import typing
+
+    from titan_ds.comm import REGISTRY
+    from titan_ds.config import CompressionConfig
+
+    assert typing.get_args(CompressionConfig.model_fields["method"].annotation) == tuple(REGISTRY)
+    for name, cls in REGISTRY.items():
+        for key in cls.unused_keys:
+            with pytest.raises(TitanConfigError, match=f"titan.compression.*{key}"):
+                TitanConfig(compression={"method": name, key: 1})
+    with pytest.raises(TitanConfigError, match="titan.compression.method must be one of"):
+        TitanConfig(compression={"method": "powersgd"})

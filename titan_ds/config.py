@@ -17,6 +17,8 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .comm.registry import REGISTRY as _COMPRESSORS
+
 __all__ = [
     "TitanConfig",
     "TitanConfigError",
@@ -117,6 +119,10 @@ class PlasticityConfig(_Strict):
     plateau_ratio: float = Field(default=0.5, gt=0, le=1)
 
 
+# the choices of titan.compression.method: the names in titan_ds/comm/registry.py, nowhere else
+_CompressionMethod = Literal[tuple(_COMPRESSORS)]  # type: ignore[valid-type]
+
+
 class CompressionConfig(_Strict):
     """Gradient compression on DeepSpeed's reduce path (issue #6; titan_ds/comm, docs/compress.md).
 
@@ -126,7 +132,7 @@ class CompressionConfig(_Strict):
     is an error, not ignored.
     """
 
-    method: Literal["none", "topk", "tgss", "hge"] = "hge"
+    method: _CompressionMethod = "hge"
     ratio: float = Field(default=50.0, ge=1)
     error_feedback: bool = True
     warmup_steps: int = Field(default=0, ge=0)
@@ -135,8 +141,7 @@ class CompressionConfig(_Strict):
 
     @model_validator(mode="after")
     def _used_keys(self) -> "CompressionConfig":
-        unused = {"none": ("ratio", "error_feedback", "sketch_rows", "seed"), "topk": ("sketch_rows", "seed")}
-        bad = sorted(set(unused.get(self.method, ())) & self.model_fields_set)
+        bad = sorted(set(_COMPRESSORS[self.method].unused_keys) & self.model_fields_set)
         if bad:
             raise ValueError(f"has {', '.join(bad)}, which method={self.method!r} does not use; remove "
                              f"{'it' if len(bad) == 1 else 'them'} or choose a method that uses "

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from titan_ds.data import Batcher, load_corpus  # noqa: E402
 from titan_ds.models import GPT, GPTConfig  # noqa: E402
-from titan_ds.optim.sketch import CountMinSketch, CountSketch  # noqa: E402
+from titan_ds.comm.tgss import CountMinSketch, CountSketch  # noqa: E402
 
 
 def grads(steps: int):

@@ -1,15 +1,13 @@
 """Unit tests for the gradient compressors (STYLE.md 4: exact case, error-feedback invariant, off-switch, state)."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from titan_ds.comm.compressor import (REGISTRY, GradientReducer, LocalCollective, Segment, ThreadCollective,
-                                      build_compressor, check_layout, sketch_budget, topk_budget)
+from tests.helpers.collectives import run_ranks
+from titan_ds.comm import REGISTRY, GradientReducer, Segment, build_compressor
+from titan_ds.comm.base import LocalCollective, check_layout, sketch_budget, topk_budget
 from titan_ds.comm.hge import Hologram
-from titan_ds.comm.tgss import CountSketch, hash_bins, median_rows
 
 LOSSY = ["topk", "tgss", "hge"]
 
@@ -21,29 +19,6 @@ def _seed():
 
 def one(n: int, key: str = "p") -> list[Segment]:
     return [Segment(key, 0, 0, n, n)]
-
-
-def run_ranks(world: int, fn):
-    """Run fn(rank, comm) in ``world`` threads sharing a ThreadCollective; return the results by rank."""
-    group = ThreadCollective(world)
-    out: list = [None] * world
-    errs: list = []
-
-    def target(r):
-        try:
-            out[r] = fn(r, group.rank(r))
-        except BaseException as e:  # surfaced below
-            errs.append(e)
-            group._barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errs:
-        raise errs[0]
-    return out
 
 
 # ------------------------------------------------------------------ 1. exact case
@@ -214,35 +189,25 @@ def test_state_of_another_method_is_refused():
         GradientReducer("tgss", 10.0).load_state_dict(a.state_dict())
 
 
-# ------------------------------------------------------------------ registry, sketches
+# ------------------------------------------------------------------ registry, sketches (the sketch itself: test_tgss.py)
 def test_registry_unknown_name_lists_choices():
     assert sorted(REGISTRY) == ["hge", "none", "tgss", "topk"]
     with pytest.raises(ValueError, match=r"unknown compressor 'powersgd'; choose one of \['hge', 'none', 'tgss', 'topk'\]"):
         build_compressor("powersgd", 10.0)
 
 
-def test_hashes_in_range_and_balanced():
-    bins, bits = hash_bins(50_000, 3, 97, seed=5)
-    assert int(bins.min()) >= 0 and int(bins.max()) < 97
-    counts = torch.bincount(bins[0], minlength=97).float()
-    assert counts.std() / counts.mean() < 0.1  # ~Poisson(515): 0.044 expected
-    assert abs(float((bits >> 22).float().mean()) - 0.5) < 0.01
-    b2, _ = hash_bins(50_000, 3, 97, seed=6)
-    assert not torch.equal(bins, b2)
-    assert not torch.equal(bins[0], bins[1])
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
-def test_median_rows_matches_torch(rows):
-    e = torch.randn(rows, 1000)
-    assert torch.equal(median_rows(e), e.median(dim=0).values)
+def _tgss(n: int, cols: int, seed: int):
+    """The tgss compressor's encode and estimate with ``cols`` columns and its hashes for ``n`` coordinates."""
+    comp = build_compressor("tgss", 4.0, 3)
+    keys = comp.keys(n, cols, seed, None)
+    return (lambda v: comp.encode(v, keys, cols, seed)), (lambda sk: comp.estimate(sk, keys, n, cols, seed)[0])
 
 
 def test_sketches_are_linear():
     n = 5000
     x, y = torch.randn(n), torch.randn(n)
-    cs, hg = CountSketch(3, 128, 9), Hologram(3, 64, 9)
-    for enc in (cs.encode, hg.encode):
+    hg = Hologram(3, 64, 9)
+    for enc in (_tgss(n, 128, 9)[0], hg.encode):
         torch.testing.assert_close(enc(x) + enc(y), enc(x + y), rtol=1e-5, atol=1e-4)
 
 
@@ -250,8 +215,9 @@ def test_single_heavy_coordinate_decodes_exactly():
     n = 5000
     x = torch.zeros(n)
     x[1234] = 3.5
-    cs, hg = CountSketch(3, 128, 1), Hologram(3, 64, 1)
-    torch.testing.assert_close(cs.estimate(cs.encode(x), n), x)
+    encode, estimate = _tgss(n, 128, 1)
+    hg = Hologram(3, 64, 1)
+    torch.testing.assert_close(estimate(encode(x)), x)
     # HGE averages holograms, so a zero coordinate colliding in one of them decodes to a fraction of x_i;
     # the heavy one itself comes back exactly (|exp(j theta)|^2 = 1)
     assert abs(float(hg.decode(hg.encode(x), n)[1234]) - 3.5) < 1e-6

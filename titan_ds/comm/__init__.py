@@ -1,4 +1,6 @@
 """Gradient compression on DeepSpeed's reduce path (issue #6): compressors, and hooks that install them."""
-from .compressor import REGISTRY, GradientReducer, Segment, build_compressor
+from .base import Segment
+from .compressor import GradientReducer
+from .registry import REGISTRY, build_compressor
 
 __all__ = ["REGISTRY", "GradientReducer", "Segment", "build_compressor"]

@@ -9,15 +9,16 @@ byte budget; a complex slot costs two fp32 on the wire):
 Binding and superposition are linear, so ranks all-reduce ``H`` itself. Decoding is correlation with the
 conjugate key, ``x_hat_r(i) = Re(conj(exp(j theta_r(i))) H[r, h_r(i)])``, averaged over holograms: a colliding
 coordinate ``x_k`` contributes ``x_k cos(theta_k - theta_i)``, half the variance of a +-1 sign, at the price of
-half as many slots per byte as ``tgss``. Keys (slots and phases) are splitmix64 hashes of (coordinate,
-hologram, seed): identical on all ranks, new every step.
+half as many slots per byte as ``tgss``. Keys (slots and phases) are TGSS's hash family
+(``tgss.hash_bins``: multiply-shift functions of the coordinate keyed by splitmix64 of (hologram, seed)):
+identical on all ranks, new every step.
 
 Why slots are hashed rather than the chunks being bound by circular convolution (an FFT layout): with
 FFT binding every other chunk's energy spreads over every coordinate, so no coordinate is ever decoded
 exactly and the exact sparse case (a gradient with fewer non-zeros than the budget) is lost; with hashed
 slots a zero coordinate is non-zero in a hologram only when it collides there. Recovery (top-k of the
 decoded magnitudes among coordinates whose slot is non-zero in every hologram, then the exact values in a
-second all-reduce) and error feedback are shared with ``tgss`` in ``compressor.SketchCompressor``.
+second all-reduce) and error feedback are shared with ``tgss`` in ``base.SketchCompressor``.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import math
 
 import torch
 
-from .compressor import SketchCompressor
+from .base import SketchCompressor
 from .tgss import hash_bins
 
 __all__ = ["Hologram", "HGECompressor"]

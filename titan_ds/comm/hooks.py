@@ -26,7 +26,8 @@ from typing import Any, Optional
 import torch
 
 from ..config import TitanConfigError
-from .compressor import GradientReducer, Segment
+from .base import Segment
+from .compressor import GradientReducer
 
 __all__ = ["before_initialize", "after_initialize", "CompressionHooks", "DistCollective"]
 

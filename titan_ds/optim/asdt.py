@@ -39,7 +39,7 @@ import torch
 from ..utils import get_logger
 
 from .layout import Layout, Piece, Unit, build_units, param_layout
-from .sketch import CountMinSketch
+from ..comm.tgss import CountMinSketch
 
 __all__ = ["ASDT", "reference_step", "GROWTH", "ELASTIC", "FROZEN", "SLEEPING"]
 

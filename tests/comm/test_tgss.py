@@ -1,8 +1,10 @@
-"""TGSS sketches: exact cases, linearity, EMA superposition, Count-Min bound, DCT round trip, state."""
+"""TGSS, the one count sketch (titan_ds/comm/tgss.py): hashes, exact cases, unbiasedness, linearity, EMA
+superposition, Count-Min bound, DCT round trip, state, and the tgss compressor using the same sketch."""
 import pytest
 import torch
 
-from titan_ds.optim.sketch import CountMinSketch, CountSketch, dct_matrix
+from titan_ds.comm import build_compressor
+from titan_ds.comm.tgss import CountMinSketch, CountSketch, dct_matrix, hash_bins, hash_index, median_rows
 
 
 @pytest.fixture(autouse=True)
@@ -89,3 +91,58 @@ def test_state_dict_round_trip():
     assert torch.equal(s.table, t.table)
     with pytest.raises(ValueError, match="does not match"):
         CountSketch(64, 2, 6).load_state_dict(s.state_dict())
+
+
+def test_unbiased_over_seeds():
+    """E over hash seeds of the (one-row) estimate is the true value. x has a positive mean, so an estimate
+    without the random signs would be off by about sum(x) / width = 31 per element."""
+    n, width, seeds = 1000, 32, 400
+    x = torch.randn(n) + 1.0
+    ests = []
+    for seed in range(seeds):
+        s = CountSketch(width, 1, seed)
+        s.update(x)
+        ests.append(s.query_range(0, n))
+    est = torch.stack(ests)
+    one_sketch_err = (est - x).norm(dim=1).mean()
+    # the average of 400 independent unbiased estimates: 1/20 of one sketch's error; 1/10 leaves room
+    assert float((est.mean(dim=0) - x).norm()) < 0.1 * float(one_sketch_err)
+
+
+def test_hashes_in_range_and_balanced():
+    bins, bits = hash_bins(50_000, 3, 97, seed=5)
+    assert int(bins.min()) >= 0 and int(bins.max()) < 97
+    counts = torch.bincount(bins[0], minlength=97).float()
+    assert counts.std() / counts.mean() < 0.1  # ~Poisson(515): 0.044 expected
+    assert abs(float((bits >> 22).float().mean()) - 0.5) < 0.01
+    b2, _ = hash_bins(50_000, 3, 97, seed=6)
+    assert not torch.equal(bins, b2)
+    assert not torch.equal(bins[0], bins[1])
+
+
+def test_hashes_depend_only_on_the_global_index():
+    """A slice of indices hashes like the same indices inside a longer range (global offsets), and Count-Min
+    skips the sign bits."""
+    bins, bits = hash_bins(3000, 3, 101, seed=4)
+    b, t = hash_index(torch.arange(1000, 2000), 3, 101, seed=4)
+    assert torch.equal(b, bins[:, 1000:2000]) and torch.equal(t, bits[:, 1000:2000])
+    assert hash_index(torch.arange(10), 3, 101, seed=4, with_bits=False)[1] is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_median_rows_matches_torch(rows):
+    e = torch.randn(rows, 1000)
+    assert torch.equal(median_rows(e), e.median(dim=0).values)
+
+
+def test_compressor_sketch_is_the_count_sketch():
+    """One sketch: the tgss compressor's per-call table and estimate are CountSketch's for (cols, rows, seed)."""
+    n, cols, seed = 3000, 256, 11
+    x = torch.randn(n)
+    comp = build_compressor("tgss", 4.0, 3)
+    keys = comp.keys(n, cols, seed, None)
+    table = comp.encode(x, keys, cols, seed)
+    s = CountSketch(cols, 3, seed)
+    s.update(x)
+    assert torch.equal(table, s.table)
+    assert torch.equal(comp.estimate(table, keys, n, cols, seed)[0], s.query_range(0, n))

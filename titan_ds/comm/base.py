@@ -1,0 +1,245 @@
+"""What every gradient compressor shares: collectives, residuals, the ``Compressor`` protocol and byte budgets.
+
+The concrete compressors (``dense``, ``topk``, ``tgss``, ``hge``) import from here; the registry
+(``registry.py``) imports them; ``GradientReducer`` (``compressor.py``) builds one through the registry. This
+module imports no other module of ``titan_ds.comm``, so the package has no import cycle
+(``tests/test_import_graph.py``). ``SketchCompressor`` is the two-round recovery that ``tgss`` and ``hge``
+share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+
+__all__ = [
+    "Collective", "LocalCollective", "CountingCollective", "Segment", "ResidualStore", "check_layout",
+    "Compressor", "topk_budget", "sketch_budget", "SketchCompressor",
+]
+
+
+# ----------------------------------------------------------------------------------------- collectives
+class Collective(Protocol):
+    """The two collectives a compressor may use. Both are sums/gathers over the data-parallel group."""
+
+    world_size: int
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None: ...
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
+
+
+class LocalCollective:
+    """One rank: the collectives are identities."""
+
+    world_size = 1
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        return None
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t.clone()]
+
+
+
+class CountingCollective:
+    """Wraps a collective and counts the bytes this rank hands to it (the send buffer of each call)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.world_size = inner.world_size
+        self.bytes = 0
+        self.calls = 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        self.bytes += t.numel() * t.element_size()
+        self.calls += 1
+        self.inner.all_reduce_sum(t)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.bytes += t.numel() * t.element_size()
+        self.calls += 1
+        return self.inner.all_gather(t)
+
+
+# ----------------------------------------------------------------------------------------- residuals
+@dataclass(frozen=True)
+class Segment:
+    """``numel`` elements of parameter ``key`` starting at ``param_offset`` sit at ``flat_offset`` in a bucket."""
+
+    key: str
+    param_offset: int
+    flat_offset: int
+    numel: int
+    param_numel: int
+
+
+class ResidualStore:
+    """Error-feedback residuals, one fp32 tensor per parameter (created on first use), addressed by offset.
+
+    Writes are journaled per optimizer step (:meth:`begin`): the first write to a parameter's residual in a
+    step keeps its previous value, so that :meth:`rollback` can put back exactly what the step started from
+    when the step turns out to be skipped (non-finite gradients). :meth:`commit` drops the journal. The
+    journal holds at most one copy of the residuals, and only while a step is being reduced and applied.
+    """
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+        self._journal: dict[str, Optional[torch.Tensor]] = {}  # key -> value at step start (None: created)
+
+    def _get(self, seg: Segment, device: torch.device) -> torch.Tensor:
+        r = self.residuals.get(seg.key)
+        if r is None:
+            r = self.residuals[seg.key] = torch.zeros(seg.param_numel, dtype=torch.float32, device=device)
+            self._journal.setdefault(seg.key, None)
+        elif r.numel() != seg.param_numel:
+            raise RuntimeError(f"residual for {seg.key!r} has {r.numel()} elements but the parameter has "
+                               f"{seg.param_numel}: the model changed under a running compressor")
+        return r
+
+    def add_into(self, acc: torch.Tensor, layout: list[Segment]) -> None:
+        for s in layout:
+            r = self._get(s, acc.device)
+            acc[s.flat_offset:s.flat_offset + s.numel] += r[s.param_offset:s.param_offset + s.numel]
+
+    def write(self, new: torch.Tensor, layout: list[Segment]) -> None:
+        for s in layout:
+            r = self._get(s, new.device)
+            if s.key not in self._journal:
+                self._journal[s.key] = r.clone()
+            r[s.param_offset:s.param_offset + s.numel] = new[s.flat_offset:s.flat_offset + s.numel]
+
+    def commit(self) -> None:
+        """The step was applied: its residual writes stand."""
+        self._journal.clear()
+
+    def rollback(self) -> None:
+        """The step is skipped: every residual goes back to its value at the step's start."""
+        for key, old in self._journal.items():
+            if old is None:
+                self.residuals.pop(key, None)
+            else:
+                self.residuals[key].copy_(old)
+        self._journal.clear()
+
+    def nbytes(self) -> int:
+        """Bytes held now: the residuals and, mid-step, the journal."""
+        held = list(self.residuals.values()) + [t for t in self._journal.values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def norm(self) -> float:
+        return float(sum(float(r.double().pow(2).sum()) for r in self.residuals.values()) ** 0.5)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {k: v.detach().clone().float() for k, v in state.items()}
+        self._journal.clear()
+
+
+def check_layout(layout: list[Segment], numel: int) -> None:
+    """Segments must tile ``[0, numel)`` exactly once: a gap or overlap would lose or double residuals."""
+    covered = sorted((s.flat_offset, s.numel) for s in layout)
+    pos = 0
+    for off, n in covered:
+        if off != pos:
+            raise RuntimeError(f"bucket layout does not tile the bucket: gap or overlap at element {pos} "
+                               f"(next segment starts at {off})")
+        pos += n
+    if pos != numel:
+        raise RuntimeError(f"bucket layout covers {pos} of {numel} elements")
+
+
+# ----------------------------------------------------------------------------------------- compressors
+class Compressor(Protocol):
+    """Encode ``acc`` (this rank's error-compensated flat gradient), run collectives, decode.
+
+    ``reduce`` returns ``(summed, sent)``: ``summed`` is the sum over ranks of every rank's ``sent`` (the
+    same on all ranks), ``sent`` is the part of ``acc`` this rank transmitted (``acc - sent`` is its new
+    residual). ``seed`` is identical on all ranks for the same call, so hashes and phases agree.
+    """
+
+    name: str                      # the key in ``registry.REGISTRY`` and in ``titan.compression.method``
+    unused_keys: tuple[str, ...]   # ``titan.compression`` keys this method does not use: an error if given
+
+    def reduce(self, acc: torch.Tensor, comm: Collective, seed: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+
+def topk_budget(n: int, ratio: float) -> int:
+    """(int32 index, fp32 value) pairs: 8 bytes each against 4 dense bytes per element, so k = n / (2 ratio)."""
+    return max(1, min(n, int(n / (2.0 * ratio))))
+
+
+
+def sketch_budget(n: int, ratio: float, rows: int) -> tuple[int, int]:
+    """(k, cols) for a two-round sketch within ``4 n / ratio`` bytes.
+
+    Round 1 sends ``rows * cols`` fp32 (a complex bin counts as 2), round 2 sends ``k`` fp32 values, with
+    ``cols = 2 k`` (a table twice as wide as the number of heavy coordinates it must find): ``k (1 + 2 rows)``
+    floats in all.
+    """
+    k = max(1, int(n / (ratio * (1 + 2 * rows))))
+    return min(k, n), 2 * k
+
+
+class SketchCompressor:
+    """Two-round linear-sketch compression (FetchSGD-style recovery with exact values), shared by tgss and hge.
+
+    1. ``S = encode(acc)``: a linear sketch of ``rows x cols`` reals (identical hashes on every rank).
+    2. all-reduce ``S``: by linearity it is now the sketch of the sum of all ranks' ``acc``.
+    3. From ``S`` (identical on all ranks): candidates = coordinates whose bin is non-zero in **every** row
+       (always a superset of the support of the summed gradient), ranked by ``|estimate|``; ``idx`` = all of
+       them when there are at most ``k``, else the ``k`` best. The index set is the same on every rank.
+    4. all-reduce the exact values ``acc[idx]`` (k fp32): ``summed`` is exact on ``idx`` and zero elsewhere.
+    5. ``sent = acc`` on ``idx``, so the residual keeps everything else (and nothing is double-counted).
+    Exact case: if the summed gradient has at most ``k`` candidates it is recovered exactly.
+    """
+
+    unused_keys: tuple[str, ...] = ()
+
+    def __init__(self, ratio: float, rows: int):
+        self.ratio, self.rows = ratio, rows
+
+    # subclasses: keys(n, cols, seed, device) -> hashes, computed once per call and shared by
+    # encode(acc, keys, cols, seed) -> sketch and estimate(sketch, keys, n, cols, seed) -> (est, nonzero_in_all_rows)
+    def keys(self, n: int, cols: int, seed: int, device: Any) -> Any:
+        raise NotImplementedError
+
+    def encode(self, acc: torch.Tensor, keys: Any, cols: int, seed: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def estimate(self, sketch: torch.Tensor, keys: Any, n: int, cols: int,
+                 seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def select(self, sketch: torch.Tensor, keys: Any, n: int, k: int, cols: int, seed: int) -> torch.Tensor:
+        est, cand = self.estimate(sketch, keys, n, cols, seed)
+        n_cand = int(cand.sum())
+        if n_cand <= k:
+            return cand.nonzero().flatten()
+        score = torch.where(cand, est.abs(), torch.full_like(est, -1.0))
+        return torch.topk(score, k, sorted=False).indices
+
+    def reduce(self, acc, comm, seed):
+        n = acc.numel()
+        k, cols = sketch_budget(n, self.ratio, self.rows)
+        keys = self.keys(n, cols, seed, acc.device)
+        sketch = self.encode(acc, keys, cols, seed)
+        comm.all_reduce_sum(sketch)
+        if not bool(torch.isfinite(sketch).all()):
+            # some rank's gradient holds NaN/Inf, and every rank holds this same summed sketch: all of them
+            # return a non-finite sum (the step will be skipped everywhere) and skip the second round
+            return torch.full_like(acc, float("nan")), torch.zeros_like(acc)
+        idx = self.select(sketch, keys, n, k, cols, seed)
+        del keys  # rows x n hashes: freed before the second round
+        vals = acc[idx].contiguous()
+        sent = torch.zeros_like(acc)
+        sent[idx] = vals
+        comm.all_reduce_sum(vals)
+        summed = torch.zeros_like(acc)
+        summed[idx] = vals
+        return summed, sent
+
