@@ -27,3 +27,13 @@ def test_step_metrics_update_routes_unknown_to_extra():
     m = StepMetrics()
     m.update({"hge_compression_ratio": 120.0, "foo": 1})
     assert m.hge_compression_ratio == 120.0 and m.compression_on and m.extra == {"foo": 1}
+
+
+def test_wire_ratio_fields_and_the_seed_alias():
+    m = StepMetrics()
+    m.update({"wire_compression_ratio": 100.0, "wire_compression_ratio_run": 9.2})
+    assert m.compression_on and m.hge_compression_ratio == 100.0 and m.wire_compression_ratio_run == 9.2
+    assert m.extra == {} and m.to_dict()["hge_compression_ratio"] == 100.0
+    m.hge_compression_ratio = 50.0
+    assert m.wire_compression_ratio == 50.0
+    assert not StepMetrics().compression_on

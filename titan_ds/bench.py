@@ -96,7 +96,8 @@ def _row_values(r: dict[str, Any], base: dict[str, Any], columns: Sequence[str])
         "peak_rss_MiB": r.get("peak_rss", 0) / MiB,
         "trd_x_linears": tm.get("trd_compression_ratio", 1.0),
         "trd_x_model": tm.get("trd_model_compression_ratio", 1.0),
-        "wire_x": tm.get("hge_compression_ratio", 1.0),
+        "wire_x": tm.get("wire_compression_ratio", 1.0),  # the last step's (steady state)
+        "wire_x_run": tm.get("wire_compression_ratio_run", 1.0),  # the whole run, warm-up included
         "wire_MiB_per_step": (tm["wire_bytes"] / MiB) if tm.get("wire_bytes") is not None else None,
     }
     for c in columns:

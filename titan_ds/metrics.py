@@ -49,7 +49,10 @@ class StepMetrics:
     tokens_per_s: float = 0.0
     trd_compression_ratio: float = 1.0
     trd_model_compression_ratio: float = 1.0
-    hge_compression_ratio: float = 1.0
+    # gradient bytes an uncompressed all-reduce would hand to collectives / bytes the compressor handed over:
+    # this step's (the steady state once warm-up is over) and the whole run's, warm-up steps included
+    wire_compression_ratio: float = 1.0
+    wire_compression_ratio_run: float = 1.0
     wire_bytes: Optional[int] = None
     dense_grad_bytes: Optional[int] = None
     plasticity: Optional[dict[str, int]] = None
@@ -60,21 +63,33 @@ class StepMetrics:
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def hge_compression_ratio(self) -> float:
+        """The seed's name (Quick Start) for :attr:`wire_compression_ratio`, which holds for every method."""
+        return self.wire_compression_ratio
+
+    @hge_compression_ratio.setter
+    def hge_compression_ratio(self, value: float) -> None:
+        self.wire_compression_ratio = value
+
     def update(self, values: dict[str, Any]) -> None:
         """Set known fields from a pillar's metric source; unknown keys go to ``extra``."""
         for k, v in values.items():
-            if k in self.__dataclass_fields__ and k not in ("memory", "extra"):
+            if k == "hge_compression_ratio":
+                self.wire_compression_ratio = v
+            elif k in self.__dataclass_fields__ and k not in ("memory", "extra"):
                 setattr(self, k, v)
             else:
                 self.extra[k] = v
         if "trd_compression_ratio" in values:
             self.trd_on = True
-        if "hge_compression_ratio" in values:
+        if "wire_compression_ratio" in values or "hge_compression_ratio" in values:
             self.compression_on = True
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["memory"] = self.memory.to_dict()
+        d["hge_compression_ratio"] = self.wire_compression_ratio  # the seed's alias
         return d
 
 

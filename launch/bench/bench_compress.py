@@ -8,7 +8,7 @@ data, seed and tokens with 2 data-parallel ranks (`deepspeed --num_gpus 2`), ZeR
 all-reduce goes through ``DeepSpeedEngine.allreduce_bucket``). The first row is plain DeepSpeed (dense
 all-reduce). Compressed rows run ``warmup_steps`` dense steps first (default 10), then compress with error
 feedback. Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the
-collective per rank), ``compression_total_ratio`` (whole run, warm-up included), ``step_time_ratio``.
+collective per rank), ``wire_x_run`` (whole run, warm-up included), ``step_time_ratio``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ def main(argv=None) -> None:
     r = rows(a.methods.split(","), [float(x) for x in a.ratios.split(",")], a.warmup, a.stage)
     results = compare(r, steps=a.steps, out=a.out, num_ranks=2, extra_args=a.train_args.split(),
             title=f"gradient compression, 2 ranks, ZeRO-{a.stage}, {a.steps} steps",
-            columns=["compression_total_ratio"],
             command="python launch/bench/bench_compress.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     append_step_time(results, Path(a.out))
     print(Path(a.out).with_suffix(".md").read_text())
@@ -60,8 +59,8 @@ def append_step_time(results: list[dict], out: Path) -> None:
             continue
         tm = r.get("titan_metrics", {})
         ratio = r["step_s"] / base if base else float("nan")
-        wire = tm.get("hge_compression_ratio") or 1.0
-        total = tm.get("compression_total_ratio") or 1.0
+        wire = tm.get("wire_compression_ratio") or 1.0
+        total = tm.get("wire_compression_ratio_run") or 1.0
         lines.append(f"| {r['name']} | {ratio:.2f} | {r['val_loss']:.3f} | "
                      f"{r['val_loss'] - results[0].get('val_loss', float('nan')):+.3f} | {wire:.1f} | {total:.1f} |")
     md = out.with_suffix(".md")

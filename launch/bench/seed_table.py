@@ -41,8 +41,9 @@ def seed_summary(results: list[dict], out: Path) -> str:
          lambda r: f"{r['titan_metrics'].get('trd_compression_ratio', 1.0):.1f}x"),
         ("weight compression, whole model", "-", "-",
          lambda r: f"{r['titan_metrics'].get('trd_model_compression_ratio', 1.0):.2f}x"),
-        ("gradient compression on the wire (HGE)", "~49.7x", ">= 100x",
-         lambda r: f"{r['titan_metrics'].get('hge_compression_ratio', 1.0):.1f}x"),
+        ("gradient compression on the wire (last step / whole run)", "~49.7x", ">= 100x",
+         lambda r: f"{r['titan_metrics'].get('wire_compression_ratio', 1.0):.1f}x / "
+                   f"{r['titan_metrics'].get('wire_compression_ratio_run', 1.0):.1f}x"),
         ("training-state memory (params+grads+optim+activations)", "~103 MB", "<= 1/10 of DeepSpeed",
          lambda r: f"{r['memory']['training_state'] / MiB:.1f} MiB "
                    f"({r['memory']['training_state'] / base['memory']['training_state']:.3f} of DeepSpeed's "

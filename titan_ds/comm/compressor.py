@@ -103,11 +103,17 @@ class GradientReducer:
         return summed
 
     def take_metrics(self) -> dict[str, Any]:
-        """Bytes since the previous call (one optimizer step when called per step), then reset the window."""
+        """Bytes since the previous call (one optimizer step when called per step), then reset the window.
+
+        ``wire_compression_ratio`` is that window's dense/wire bytes (the steady state once warm-up is over);
+        ``wire_compression_ratio_run`` counts every byte since the run began, warm-up included, across resumes
+        (the totals are checkpointed). ``hge_compression_ratio`` is the seed's name for the first."""
         ratio = self.dense_bytes / self.wire_bytes if self.wire_bytes else None
-        out = {"hge_compression_ratio": ratio, "wire_bytes": self.wire_bytes, "dense_grad_bytes": self.dense_bytes,
+        run = self.total_dense / self.total_wire if self.total_wire else None
+        out = {"wire_compression_ratio": ratio, "hge_compression_ratio": ratio, "wire_compression_ratio_run": run,
+               "wire_bytes": self.wire_bytes, "dense_grad_bytes": self.dense_bytes,
+               "wire_bytes_run": self.total_wire, "dense_grad_bytes_run": self.total_dense,
                "compression_method": self.method,
-               "compression_total_ratio": self.total_dense / self.total_wire if self.total_wire else None,
                "compression_state_bytes": self.residuals.nbytes(), "compression_nonfinite_steps": self.nonfinite_steps}
         self.dense_bytes = self.wire_bytes = 0
         return out
