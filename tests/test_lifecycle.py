@@ -2,6 +2,7 @@
 once-only wrappers in the declared order, and every global a pillar patched restored when initialize fails."""
 from __future__ import annotations
 
+import json
 import sys
 import types
 
@@ -116,6 +117,34 @@ def test_callbacks_run_in_declared_order_and_methods_are_wrapped_once(dist_env, 
     log.clear()
     engine.load_checkpoint(str(tmp_path))  # tag from `latest`
     assert log == ["trd load t", "mlme load t"]
+
+
+def test_a_failing_save_callback_fails_the_save_and_keeps_latest(dist_env, tmp_path, monkeypatch):
+    """A pillar's save callback runs inside the crash-safe protocol: its error is a CheckpointSaveError, the
+    partial tag goes, ``latest`` still names the last complete checkpoint, and a later save works."""
+    from titan_ds.checkpoint import MANIFEST, CheckpointSaveError, complete_tags
+    fail = {"on": False}
+    mod = types.ModuleType("titan_ds._fake_saver")
+
+    def on_save(save_dir, tag):
+        (tmp_path / tag / "pillar.bin").write_bytes(b"x")
+        if fail["on"]:
+            raise OSError(28, "No space left on device")
+
+    mod.before_initialize = lambda ctx: None
+    mod.after_initialize = lambda ctx: ctx.on_save(on_save)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr("titan_ds.engine.PILLARS", (Pillar("trd", mod.__name__, "test"),))
+    engine = _tiny_engine(0, {"trd": {"rank": 2}})
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    assert "pillar.bin" in json.loads((tmp_path / "a" / MANIFEST).read_text())["files"]  # written before it
+    fail["on"] = True
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint 'b' could not be written .*`latest` still names 'a'"):
+        engine.save_checkpoint(str(tmp_path), tag="b")
+    assert not (tmp_path / "b").exists() and (tmp_path / "latest").read_text() == "a"
+    fail["on"] = False
+    engine.save_checkpoint(str(tmp_path), tag="c")
+    assert complete_tags(tmp_path) == ["a", "c"] and (tmp_path / "latest").read_text() == "c"
 
 
 # ------------------------------------------------------------------ HMS (+ compression): globals and wrappers

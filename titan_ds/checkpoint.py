@@ -248,8 +248,9 @@ def _commit(save_dir: Path, tag_dir: Path, tag: str, save_latest: bool) -> None:
         atomic_write_text(save_dir / "latest", tag)
 
 
-def load_tag(load: Callable[..., Any], load_dir: str, tag: Optional[str], after_read: Callable[[str, str, Mapping[str, Any]], None],
-             restore_state: Callable[[dict], None], **kw: Any) -> tuple[Any, Any]:
+def load_tag(load: Callable[..., Any], load_dir: str, tag: Optional[str],
+             after_read: Callable[[str, str, Mapping[str, Any]], None], restore_state: Callable[[dict], None],
+             **kw: Any) -> tuple[Any, Any]:
     """Verify ``tag`` (default: ``latest``) against its manifest, then ``load(load_dir, tag=tag, **kw)``
     (DeepSpeed's), then ``after_read(load_dir, tag, kw)`` (the pillars' load callbacks), then
     ``restore_state(client_state["titan"])``. Nothing to load: ``(None, None)``."""

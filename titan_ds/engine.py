@@ -103,7 +103,7 @@ class InitContext:
         return self.lifecycle.register(kind, fn)
 
     def on_before_step(self, fn: StepCallback) -> Remove:
-        """``fn()`` runs before every ``engine.step`` (reverse registration order: the first registered is innermost)."""
+        """``fn()`` runs before every ``engine.step``, in reverse registration order (the first is innermost)."""
         return self._engine_callback("before_step", fn)
 
     def on_after_step(self, fn: StepCallback) -> Remove:

@@ -15,8 +15,10 @@ Seams (deepspeed_seams.md 3.1/3.3; each measured to carry all gradient bytes of 
 Everything else is instance attributes on the engine's optimizer (or, ZeRO-0, the engine's ``allreduce_bucket``):
 ``uninstall()`` deletes them and the class methods apply again. Around ``engine.step`` the hooks register
 lifecycle callbacks on the init context (:mod:`titan_ds.lifecycle`), which ``uninstall()`` removes; if
-``initialize`` fails after the install, the context's abort stack uninstalls (the ZeRO-3 global included). A ``dist.reduce`` to one owner (``rank=dst``) is done as a compressed all-reduce:
-the same bytes per rank are handed over, and every rank keeps its residual consistent.
+``initialize`` fails after the install, the context's abort stack uninstalls (the ZeRO-3 global included).
+
+A ``dist.reduce`` to one owner (``rank=dst``) is done as a compressed all-reduce: the same bytes per rank are
+handed over, and every rank keeps its residual consistent.
 """
 from __future__ import annotations
 
