@@ -88,27 +88,3 @@ def test_every_pillar_with_hms_two_ranks_zero3(tmp_path):
     s = json.loads((tmp_path / "s.json").read_text())
     assert set(s["pillars"]) == {"hms", "optimizer", "plasticity", "compression", "trd", "mlme"}
     assert s["titan_metrics"]["hge_compression_ratio"] >= 10
-
-
-def test_compression_chains_onto_hms_engine_step_and_uninstalls_cleanly(dist_env, tmp_path):
-    """HMS and compression both wrap ``engine.step`` on the instance: compression chains onto HMS's wrapper and
-    gives it back on uninstall (1 rank, the dense ``none`` method)."""
-    import torch
-
-    import titan_ds
-    from titan_ds.models import GPT, GPTConfig
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "steps_per_print": 10**9,
-           "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-           "titan": {"hms": {"nvme_path": str(tmp_path / "nvme")}, "compression": {"method": "none"}}}
-    model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=8, vocab_size=64))
-    engine, *_ = titan_ds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
-    hooks = engine.titan.reports["compression"]
-    hms_step = hooks._step_prev
-    assert hms_step is not None and engine.step is not hms_step  # HMS's wrapper, wrapped again
-    for i in range(2):
-        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))
-        engine.backward(engine(x, x))
-        engine.step()
-    assert engine.global_steps == 2 and hooks.reducer.calls > 0
-    hooks.uninstall()
-    assert engine.step is hms_step

@@ -12,19 +12,25 @@ loads. titan_ds adds, for engines built by ``titan_ds.initialize``:
 4. a save that fails on any rank (disk full, I/O error) fails on every rank with :class:`CheckpointSaveError`,
    which names the folder, the free space and the cause; the partial tag is removed, ``latest`` and every earlier
    checkpoint are untouched, and the engine's state in memory is unchanged (training can go on, or save elsewhere).
+
+:func:`save_tag` and :func:`load_tag` are that protocol around DeepSpeed's own calls; ``titan_ds.engine`` wraps
+the engine's ``save_checkpoint``/``load_checkpoint`` with them, once. Pillars' save/load callbacks
+(:mod:`titan_ds.lifecycle`) run inside it: on save after DeepSpeed wrote the tag on every rank and before the
+manifest, so their files are covered by it and their failure is a failed save; on load after DeepSpeed read the tag.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["CheckpointCorruptError", "CheckpointSaveError", "write_manifest", "verify_tag", "atomic_write_text",
-           "complete_tags", "save_failure_message", "remove_partial_tag", "MANIFEST"]
+           "complete_tags", "save_failure_message", "remove_partial_tag", "save_tag", "load_tag", "MANIFEST"]
 
 MANIFEST = "titan_manifest.json"
 _CHUNK = 8 * 2**20
@@ -37,6 +43,8 @@ class CheckpointCorruptError(RuntimeError):
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (on this rank or another); the previous checkpoints are intact."""
 
+
+log = logging.getLogger("titan_ds")
 
 _FULL_BELOW = 16 * 2**20  # a failed write with less free than this on the filesystem: call it full
 
@@ -171,3 +179,87 @@ def p_mtime(p: Path) -> float:
 def read_latest(load_dir: Path) -> Optional[str]:
     f = Path(load_dir) / "latest"
     return f.read_text().strip() if f.is_file() else None
+
+
+def _ranks_where(flag: bool, device: Any = "cpu") -> list[int]:
+    """The global ranks on which ``flag`` holds (a collective: every rank must call it). ``device`` is the
+    engine's: NCCL reduces only device tensors."""
+    import deepspeed.comm as dist
+    import torch
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [0] if flag else []
+    flags = torch.zeros(dist.get_world_size(), device=device)
+    flags[dist.get_rank()] = float(flag)
+    dist.all_reduce(flags)
+    return [i for i, f in enumerate(flags.tolist()) if f]
+
+
+def _attempt(fn: Callable[[], Any]) -> Optional[BaseException]:
+    try:
+        fn()
+    except Exception as e:  # disk full, I/O error: the ranks agree on it before anyone raises
+        return e
+    return None
+
+
+def save_tag(engine: Any, save: Callable[..., Any], save_dir: str, tag: str, client_state: dict, save_latest: bool,
+             after_write: Callable[[str, str], None], **kw: Any) -> Any:
+    """Crash-safe ``save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kw)`` (DeepSpeed's).
+
+    1. DeepSpeed writes the shards; a rank that failed joins DeepSpeed's closing barrier, then all ranks agree.
+    2. ``after_write(save_dir, tag)`` (the pillars' save callbacks) on every rank; the ranks agree again.
+    3. Rank 0 writes the manifest and, with ``save_latest``, replaces ``latest`` atomically; the ranks agree.
+    A failure at any point on any rank removes a tag folder the save created and raises CheckpointSaveError on
+    every rank.
+    """
+    import deepspeed.comm as dist
+    tag_dir = Path(save_dir) / str(tag)
+    existed = tag_dir.exists()
+    out: list[Any] = [None]
+
+    def write() -> None:
+        out[0] = save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kw)
+
+    err = _attempt(write)
+    if err is not None:
+        dist.barrier()  # the ranks that did not fail wait in DeepSpeed's closing barrier
+    failed = _ranks_where(err is not None, engine.device)  # every rank has finished writing past here
+    if not failed:
+        err = _attempt(lambda: after_write(str(save_dir), str(tag)))
+        failed = _ranks_where(err is not None, engine.device)
+    if not failed:
+        if engine.global_rank == 0:
+            err = _attempt(lambda: _commit(Path(save_dir), tag_dir, str(tag), save_latest))
+        failed = _ranks_where(err is not None, engine.device)
+    if failed:
+        removed = False
+        if engine.global_rank == 0 and not existed:
+            removed = remove_partial_tag(tag_dir)
+        dist.barrier()
+        msg = save_failure_message(Path(save_dir), str(tag), err, failed, removed)
+        log.error("titan: %s", msg)
+        raise CheckpointSaveError(msg) from err
+    return out[0]
+
+
+def _commit(save_dir: Path, tag_dir: Path, tag: str, save_latest: bool) -> None:
+    write_manifest(tag_dir)
+    if save_latest:
+        atomic_write_text(save_dir / "latest", tag)
+
+
+def load_tag(load: Callable[..., Any], load_dir: str, tag: Optional[str],
+             after_read: Callable[[str, str, Mapping[str, Any]], None], restore_state: Callable[[dict], None],
+             **kw: Any) -> tuple[Any, Any]:
+    """Verify ``tag`` (default: ``latest``) against its manifest, then ``load(load_dir, tag=tag, **kw)``
+    (DeepSpeed's), then ``after_read(load_dir, tag, kw)`` (the pillars' load callbacks), then
+    ``restore_state(client_state["titan"])``. Nothing to load: ``(None, None)``."""
+    tag = tag or read_latest(load_dir)
+    if tag is None:
+        return None, None
+    verify_tag(Path(load_dir), str(tag))
+    path, client = load(load_dir, tag=tag, **kw)
+    if path is not None:
+        after_read(str(load_dir), str(tag), kw)
+        restore_state((client or {}).get("titan", {}))
+    return path, client

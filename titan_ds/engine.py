@@ -14,6 +14,11 @@ HMS comes first because every parameter created afterwards under ZeRO-3 must use
 would need the aio op); module replacement comes before the optimizer so that it is built over the final
 parameters; the compressor is installed last because it hooks the engine instance. With no ``"titan"`` section this is exactly
 ``deepspeed.initialize``.
+
+Lifecycle (:mod:`titan_ds.lifecycle`): pillars act around ``engine.step``, save and load only through callbacks
+registered on the :class:`InitContext`; this module wraps the three engine methods once and runs them. A pillar
+that patches a global registers its undo with ``ctx.on_abort``; if anything in ``initialize`` raises after that,
+the undo runs before the error propagates.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import TitanConfig, TitanConfigError, load_ds_config
+from .lifecycle import AbortAction, Lifecycle, LoadCallback, Remove, SaveCallback, StepCallback
 from .utils import after_init_distributed
 
 __all__ = ["initialize", "InitContext", "TitanRuntime", "PILLARS"]
@@ -57,7 +63,10 @@ class InitContext:
     Pillars change ``model``/``optimizer``/``model_parameters``/``ds_config`` in ``before_initialize``; after
     ``deepspeed.initialize`` they find the engine in ``engine``. They publish what they did through
     ``reports[key]`` (anything with a readable repr), per-step metric fields through ``add_metrics`` and
-    checkpointable state through ``add_state``.
+    checkpointable state through ``add_state``. A pillar that must act around ``engine.step``, save or load
+    registers a callback (``on_before_step``, ``on_after_step``, ``on_save``, ``on_load``) in ``after_initialize``;
+    one that patches a global registers its undo with ``on_abort`` before patching. Order and rules:
+    :mod:`titan_ds.lifecycle`.
     """
 
     titan: TitanConfig
@@ -75,6 +84,7 @@ class InitContext:
     # keyword arguments every pillar passes to deepspeed.zero.Init when it creates parameters under ZeRO-3
     # (HMS puts its parameter swapper here)
     zero_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     def add_metrics(self, fn: Callable[[], dict[str, Any]]) -> None:
         """Register ``fn() -> {StepMetrics field or extra key: value}``, called after every step."""
@@ -85,6 +95,35 @@ class InitContext:
         if name in self.state_sources:
             raise ValueError(f"titan state {name!r} registered twice")
         self.state_sources[name] = (get, load)
+
+    def _engine_callback(self, kind: str, fn: Callable[..., None]) -> Remove:
+        if self.engine is None:
+            raise RuntimeError(f"titan: {kind} callbacks are registered in after_initialize (the engine exists "
+                               f"then, and pillars run in PILLARS order there)")
+        return self.lifecycle.register(kind, fn)
+
+    def on_before_step(self, fn: StepCallback) -> Remove:
+        """``fn()`` runs before every ``engine.step``, in reverse registration order (the first is innermost)."""
+        return self._engine_callback("before_step", fn)
+
+    def on_after_step(self, fn: StepCallback) -> Remove:
+        """``fn()`` runs after every ``engine.step`` that returned, in registration order."""
+        return self._engine_callback("after_step", fn)
+
+    def on_save(self, fn: SaveCallback) -> Remove:
+        """``fn(save_dir, tag)`` runs on every rank after DeepSpeed wrote the tag on all ranks and before the
+        manifest; an exception fails the save on every rank (CheckpointSaveError). Registration order."""
+        return self._engine_callback("save", fn)
+
+    def on_load(self, fn: LoadCallback) -> Remove:
+        """``fn(load_dir, tag, load_checkpoint's keywords)`` runs after DeepSpeed loaded a tag and before the
+        registered state (``add_state``) is restored. Registration order."""
+        return self._engine_callback("load", fn)
+
+    def on_abort(self, fn: AbortAction) -> Remove:
+        """``fn()`` undoes a global change the pillar is about to make; it runs if ``initialize`` raises later
+        (reverse registration order). Register it before patching."""
+        return self.lifecycle.register("abort", fn)
 
     def zero_stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -101,12 +140,14 @@ class InitContext:
 
 @dataclass
 class TitanRuntime:
-    """Attached to the engine as ``engine.titan``: config, pillar reports, metric and state sources."""
+    """Attached to the engine as ``engine.titan``: config, pillar reports, metric and state sources, and the
+    lifecycle callbacks that the engine's (once-wrapped) ``step``/``save_checkpoint``/``load_checkpoint`` run."""
 
     config: TitanConfig
     reports: dict[str, Any]
     metric_sources: list[Callable[[], dict[str, Any]]]
     state_sources: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     def collect_metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -151,77 +192,40 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _wrap_checkpointing(engine: Any, runtime: TitanRuntime) -> None:
-    """Make the engine instance's save_checkpoint/load_checkpoint crash-safe and carry titan state.
+def _wrap_engine(engine: Any, runtime: TitanRuntime) -> None:
+    """Wrap the engine instance's ``step``, ``save_checkpoint`` and ``load_checkpoint``, once (each wrapper's
+    ``__wrapped__`` is DeepSpeed's bound method), to run ``runtime.lifecycle``'s callbacks.
 
-    Save: DeepSpeed writes the shards (with ``save_latest=False``), rank 0 writes a checksum manifest, then
-    ``latest`` is replaced atomically. A write that fails on any rank (disk full) raises CheckpointSaveError on
-    every rank after the partial tag is removed. Load: the tag is verified against its manifest before DeepSpeed
-    reads it. See :mod:`titan_ds.checkpoint`.
+    Save and load are crash-safe and carry titan state in ``client_state["titan"]``
+    (:func:`titan_ds.checkpoint.save_tag`/:func:`~titan_ds.checkpoint.load_tag`): DeepSpeed writes the shards
+    (with ``save_latest=False``), the pillars' save callbacks run, rank 0 writes a checksum manifest, then
+    ``latest`` is replaced atomically; a failure on any rank raises CheckpointSaveError on every rank. A load
+    verifies the tag against its manifest before DeepSpeed reads it.
     """
-    import deepspeed.comm as dist
-    from pathlib import Path
-
     from . import checkpoint as ckpt
 
-    save, load = engine.save_checkpoint, engine.load_checkpoint
+    lifecycle = runtime.lifecycle
+    step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
+
+    def titan_step(*a: Any, **kw: Any) -> Any:
+        lifecycle.run_before_step()
+        out = step(*a, **kw)
+        lifecycle.run_after_step()
+        return out
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kw):
         tag = tag or f"global_step{engine.global_steps}"
         state = dict(client_state or {})
         state["titan"] = runtime.state_dict()
-        tag_dir = Path(save_dir) / str(tag)
-        existed = tag_dir.exists()
-        err: Optional[BaseException] = None
-        try:
-            ok = save(save_dir, tag=tag, client_state=state, save_latest=False, **kw)
-        except Exception as e:  # disk full, I/O error: agree with the other ranks before anyone raises
-            err = e
-            dist.barrier()  # the ranks that did not fail wait in DeepSpeed's closing barrier
-        failed = _ranks_where(err is not None, engine.device)  # every rank has finished writing past here
-        if not failed:
-            if engine.global_rank == 0:
-                try:
-                    ckpt.write_manifest(tag_dir)
-                    if save_latest:
-                        ckpt.atomic_write_text(Path(save_dir) / "latest", str(tag))
-                except OSError as e:  # no room for the manifest or `latest`: the tag stays incomplete
-                    err = e
-            failed = _ranks_where(err is not None, engine.device)
-        if failed:
-            removed = False
-            if engine.global_rank == 0 and not existed:
-                removed = ckpt.remove_partial_tag(tag_dir)
-            dist.barrier()
-            msg = ckpt.save_failure_message(Path(save_dir), str(tag), err, failed, removed)
-            log.error("titan: %s", msg)
-            raise ckpt.CheckpointSaveError(msg) from err
-        return ok
+        return ckpt.save_tag(engine, save, save_dir, tag, state, save_latest, lifecycle.run_save, **kw)
 
     def load_checkpoint(load_dir, tag=None, **kw):
-        tag = tag or ckpt.read_latest(load_dir)
-        if tag is None:
-            return None, None
-        ckpt.verify_tag(Path(load_dir), str(tag))
-        path, client = load(load_dir, tag=tag, **kw)
-        if path is not None and runtime.state_sources:
-            runtime.load_state_dict((client or {}).get("titan", {}))
-        return path, client
+        return ckpt.load_tag(load, load_dir, tag, lifecycle.run_load, runtime.load_state_dict, **kw)
 
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
-
-
-def _ranks_where(flag: bool, device: Any = "cpu") -> list[int]:
-    """The global ranks on which ``flag`` holds (a collective: every rank must call it). ``device`` is the
-    engine's: NCCL reduces only device tensors."""
-    import deepspeed.comm as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [0] if flag else []
-    flags = torch.zeros(dist.get_world_size(), device=device)
-    flags[dist.get_rank()] = float(flag)
-    dist.all_reduce(flags)
-    return [i for i, f in enumerate(flags.tolist()) if f]
+    for name, wrapper, inner in (("step", titan_step, step), ("save_checkpoint", save_checkpoint, save),
+                                 ("load_checkpoint", load_checkpoint, load)):
+        wrapper.__wrapped__ = inner  # one level: tests check that nothing else wrapped the method on the instance
+        setattr(engine, name, wrapper)
 
 
 def _install_nonfinite_guard(engine: Any) -> None:
@@ -283,10 +287,26 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     active = [p for p in PILLARS if getattr(titan, p.key) is not None]
     if titan.plasticity is not None and titan.optimizer is None:  # caught by config; kept as a guard
         raise TitanConfigError(["titan.plasticity needs titan.optimizer"])
+    try:
+        out = _apply_pillars(ctx, active, titan_section, args, training_data, kwargs)
+    except BaseException:
+        ctx.lifecycle.run_abort()  # whatever a pillar patched globally goes back before the error surfaces
+        raise
+    ctx.lifecycle.abort.clear()  # initialized: the pillars' global changes stand (or were undone by themselves)
+    return out
+
+
+def _apply_pillars(ctx: InitContext, active: list[Pillar], titan_section: dict[str, Any], args: Any,
+                   training_data: Any, kwargs: dict[str, Any]):
+    """``before_initialize`` of each pillar, ``deepspeed.initialize``, ``after_initialize`` of each pillar, then
+    the engine's once-only wrappers. Raises through ``initialize``, which runs the registered abort actions."""
+    import deepspeed
+
     modules = {p.key: _import_pillar(p) for p in active}
     for p in active:
         modules[p.key].before_initialize(ctx)
     log.info("titan: pillars on: %s", ", ".join(p.key for p in active) or "none")
+    ds_config = ctx.ds_config
     ds_config["titan"] = titan_section  # DeepSpeed keeps unknown top-level keys; checkpoints record it
     if args is not None and getattr(args, "deepspeed_config", None):
         args = copy.copy(args)
@@ -300,10 +320,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         after = getattr(modules[p.key], "after_initialize", None)
         if after is not None:
             after(ctx)
-    runtime = TitanRuntime(config=titan, reports=ctx.reports, metric_sources=ctx.metric_sources,
-                           state_sources=ctx.state_sources)
+    runtime = TitanRuntime(config=ctx.titan, reports=ctx.reports, metric_sources=ctx.metric_sources,
+                           state_sources=ctx.state_sources, lifecycle=ctx.lifecycle)
     engine.titan = runtime
-    _wrap_checkpointing(engine, runtime)
+    _wrap_engine(engine, runtime)
     _install_nonfinite_guard(engine)
     return engine, opt, dl, sched
 

@@ -48,6 +48,32 @@ def test_reducer_built_from_config():
         ("tgss", 30, 5, 4, False, 2)
 
 
+def test_step_callbacks_commit_residuals_only_after_an_applied_step_and_uninstall_removes_them():
+    """The step callbacks registered on the init context: end_step only when the engine's step counter moved (a
+    skipped step's residual writes were already rolled back); uninstall removes the callbacks and the seam."""
+    import types
+
+    import torch
+    from titan_ds.comm.compressor import GradientReducer
+    engine = types.SimpleNamespace(module=torch.nn.Linear(2, 2), optimizer=None, global_steps=0)
+    c = ctx(world=1, method="none")
+    c.engine = engine
+    reducer = GradientReducer("none", 1.0)
+    ends = []
+    reducer.end_step = lambda: ends.append(engine.global_steps)
+    h = hooks.CompressionHooks(engine, reducer, stage=0).install(c)
+    lc = c.lifecycle
+    assert lc.before_step == [h._before_step] and lc.after_step == [h._after_step] and lc.abort == [h.uninstall]
+    lc.run_before_step()
+    lc.run_after_step()  # skipped step: global_steps unchanged
+    lc.run_before_step()
+    engine.global_steps += 1
+    lc.run_after_step()
+    assert ends == [1]
+    h.uninstall()
+    assert lc.before_step == lc.after_step == lc.abort == [] and "allreduce_bucket" not in vars(engine)
+
+
 def test_unused_keys_are_errors():
     with pytest.raises(TitanConfigError, match="sketch_rows, which method='topk' does not use"):
         TitanConfig(compression={"method": "topk", "sketch_rows": 2})

@@ -12,16 +12,20 @@ Seams (deepspeed_seams.md 3.1/3.3; each measured to carry all gradient bytes of 
   optimizer's ``__avg_scatter_grads`` is on the stack (a thread-local set by an instance-level wrapper); any
   other caller gets DeepSpeed's function unchanged.
 
-Everything else is instance attributes on the engine or its optimizer: ``uninstall()`` deletes them and the
-class methods apply again. A ``dist.reduce`` to one owner (``rank=dst``) is done as a compressed all-reduce:
-the same bytes per rank are handed over, and every rank keeps its residual consistent.
+Everything else is instance attributes on the engine's optimizer (or, ZeRO-0, the engine's ``allreduce_bucket``):
+``uninstall()`` deletes them and the class methods apply again. Around ``engine.step`` the hooks register
+lifecycle callbacks on the init context (:mod:`titan_ds.lifecycle`), which ``uninstall()`` removes; if
+``initialize`` fails after the install, the context's abort stack uninstalls (the ZeRO-3 global included).
+
+A ``dist.reduce`` to one owner (``rank=dst``) is done as a compressed all-reduce: the same bytes per rank are
+handed over, and every rank keeps its residual consistent.
 """
 from __future__ import annotations
 
 import logging
 import math
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -91,7 +95,9 @@ class CompressionHooks:
         self._ipg: Optional[tuple[int, int, int, list[Segment]]] = None  # (base ptr, elsize, numel, segments)
         self._z3_params: Optional[list[Any]] = None
         self._installed: list[tuple[Any, str]] = []
-        self._step_prev: Any = None
+        self._removers: list[Callable[[], None]] = []  # the lifecycle callbacks' removers
+        self._z3_held = False
+        self._steps_before = 0
         self.seam_calls: dict[str, int] = {}
 
     def __repr__(self) -> str:
@@ -107,8 +113,11 @@ class CompressionHooks:
         setattr(obj, name, fn)
         self._installed.append((obj, name))
 
-    def install(self) -> "CompressionHooks":
+    def install(self, ctx: Any) -> "CompressionHooks":
+        """Override the reduce seams of this engine's stage; register the step callbacks and the abort undo on
+        ``ctx`` (an :class:`~titan_ds.engine.InitContext` in ``after_initialize``)."""
         eng, opt = self.engine, self.engine.optimizer
+        self._removers.append(ctx.on_abort(self.uninstall))  # first: a failure from here on undoes the install
         if self.stage == 0:
             self._set(eng, "allreduce_bucket", self._z0_allreduce_bucket)
         elif self.stage in (1, 2):
@@ -119,36 +128,32 @@ class CompressionHooks:
             name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
             self._set(opt, name, self._z3_avg_scatter(getattr(opt, name)))
             _z3_acquire()
+            self._z3_held = True
         else:
             raise TitanConfigError([f"zero_optimization.stage={self.stage} is not a ZeRO stage titan.compression "
                                     f"knows (0, 1, 2, 3)"])
-        # engine.step may already be another pillar's wrapper (HMS): chain onto it, restore it on uninstall
-        self._step_prev = vars(eng).get("step")
-        eng.step = self._engine_step(eng.step)
+        self._removers += [ctx.on_before_step(self._before_step), ctx.on_after_step(self._after_step)]
         return self
 
-    def _engine_step(self, original):
-        """After each optimizer step the residual journal goes (a skipped step's writes were already undone)."""
-        def step(*args, **kwargs):
-            before = self.engine.global_steps
-            out = original(*args, **kwargs)
-            if self.engine.global_steps != before:
-                self.reducer.end_step()
-            return out
+    def _before_step(self) -> None:
+        self._steps_before = self.engine.global_steps
 
-        return step
+    def _after_step(self) -> None:
+        """After each optimizer step the residual journal goes (a skipped step's writes were already undone)."""
+        if self.engine.global_steps != self._steps_before:
+            self.reducer.end_step()
 
     def uninstall(self) -> None:
-        if "step" in vars(self.engine):
-            if self._step_prev is None:
-                del self.engine.step
-            else:
-                self.engine.step = self._step_prev
+        """Remove everything ``install`` did (idempotent): lifecycle callbacks, instance overrides, ZeRO-3 global."""
+        for remove in self._removers:
+            remove()
+        self._removers.clear()
         for obj, name in reversed(self._installed):
             delattr(obj, name)
         self._installed.clear()
-        if self.stage == 3:
+        if self._z3_held:
             _z3_release()
+            self._z3_held = False
 
     def _count(self, seam: str) -> None:
         self.seam_calls[seam] = self.seam_calls.get(seam, 0) + 1
@@ -351,7 +356,7 @@ def before_initialize(ctx: Any) -> None:
 def after_initialize(ctx: Any) -> None:
     """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""
     reducer = ctx.reports[_REPORT_KEY]
-    hooks = CompressionHooks(ctx.engine, reducer, ctx.zero_stage()).install()
+    hooks = CompressionHooks(ctx.engine, reducer, ctx.zero_stage()).install(ctx)
     ctx.reports[_REPORT_KEY] = hooks
     ctx.add_metrics(reducer.take_metrics)
     ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)

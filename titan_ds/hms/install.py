@@ -14,14 +14,15 @@
    comes from the config, not from the CPU dtype bug (seams 0.5), and ZeRO's own conversion inside
    ``deepspeed.initialize`` finds the parameters already converted;
 4. points ``stage3.PartitionedOptimizerSwapper`` / ``PipelinedOptimizerSwapper`` at :class:`HMSOptimizerSwapper`
-   for the duration of ``deepspeed.initialize`` (restored in ``after_initialize``);
+   for the duration of ``deepspeed.initialize`` (restored in ``after_initialize``, and by ``ctx.on_abort`` if
+   initialization fails anywhere later);
 5. registers the ``hms`` metrics (hit rate, bytes read/written, stall seconds, per step) and the ``hms``
    checkpoint state.
 
-``after_initialize(ctx)`` restores the stage3 globals, makes ``engine.step`` tell the predictor where a step
-ends, and wraps ``engine.save_checkpoint``/``load_checkpoint`` so that every rank writes/reads its HMS snapshot
-under ``<dir>/<tag>/hms/rank<r>`` (DeepSpeed writes ``client_state`` on DP rank 0 only, and its own NVMe resume
-skips the optimizer state: seams appendix A).
+``after_initialize(ctx)`` restores the stage3 globals and registers lifecycle callbacks: after each step that
+ends a gradient-accumulation boundary it tells the predictor where the step ended; on save and load every rank
+writes/reads its HMS snapshot under ``<dir>/<tag>/hms/rank<r>`` (DeepSpeed writes ``client_state`` on DP rank 0
+only, and its own NVMe resume skips the optimizer state: seams appendix A).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import logging
 import os
 import shutil
 import uuid
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -166,12 +167,18 @@ def before_initialize(ctx) -> None:
     _convert_model(ctx.model, ctx.ds_config, pswap)
     ctx.zero_init_kwargs["param_swapper"] = pswap  # parameters later pillars create (TRD cores) stream via HMS
     saved = (stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper)
+    ctx.on_abort(functools.partial(_restore_swapper_classes, saved))
     factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank)
     stage3.PartitionedOptimizerSwapper = stage3.PipelinedOptimizerSwapper = factory
     runtime = _HMSRuntime(store=store, param_swapper=pswap, rank=rank, saved_globals=saved)
     ctx.reports["hms"] = runtime
     ctx.add_metrics(runtime.metrics)
     ctx.add_state("hms", runtime.state, runtime.load_state)
+
+
+def _restore_swapper_classes(saved: tuple[Any, Any]) -> None:
+    from deepspeed.runtime.zero import stage3
+    stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper = saved
 
 
 def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapper) -> None:
@@ -189,7 +196,7 @@ def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapp
 
 
 class _HMSRuntime:
-    """What HMS keeps after initialize: the store, the swappers, metrics and checkpoint hooks."""
+    """What HMS keeps after initialize: the store, the swappers, metrics and lifecycle callbacks."""
 
     def __init__(self, *, store: TensorStore, param_swapper: HMSParamSwapper, rank: int, saved_globals):
         self.store, self.param_swapper, self.rank = store, param_swapper, rank
@@ -198,6 +205,7 @@ class _HMSRuntime:
         self.opt_swapper = None
         self.snapshot_id = None
         self._pending = None
+        self._boundary = False
         self._last = store.stats.as_dict()
 
     def __repr__(self) -> str:
@@ -227,60 +235,47 @@ class _HMSRuntime:
             raise RuntimeError(f"titan hms: the checkpoint's HMS snapshot {state.get('snapshot_id')!r} is not the "
                                f"one restored ({self.snapshot_id!r}); the checkpoint folder is inconsistent")
 
-    # ------------------------------------------------------------------ engine hooks
+    # ------------------------------------------------------------------ lifecycle callbacks
     def attach(self, engine) -> None:
-        from deepspeed.runtime.zero import stage3
-        stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper = self.saved_globals
+        _restore_swapper_classes(self.saved_globals)
         self.engine = engine
         self.opt_swapper = getattr(engine.optimizer, "optimizer_swapper", None)
         if not isinstance(self.opt_swapper, HMSOptimizerSwapper):
             raise RuntimeError("titan hms: DeepSpeed did not build the HMS optimizer swapper; is "
                                "zero_optimization.offload_optimizer.device \"nvme\"?")
-        step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
 
-        def hms_step(*a, **kw):
-            boundary = engine.is_gradient_accumulation_boundary()  # read before step() advances micro_steps
-            out = step(*a, **kw)
-            if boundary:
-                self.param_swapper.end_step()
-            return out
+    def before_step(self) -> None:
+        self._boundary = self.engine.is_gradient_accumulation_boundary()  # before step() advances micro_steps
 
-        def hms_save(save_dir, tag=None, client_state=None, save_latest=True, **kw):
-            tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-            self.snapshot_id, self._pending = self._pending or uuid.uuid4().hex[:12], None
-            out = save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest, **kw)
-            folder = os.path.join(save_dir, tag, "hms", f"rank{self.rank}")
-            shutil.rmtree(folder, ignore_errors=True)
-            os.makedirs(folder)
-            self.opt_swapper.snapshot(folder, engine.optimizer.fp32_partitioned_groups_flat)
-            with open(os.path.join(folder, "SNAPSHOT_ID"), "w") as f:
-                f.write(self.snapshot_id)
-            _barrier()
-            return out
+    def after_step(self) -> None:
+        if self._boundary:
+            self.param_swapper.end_step()
 
-        def hms_load(load_dir, tag=None, **kw):
-            path, client = load(load_dir, tag=tag, **kw)
-            if path is None:
-                return path, client
-            if tag is None:
-                with open(os.path.join(load_dir, "latest")) as f:
-                    tag = f.read().strip()
-            folder = os.path.join(load_dir, str(tag), "hms", f"rank{self.rank}")
-            if not os.path.isdir(folder):
-                raise RuntimeError(f"titan hms: checkpoint {os.path.join(load_dir, str(tag))!r} has no HMS snapshot "
-                                   f"for rank {self.rank} ({folder!r}); it was not saved with titan.hms")
-            if kw.get("load_module_only"):
-                raise RuntimeError("titan hms: load_module_only is not supported with HMS (parameters live in the "
-                                   "optimizer's fp32 masters); load the full checkpoint")
-            self.opt_swapper.restore(folder, engine.optimizer.fp32_partitioned_groups_flat,
-                                     load_optimizer_states=kw.get("load_optimizer_states", True))
-            engine.optimizer.reset_swap_buffers()  # rewrite every parameter partition from its restored fp32 master
-            with open(os.path.join(folder, "SNAPSHOT_ID")) as f:
-                self.snapshot_id = f.read().strip()
-            _barrier()
-            return path, client
+    def save(self, save_dir: str, tag: str) -> None:
+        """After DeepSpeed wrote ``tag``: this rank's optimizer-state snapshot (the engine synchronises after)."""
+        self.snapshot_id, self._pending = self._pending or uuid.uuid4().hex[:12], None
+        folder = os.path.join(save_dir, tag, "hms", f"rank{self.rank}")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        self.opt_swapper.snapshot(folder, self.engine.optimizer.fp32_partitioned_groups_flat)
+        with open(os.path.join(folder, "SNAPSHOT_ID"), "w") as f:
+            f.write(self.snapshot_id)
 
-        engine.step, engine.save_checkpoint, engine.load_checkpoint = hms_step, hms_save, hms_load
+    def load(self, load_dir: str, tag: str, options: Mapping[str, Any]) -> None:
+        """After DeepSpeed read ``tag``: restore this rank's snapshot (before the titan state checks its id)."""
+        folder = os.path.join(load_dir, tag, "hms", f"rank{self.rank}")
+        if not os.path.isdir(folder):
+            raise RuntimeError(f"titan hms: checkpoint {os.path.join(load_dir, tag)!r} has no HMS snapshot "
+                               f"for rank {self.rank} ({folder!r}); it was not saved with titan.hms")
+        if options.get("load_module_only"):
+            raise RuntimeError("titan hms: load_module_only is not supported with HMS (parameters live in the "
+                               "optimizer's fp32 masters); load the full checkpoint")
+        self.opt_swapper.restore(folder, self.engine.optimizer.fp32_partitioned_groups_flat,
+                                 load_optimizer_states=options.get("load_optimizer_states", True))
+        self.engine.optimizer.reset_swap_buffers()  # rewrite every parameter partition from its restored fp32 master
+        with open(os.path.join(folder, "SNAPSHOT_ID")) as f:
+            self.snapshot_id = f.read().strip()
+        _barrier()
 
 
 def _barrier() -> None:
@@ -290,4 +285,9 @@ def _barrier() -> None:
 
 
 def after_initialize(ctx) -> None:
-    ctx.reports["hms"].attach(ctx.engine)
+    runtime = ctx.reports["hms"]
+    runtime.attach(ctx.engine)
+    ctx.on_before_step(runtime.before_step)
+    ctx.on_after_step(runtime.after_step)
+    ctx.on_save(runtime.save)
+    ctx.on_load(runtime.load)
