@@ -143,8 +143,10 @@ def _ds_config(stage: int, titan: dict | None = None, scheduler: dict | None = N
     return cfg
 
 
-def run_trainer(tmp_path, kind: str, ds_config: dict, steps: int = 3, warmup: int = 2, lr: float = 1e-3):
-    """Train ``steps`` steps; returns (per-step losses, final parameters, titan's lr per step, trainer)."""
+def run_trainer(tmp_path, kind: str, ds_config: dict, steps: int = 3, warmup: int = 2, lr: float = 1e-3,
+                resume: str | None = None, **extra):
+    """Train ``steps`` steps; returns (per-step losses, final parameters, the engine optimizer's lr at the start of
+    each step, trainer, parameters at the start of each step). ``extra``: more TrainingArguments."""
     losses, lrs, snapshots = [], [], []
 
     class Recorder(transformers.TrainerCallback):
@@ -162,9 +164,9 @@ def run_trainer(tmp_path, kind: str, ds_config: dict, steps: int = 3, warmup: in
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), deepspeed=ds_config, per_device_train_batch_size=BATCH, max_steps=steps,
         learning_rate=lr, warmup_steps=warmup, lr_scheduler_type="linear", weight_decay=0.1, seed=0,
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        report_to=[], logging_strategy="no", disable_tqdm=True, **{"save_strategy": "no", **extra})
     trainer = Recording(model=_tiny_model(kind), args=args, train_dataset=_Tokens(), callbacks=[Recorder()])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     params = [p.detach().clone() for p in trainer.model.parameters()]
     return torch.stack(losses), params, lrs, trainer, snapshots
 
@@ -245,3 +247,14 @@ def test_ds_scheduler_section_with_auto_drives_titan_optimizer(dist_env, tmp_pat
     assert isinstance(engine.basic_optimizer, ASDT)
     assert type(engine.lr_scheduler).__name__ == "WarmupLR" and engine.lr_scheduler.optimizer is engine.basic_optimizer
     assert titan[2] == plain[2] and len({lr for g in plain[2] for lr in g}) == 3  # 0, half, full: it warms up
+
+
+def test_trainer_checkpoint_resume_with_titan_is_bitwise(dist_env, tmp_path, installed):
+    """The Trainer saves through titan's checkpoint wrapper and resumes titan's optimizer state exactly."""
+    cfg = _ds_config(2, {"optimizer": {"density": 0.5}})
+    full = run_trainer(tmp_path / "full", "llama", cfg, steps=4, save_strategy="steps", save_steps=2)
+    assert (tmp_path / "full" / "checkpoint-2" / "latest").read_text() == "global_step2"
+    resumed = run_trainer(tmp_path / "full", "llama", cfg, steps=4, resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert len(resumed[0]) == 2 and torch.equal(full[0][2:], resumed[0])
+    assert all(torch.equal(a, b) for a, b in zip(full[1], resumed[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(full[4][2], resumed[1]))  # steps 3-4 changed something
