@@ -162,6 +162,32 @@ def test_scheduler_given_to_initialize_is_repointed(titan_lr):
         sched.step()
 
 
+def test_deepspeed_scheduler_given_to_initialize_is_repointed():
+    """DeepSpeed's WarmupLR (absolute lrs, set on the passed optimizer at construction) drives ASDT."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    from titan_ds.engine import InitContext
+    from titan_ds.optim import install
+    model = GPT(TINY)
+    passed = _passed(model)
+    kw = dict(warmup_min_lr=1e-4, warmup_max_lr=1e-2, warmup_num_steps=4, warmup_type="linear")
+    sched = WarmupLR(passed, **kw)
+    oracle = _passed(GPT(TINY))  # the same schedule on a plain optimizer
+    oracle_sched = WarmupLR(oracle, **kw)
+    ctx = InitContext(titan=TitanConfig(optimizer={"lr": 3e-3}), ds_config={}, model=model, optimizer=passed,
+                      lr_scheduler=sched)
+    install.before_initialize(ctx)
+    opt = ctx.optimizer
+    assert sched.optimizer is opt
+    seen = []
+    for step in range(6):
+        seen.append([g["lr"] for g in opt.param_groups])
+        assert seen[-1] == [g["lr"] for g in oracle.param_groups], step
+        opt.step()
+        sched.step()
+        oracle_sched.step()
+    assert len({lr for lrs in seen for lr in lrs}) >= 4  # it warms up
+
+
 def test_scheduler_not_given_still_drives_asdt_and_refuses_another_lr():
     """accelerator.prepare(model, opt, dl, sched) does not hand sched to deepspeed.initialize: ASDT takes the
     passed groups' place, so sched still sets its lr; a titan lr that sched cannot know is refused."""

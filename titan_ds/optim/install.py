@@ -126,6 +126,9 @@ def _redirect(passed: torch.optim.Optimizer, opt: ASDT, scheduler: Any, cfg: Any
         if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             scheduler.base_lrs = [g["initial_lr"] for g in opt.param_groups]
             scheduler._last_lr = [g["lr"] for g in opt.param_groups]
+        else:  # DeepSpeed's schedulers set absolute lrs, already written into passed's groups at construction
+            for old, new in zip(passed.param_groups, opt.param_groups):
+                new["lr"] = old["lr"]
     passed.param_groups = opt.param_groups
 
 
@@ -135,7 +138,8 @@ def _offload_device(ds_config: dict) -> str:
 
 
 def before_initialize(ctx: Any) -> None:
-    """Build ASDT (+BSPS) from ``titan.optimizer`` / ``titan.plasticity``; set the ZeRO flags it needs."""
+    """Build ASDT (+BSPS) from ``titan.optimizer`` / ``titan.plasticity``, in place of an optimizer passed to
+    initialize (:func:`replace_optimizer`); set the ZeRO flags it needs."""
     cfg = ctx.titan.optimizer
     if "optimizer" in ctx.ds_config:
         raise TitanConfigError(["titan.optimizer is set and the ds_config has an \"optimizer\" section too; "
