@@ -177,6 +177,13 @@ def _resolve_config(args: Any, config: Any) -> Any:
     return None
 
 
+def _deepspeed_initialize() -> Callable[..., Any]:
+    """DeepSpeed's own ``initialize``, also under ``titan_ds.install()`` (its route keeps it in
+    ``__titan_original__``)."""
+    import deepspeed
+    return getattr(deepspeed.initialize, "__titan_original__", deepspeed.initialize)
+
+
 def _import_pillar(p: Pillar):
     try:
         return importlib.import_module(p.module)
@@ -268,13 +275,14 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     :data:`PILLARS`, then calls ``deepspeed.initialize``. Without a ``"titan"`` section the call is passed
     through unchanged.
     """
-    import deepspeed
-
+    if config is None:  # DeepSpeed's older name for config=, which accelerate passes
+        config = kwargs.pop("config_params", None)
     raw = _resolve_config(args, config)
     titan = TitanConfig.from_ds_config(raw) if raw is not None else None
     if titan is None:
-        out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                   training_data=training_data, lr_scheduler=lr_scheduler, config=config, **kwargs)
+        out = _deepspeed_initialize()(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                      training_data=training_data, lr_scheduler=lr_scheduler, config=config,
+                                      **kwargs)
         after_init_distributed()
         return out
     if model is None:
@@ -311,7 +319,7 @@ def _apply_pillars(ctx: InitContext, active: list[Pillar], titan_section: dict[s
     if args is not None and getattr(args, "deepspeed_config", None):
         args = copy.copy(args)
         args.deepspeed_config = None  # the (possibly adjusted) dict wins; DeepSpeed rejects both at once
-    engine, opt, dl, sched = deepspeed.initialize(
+    engine, opt, dl, sched = _deepspeed_initialize()(
         args=args, model=ctx.model, optimizer=ctx.optimizer, model_parameters=ctx.model_parameters,
         training_data=training_data, lr_scheduler=ctx.lr_scheduler, config=ds_config, **kwargs)
     after_init_distributed()

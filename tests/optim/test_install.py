@@ -85,9 +85,15 @@ def test_conflicts_and_nonsense_raise(dist_env):
     from titan_ds.engine import InitContext
     from titan_ds.optim import install
     model = GPT(TINY)
-    with pytest.raises(TitanConfigError, match="optimizer was also passed"):
+    with pytest.raises(TitanConfigError, match="weight_decay=0.1 is set and an optimizer was passed"):
+        install.before_initialize(InitContext(titan=TitanConfig(optimizer={"weight_decay": 0.1}), ds_config={},
+                                              model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1)))
+    with pytest.raises(TitanConfigError, match="not a torch.optim.Optimizer"):
         install.before_initialize(InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model,
-                                              optimizer=torch.optim.SGD(model.parameters(), lr=1)))
+                                              optimizer=lambda params: None))
+    with pytest.raises(TitanConfigError, match="not parameters of the model"):
+        install.before_initialize(InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model,
+                                              optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1)))
     with pytest.raises(TitanConfigError, match="\"optimizer\" section"):
         install.before_initialize(InitContext(titan=TitanConfig(optimizer={}), ds_config={"optimizer": {}},
                                               model=model))
@@ -101,6 +107,105 @@ def test_conflicts_and_nonsense_raise(dist_env):
     for key in ("titan.optimizer.density", "titan.optimizer.betas", "titan.optimizer.state_dtype",
                 "titan.plasticity.max_active_fraction"):
         assert key in msg
+
+
+def _passed(model, lr=1e-2):
+    """The HF Trainer's shape of optimizer: a decay group (matrices) and a no-decay group."""
+    named = list(model.named_parameters())
+    return torch.optim.AdamW([{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.05},
+                              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+
+
+def _warmup(step):
+    return min(1.0, step / 4)
+
+
+@pytest.mark.parametrize("titan_lr", [None, 3e-3])
+def test_passed_optimizer_is_replaced_over_its_groups(titan_lr, caplog):
+    from titan_ds.engine import InitContext
+    from titan_ds.optim import install
+    model = GPT(TINY)
+    passed = _passed(model)
+    opt_cfg = {} if titan_lr is None else {"lr": titan_lr}
+    ctx = InitContext(titan=TitanConfig(optimizer=opt_cfg), ds_config={}, model=model, optimizer=passed)
+    with caplog.at_level("INFO", logger="titan_ds.optim"):
+        install.before_initialize(ctx)
+    opt = ctx.optimizer
+    assert isinstance(opt, ASDT) and opt is not passed
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert [g["lr"] for g in opt.param_groups] == [titan_lr or 1e-2] * 2
+    named = list(model.named_parameters())
+    for group, want in zip(opt.param_groups, ([np for np in named if np[1].dim() >= 2],
+                                              [np for np in named if np[1].dim() < 2])):
+        assert len(group["params"]) == len(want) and all(p is q for p, (_, q) in zip(group["params"], want))
+    assert opt.names == [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "replaced the AdamW passed to initialize by asdt" in caplog.records[0].message
+
+
+@pytest.mark.parametrize("titan_lr", [None, 3e-3])
+def test_scheduler_given_to_initialize_is_repointed(titan_lr):
+    """A LambdaLR built over the passed optimizer (and already at warm-up step 0) drives ASDT from then on."""
+    from titan_ds.engine import InitContext
+    from titan_ds.optim import install
+    model = GPT(TINY)
+    passed = _passed(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(passed, _warmup)
+    ctx = InitContext(titan=TitanConfig(optimizer={} if titan_lr is None else {"lr": titan_lr}), ds_config={},
+                      model=model, optimizer=passed, lr_scheduler=sched)
+    install.before_initialize(ctx)
+    opt, base = ctx.optimizer, titan_lr or 1e-2
+    assert sched.optimizer is opt and sched.base_lrs == [base, base]
+    for step in range(6):
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([base * _warmup(step)] * 2, rel=1e-12), step
+        opt.step()
+        sched.step()
+
+
+def test_deepspeed_scheduler_given_to_initialize_is_repointed():
+    """DeepSpeed's WarmupLR (absolute lrs, set on the passed optimizer at construction) drives ASDT."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    from titan_ds.engine import InitContext
+    from titan_ds.optim import install
+    model = GPT(TINY)
+    passed = _passed(model)
+    kw = dict(warmup_min_lr=1e-4, warmup_max_lr=1e-2, warmup_num_steps=4, warmup_type="linear")
+    sched = WarmupLR(passed, **kw)
+    oracle = _passed(GPT(TINY))  # the same schedule on a plain optimizer
+    oracle_sched = WarmupLR(oracle, **kw)
+    ctx = InitContext(titan=TitanConfig(optimizer={"lr": 3e-3}), ds_config={}, model=model, optimizer=passed,
+                      lr_scheduler=sched)
+    install.before_initialize(ctx)
+    opt = ctx.optimizer
+    assert sched.optimizer is opt
+    seen = []
+    for step in range(6):
+        seen.append([g["lr"] for g in opt.param_groups])
+        assert seen[-1] == [g["lr"] for g in oracle.param_groups], step
+        opt.step()
+        sched.step()
+        oracle_sched.step()
+    assert len({lr for lrs in seen for lr in lrs}) >= 4  # it warms up
+
+
+def test_scheduler_not_given_still_drives_asdt_and_refuses_another_lr():
+    """accelerator.prepare(model, opt, dl, sched) does not hand sched to deepspeed.initialize: ASDT takes the
+    passed groups' place, so sched still sets its lr; a titan lr that sched cannot know is refused."""
+    from titan_ds.engine import InitContext
+    from titan_ds.optim import install
+    model = GPT(TINY)
+    passed = _passed(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(passed, _warmup)
+    with pytest.raises(TitanConfigError, match="scheduler that initialize\\(\\) was not given"):
+        install.before_initialize(InitContext(titan=TitanConfig(optimizer={"lr": 3e-3}), ds_config={},
+                                              model=model, optimizer=passed))
+    ctx = InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model, optimizer=passed)
+    install.before_initialize(ctx)
+    opt = ctx.optimizer
+    for step in range(6):
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 * _warmup(step)] * 2, rel=1e-12), step
+        opt.step()
+        sched.step()
 
 
 def test_lion_is_dense(dist_env):

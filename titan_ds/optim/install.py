@@ -11,7 +11,8 @@ from ..config import TitanConfigError
 from .asdt import ASDT
 from .layout import zero_layouts
 
-__all__ = ["before_initialize", "after_initialize", "attach_zero_layout", "build_plasticity", "build_optimizer"]
+__all__ = ["before_initialize", "after_initialize", "attach_zero_layout", "build_plasticity", "build_optimizer",
+           "replace_optimizer"]
 
 log = get_logger("titan_ds.optim")
 
@@ -48,19 +49,87 @@ def build_plasticity(optimizer: ASDT, model: torch.nn.Module, cfg: Any):
 
 def build_optimizer(model: torch.nn.Module, cfg: Any) -> ASDT:
     """ASDT over ``model.named_parameters()`` (trainable ones) from an ``OptimizerConfig``."""
-    if cfg.name == "lion" and "density" in cfg.model_fields_set and cfg.density != 1.0:
-        raise TitanConfigError([f"titan.optimizer.density={cfg.density} with name \"lion\": Lion is the dense "
-                                f"(density 1) sign-momentum optimizer; use name \"asdt\" for a sparse one"])
-    density = 1.0 if cfg.name == "lion" else cfg.density
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # decoupled weight decay on matrices only, as the AdamW baseline of launch/train.py does
     is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for _, p in named]  # ds_shape: built under zero.Init
     groups = [{"params": [np for np, m in zip(named, is_matrix) if m], "weight_decay": cfg.weight_decay},
               {"params": [np for np, m in zip(named, is_matrix) if not m], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    return ASDT(groups, lr=cfg.lr, betas=tuple(cfg.betas), density=density, weight_decay=cfg.weight_decay,
-                importance=cfg.importance, state_dtype=cfg.state_dtype, granularity=cfg.granularity,
-                block_size=cfg.block_size, sketch_width=cfg.sketch_width, sketch_depth=cfg.sketch_depth)
+    return ASDT(groups, **_asdt_kwargs(cfg))
+
+
+def _asdt_kwargs(cfg: Any) -> dict[str, Any]:
+    if cfg.name == "lion" and "density" in cfg.model_fields_set and cfg.density != 1.0:
+        raise TitanConfigError([f"titan.optimizer.density={cfg.density} with name \"lion\": Lion is the dense "
+                                f"(density 1) sign-momentum optimizer; use name \"asdt\" for a sparse one"])
+    return dict(lr=cfg.lr, betas=tuple(cfg.betas), density=1.0 if cfg.name == "lion" else cfg.density,
+                weight_decay=cfg.weight_decay, importance=cfg.importance, state_dtype=cfg.state_dtype,
+                granularity=cfg.granularity, block_size=cfg.block_size, sketch_width=cfg.sketch_width,
+                sketch_depth=cfg.sketch_depth)
+
+
+def replace_optimizer(model: torch.nn.Module, cfg: Any, passed: torch.optim.Optimizer) -> ASDT:
+    """ASDT over the parameter groups of ``passed`` (the HF ``Trainer`` always passes its AdamW).
+
+    Each group keeps its parameters and its ``weight_decay`` (the Trainer's decay and no-decay groups). Its lr is
+    ``titan.optimizer.lr`` when the section writes one, else the group's own base lr (``initial_lr`` when a
+    scheduler was already built over ``passed``, else ``lr``: ``TrainingArguments.learning_rate``). The other
+    hyper-parameters are titan's (Adam's betas/eps do not apply to sign momentum). ``passed`` is not stepped;
+    its ``param_groups`` becomes ASDT's list, so a scheduler built over ``passed`` and never handed to
+    ``initialize`` (``accelerator.prepare(model, opt, dl, sched)``) still sets ASDT's lr.
+    """
+    if "weight_decay" in cfg.model_fields_set:
+        raise TitanConfigError([f"titan.optimizer.weight_decay={cfg.weight_decay} is set and an optimizer was "
+                                f"passed to initialize (the HF Trainer passes one): titan keeps that optimizer's "
+                                f"per-group weight decay (decay and no-decay groups); set it there "
+                                f"(TrainingArguments(weight_decay=...)) and remove titan.optimizer.weight_decay"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for i, g in enumerate(passed.param_groups):
+        foreign = [tuple(p.shape) for p in g["params"] if id(p) not in names]
+        if foreign:
+            raise TitanConfigError([f"titan.optimizer: param_groups[{i}] of the optimizer passed to initialize "
+                                    f"holds tensors that are not parameters of the model (shapes {foreign[:3]})"])
+        base = g.get("initial_lr", g["lr"])
+        groups.append({"params": [(names[id(p)], p) for p in g["params"]], "weight_decay": g.get("weight_decay", 0.0),
+                       "lr": cfg.lr if "lr" in cfg.model_fields_set else base})
+    opt = ASDT(groups, **_asdt_kwargs(cfg))
+    log.info("titan.optimizer: replaced the %s passed to initialize by %s over its %d param groups "
+             "(weight_decay %s, lr %s%s)", type(passed).__name__, cfg.name, len(groups),
+             [g["weight_decay"] for g in opt.param_groups], [g["lr"] for g in opt.param_groups],
+             " from titan.optimizer.lr" if "lr" in cfg.model_fields_set else " from the passed optimizer")
+    return opt
+
+
+def _redirect(passed: torch.optim.Optimizer, opt: ASDT, scheduler: Any, cfg: Any) -> None:
+    """Make the schedule act on ``opt``: ``scheduler`` (given to initialize) and any unseen one over ``passed``.
+
+    A torch scheduler given to initialize is re-pointed at ``opt`` with ASDT's lrs as its base lrs; DeepSpeed's
+    own schedulers (absolute lrs) get the new ``optimizer`` only. A scheduler that initialize does not see keeps
+    its base lrs, so it is refused when titan.optimizer.lr would differ from them.
+    """
+    seen = scheduler is not None and getattr(scheduler, "optimizer", None) is passed
+    bases = [g["initial_lr"] for g in passed.param_groups if "initial_lr" in g]
+    if bases and not seen and "lr" in cfg.model_fields_set and any(b != cfg.lr for b in bases):
+        raise TitanConfigError([f"titan.optimizer.lr={cfg.lr} is set but a learning-rate scheduler that "
+                                f"initialize() was not given was built over the optimizer passed to it, with base "
+                                f"lr {bases}; remove titan.optimizer.lr (titan then uses that base lr), or pass "
+                                f"the scheduler as lr_scheduler="])
+    for old, new in zip(passed.param_groups, opt.param_groups):
+        base_old = old.get("initial_lr", old["lr"])
+        if "initial_lr" in old:
+            new["initial_lr"] = new["lr"]
+            # a scheduler has already set a fraction of the base lr (e.g. 0 at warm-up step 0): keep the fraction
+            new["lr"] = new["initial_lr"] * (old["lr"] / base_old) if base_old else old["lr"]
+    if seen:
+        scheduler.optimizer = opt
+        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            scheduler.base_lrs = [g["initial_lr"] for g in opt.param_groups]
+            scheduler._last_lr = [g["lr"] for g in opt.param_groups]
+        else:  # DeepSpeed's schedulers set absolute lrs, already written into passed's groups at construction
+            for old, new in zip(passed.param_groups, opt.param_groups):
+                new["lr"] = old["lr"]
+    passed.param_groups = opt.param_groups
 
 
 def _offload_device(ds_config: dict) -> str:
@@ -69,15 +138,19 @@ def _offload_device(ds_config: dict) -> str:
 
 
 def before_initialize(ctx: Any) -> None:
-    """Build ASDT (+BSPS) from ``titan.optimizer`` / ``titan.plasticity``; set the ZeRO flags it needs."""
+    """Build ASDT (+BSPS) from ``titan.optimizer`` / ``titan.plasticity``, in place of an optimizer passed to
+    initialize (:func:`replace_optimizer`); set the ZeRO flags it needs."""
     cfg = ctx.titan.optimizer
-    if ctx.optimizer is not None:
-        raise TitanConfigError(["titan.optimizer is set but an optimizer was also passed to initialize(); "
-                                "remove titan.optimizer to use yours, or pass optimizer=None"])
     if "optimizer" in ctx.ds_config:
         raise TitanConfigError(["titan.optimizer is set and the ds_config has an \"optimizer\" section too; "
                                 "remove one (titan builds ASDT itself)"])
-    opt = build_optimizer(ctx.model, cfg)
+    passed = ctx.optimizer
+    if passed is not None and not isinstance(passed, torch.optim.Optimizer):
+        raise TitanConfigError([f"titan.optimizer is set and initialize() was given optimizer={passed!r}, which "
+                                f"is not a torch.optim.Optimizer; titan can replace an Optimizer instance only"])
+    opt = build_optimizer(ctx.model, cfg) if passed is None else replace_optimizer(ctx.model, cfg, passed)
+    if passed is not None:
+        _redirect(passed, opt, ctx.lr_scheduler, cfg)
     pcfg = ctx.titan.plasticity
     plasticity = build_plasticity(opt, ctx.model, pcfg) if pcfg is not None and pcfg.enabled else None
     ctx.optimizer = opt
