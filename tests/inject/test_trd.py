@@ -354,6 +354,7 @@ def test_core_lr_scale_is_a_core_learning_rate_multiplier_under_adam(opt_cls):
     kw = dict(eps=1e-30, weight_decay=0.0)
     o_plain = opt_cls([{"params": plain.cores, "lr": lr * c}, {"params": [plain.bias], "lr": lr}], **kw)
     o_scaled = opt_cls(scaled.parameters(), lr=lr, **kw)
+    w0 = plain.reference_weight().detach().clone()
     g = torch.Generator().manual_seed(2)
     for _ in range(steps):
         x, t = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(8, 24, generator=g, dtype=torch.float64)
@@ -361,8 +362,9 @@ def test_core_lr_scale_is_a_core_learning_rate_multiplier_under_adam(opt_cls):
             o.zero_grad()
             ((m(x) - t) ** 2).mean().backward()
             o.step()
-    moved = (plain.reference_weight() - TensorRingLinear(16, 24, 3, dtype=torch.float64).reference_weight()).norm()
-    assert moved > 0
+    # the ring moved from its own initial weight (measured: max |dW| = 0.051 after the 3 steps, |W0| max 0.38)
+    moved = (plain.reference_weight() - w0).abs().max().item()
+    assert moved > 0.01, moved
     assert torch.allclose(scaled.reference_weight(), plain.reference_weight(), rtol=1e-9, atol=1e-12)
     assert torch.allclose(scaled.bias, plain.bias, rtol=1e-12, atol=1e-15)
 
