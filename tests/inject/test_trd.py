@@ -217,9 +217,13 @@ def test_policy_report_counts_and_names():
 def test_policy_exclude_min_features_and_tr_svd_detail():
     model = Tiny()
     pol = TRDPolicy(rank=4, include=[r"blocks\.", r"small|head"], exclude=[r"\.mlp\."], init="tr_svd", min_features=16)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     rep = apply_trd(model, pol)
     assert rep.names == ["blocks.0.qkv", "blocks.0.proj", "blocks.1.qkv", "blocks.1.proj", "head"]
-    assert all(0 < e.detail["init_error"] <= 1 for e in rep.entries)
+    for e in rep.entries:  # the reported error is the replaced layer's own distance to the weight it replaced
+        w = dense[e.name]
+        err = ((model.get_submodule(e.name).reference_weight() - w).norm() / w.norm()).item()
+        assert e.detail["init_error"] == pytest.approx(err, rel=1e-5) and 0 < err < 1, (e.name, err)
 
 
 def test_regex_matching_nothing_warns_naming_it():
