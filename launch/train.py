@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=1e-3, help="peak lr of the AdamW client optimizer")
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: only at the end)")
+    p.add_argument("--val-every", type=int, default=0,
+                   help="validate before training and every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file or folder (default: CPython stdlib sources)")
@@ -134,6 +135,8 @@ def main(argv=None) -> dict:
     history, val_history, peak = [], [], None
     timed_tokens, timed_s = 0, 0.0
     last: dict = {}
+    if args.val_every and start == 0:  # the untrained baseline, so a curve (and a test) can show the drop
+        val_history.append((0, validate(engine, corpus, args, micro_batch)))
     for step in range(start + 1, args.steps + 1):
         x, y = batches.get(step)
         t0 = time.perf_counter()

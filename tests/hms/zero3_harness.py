@@ -4,7 +4,8 @@ Run in a fresh process per configuration (1 rank: plain python with RANK/WORLD_S
 ``deepspeed --num_gpus 2``). Usage::
 
     python tests/hms/zero3_harness.py --mode {none,hms,ds_nvme} --steps N --out result.pt \
-        [--save-dir D --save-at K] [--load-dir D] [--nvme PATH] [--prefetch trace]
+        [--save-dir D --save-at K] [--load-dir D] [--nvme PATH] [--prefetch trace] [--sync-prefetch]
+        [--record-store]
 
 The dump holds the per-step losses, the full parameters (gathered) and every sub-group's fp32 master and
 optimizer state, so that tests compare runs with torch.equal.
@@ -76,6 +77,47 @@ def dump_state(engine, mode):
     return out
 
 
+class _SyncPool:
+    """Runs a submitted read at once in the caller's thread, so every prefetch completes before the next access
+    (the hit rate is then a function of the access order alone, not of thread timing)."""
+
+    def submit(self, fn):
+        from concurrent.futures import Future
+        f = Future()
+        f.set_result(fn())
+        return f
+
+    def shutdown(self, wait=True):
+        """Nothing runs in the background."""
+
+
+def record_store_ops(store):
+    """Log every put/get/prefetch on ``store`` from now on as (op, key, nbytes), in call order (nbytes 0 for a
+    prefetch), after the DRAM cache's budget, its contents now (LRU first) and the hit counts by kind so far.
+    Pending prefetches are dropped first, so nothing that started before the log changes the cache behind it."""
+    store.drop_staged()
+    log = {"budget": store.cache_budget, "cache": [(k, t.numel() * t.element_size()) for k, t in store._cache.items()],
+           "ops": [], "by_kind": {k: list(v) for k, v in store.stats.by_kind.items()}}
+    ops = log["ops"]
+    put, get, prefetch = store.put, store.get, store.prefetch
+
+    def rec_put(key, tensor, **kw):
+        ops.append(("put", key, tensor.numel() * tensor.element_size()))
+        return put(key, tensor, **kw)
+
+    def rec_get(key, out=None):
+        t = get(key, out)
+        ops.append(("get", key, t.numel() * t.element_size()))
+        return t
+
+    def rec_prefetch(key):
+        ops.append(("prefetch", key, 0))
+        return prefetch(key)
+
+    store.put, store.get, store.prefetch = rec_put, rec_get, rec_prefetch
+    return log
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["none", "cpu", "hms", "ds_nvme"], required=True)
@@ -91,6 +133,8 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--dram-mb", type=int, default=1)
     ap.add_argument("--record-trace", help="write the ZeRO-3 parameter access trace (per step) to this json")
+    ap.add_argument("--record-store", action="store_true", help="dump the HMS store's put/get/prefetch calls")
+    ap.add_argument("--sync-prefetch", action="store_true", help="HMS prefetch reads complete when submitted")
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
     import deepspeed
@@ -115,6 +159,14 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     engine, _, _, _ = te.initialize(model=net, optimizer=opt, lr_scheduler=sched, config=cfg)
     start = 0
+    ops = None
+    if a.mode == "hms":
+        store = engine.titan.reports["hms"].store
+        if a.sync_prefetch:
+            store._prefetch_pool.shutdown(wait=True)
+            store._prefetch_pool = _SyncPool()
+        if a.record_store:
+            ops = record_store_ops(store)
     if a.record_trace:
         engine.titan.reports["hms"].param_swapper.access_log = [[]]
     if a.load_dir:
@@ -136,6 +188,7 @@ def main():
            "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups]}
     if a.mode == "hms":
         res["hms"] = engine.titan.collect_metrics()["hms"]
+        res["store_ops"] = ops
         if a.record_trace:
             import json
             ps = engine.titan.reports["hms"].param_swapper

@@ -217,9 +217,13 @@ def test_policy_report_counts_and_names():
 def test_policy_exclude_min_features_and_tr_svd_detail():
     model = Tiny()
     pol = TRDPolicy(rank=4, include=[r"blocks\.", r"small|head"], exclude=[r"\.mlp\."], init="tr_svd", min_features=16)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     rep = apply_trd(model, pol)
     assert rep.names == ["blocks.0.qkv", "blocks.0.proj", "blocks.1.qkv", "blocks.1.proj", "head"]
-    assert all(0 < e.detail["init_error"] <= 1 for e in rep.entries)
+    for e in rep.entries:  # the reported error is the replaced layer's own distance to the weight it replaced
+        w = dense[e.name]
+        err = ((model.get_submodule(e.name).reference_weight() - w).norm() / w.norm()).item()
+        assert e.detail["init_error"] == pytest.approx(err, rel=1e-5) and 0 < err < 1, (e.name, err)
 
 
 def test_regex_matching_nothing_warns_naming_it():
@@ -354,6 +358,7 @@ def test_core_lr_scale_is_a_core_learning_rate_multiplier_under_adam(opt_cls):
     kw = dict(eps=1e-30, weight_decay=0.0)
     o_plain = opt_cls([{"params": plain.cores, "lr": lr * c}, {"params": [plain.bias], "lr": lr}], **kw)
     o_scaled = opt_cls(scaled.parameters(), lr=lr, **kw)
+    w0 = plain.reference_weight().detach().clone()
     g = torch.Generator().manual_seed(2)
     for _ in range(steps):
         x, t = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(8, 24, generator=g, dtype=torch.float64)
@@ -361,8 +366,9 @@ def test_core_lr_scale_is_a_core_learning_rate_multiplier_under_adam(opt_cls):
             o.zero_grad()
             ((m(x) - t) ** 2).mean().backward()
             o.step()
-    moved = (plain.reference_weight() - TensorRingLinear(16, 24, 3, dtype=torch.float64).reference_weight()).norm()
-    assert moved > 0
+    # the ring moved from its own initial weight (measured: max |dW| = 0.051 after the 3 steps, |W0| max 0.38)
+    moved = (plain.reference_weight() - w0).abs().max().item()
+    assert moved > 0.01, moved
     assert torch.allclose(scaled.reference_weight(), plain.reference_weight(), rtol=1e-9, atol=1e-12)
     assert torch.allclose(scaled.bias, plain.bias, rtol=1e-12, atol=1e-15)
 

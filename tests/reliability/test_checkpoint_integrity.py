@@ -50,8 +50,11 @@ def test_manifest_and_atomic_latest(saved):
     assert set(complete_tags(d)) == {"a", "b"}
     files = json.loads((d / "b" / MANIFEST).read_text())["files"]
     assert any(f.endswith("optim_states.pt") for f in files) and any("model_states" in f for f in files)
-    path, _ = e.load_checkpoint(str(d))
-    assert path is not None
+    fresh = _engine()  # its own initial weights, which the load must replace by those of 'b' (latest)
+    assert not all(torch.equal(a, b) for a, b in zip(e.module.parameters(), fresh.module.parameters()))
+    path, _ = fresh.load_checkpoint(str(d))
+    assert path is not None and Path(path).parent.name == "b", path
+    assert all(torch.equal(a, b) for a, b in zip(e.module.parameters(), fresh.module.parameters()))
 
 
 def test_corrupted_shard_is_detected_and_named(saved):
