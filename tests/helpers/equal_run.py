@@ -48,6 +48,7 @@ def compare(stage: int) -> None:
     c_loss, c_par = train(titan_ds.initialize, stage, titan={})
     assert torch.equal(a_loss, b_loss), (a_loss, b_loss)
     assert torch.equal(a_loss, c_loss), (a_loss, c_loss)
+    assert len(a_par) == len(b_par) == len(c_par)  # zip would skip a parameter one of them lacks
     assert all(torch.equal(x, y) for x, y in zip(a_par, b_par))
     assert all(torch.equal(x, y) for x, y in zip(a_par, c_par))
 

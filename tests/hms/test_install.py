@@ -85,4 +85,15 @@ def test_shipped_hms_configs(name, tmp_path):
     t = TitanConfig.from_ds_config(cfg)
     assert t.hms is not None
     ds = {k: v for k, v in cfg.items() if k != "titan"}
-    configure_ds_config(ds, str(tmp_path), client_optimizer=True)  # consistent with what HMS requires
+    before = json.loads(json.dumps(ds))
+    changed = configure_ds_config(ds, str(tmp_path), client_optimizer=True)  # consistent with what HMS requires
+    # hms.json leaves the offload sections to HMS; titan_zero3_nvme.json spells them out in full
+    want = {"hms.json": ["zero_optimization.offload_param.device=nvme", "zero_optimization.offload_param.max_in_cpu=0",
+                         "zero_optimization.offload_optimizer.device=nvme"],
+            "titan_zero3_nvme.json": []}[name]
+    assert changed == want
+    for sec in ("offload_param", "offload_optimizer"):
+        assert ds["zero_optimization"][sec]["device"] == "nvme"
+        assert ds["zero_optimization"][sec]["nvme_path"] == before["zero_optimization"].get(sec, {}).get(
+            "nvme_path", str(tmp_path))  # a path the user gave is kept
+    assert ds["zero_optimization"]["offload_param"]["max_in_cpu"] == 0
