@@ -10,8 +10,7 @@ from tests.helpers.launch import run as run_group
 sys.path.insert(0, os.path.dirname(__file__))
 import zero_harness as h  # noqa: E402
 
-from titan_ds.optim.asdt import _kth_largest  # noqa: E402
-from titan_ds.optim.layout import Layout, Piece  # noqa: E402
+from titan_ds.optim.layout import Layout, Piece, kth_largest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_collective_kth_largest_is_exact(dist1):
     s = [torch.rand(37), torch.zeros(5), torch.tensor([0.5, 0.5, 0.5, 0.1]), torch.rand(1000) ** 6]
     ks = [5, 2, 2, 999]
     pieces = [Piece(i, 0, x.numel(), 0) for i, x in enumerate(s)]
-    got = _kth_largest(s, ks, pieces, Layout(pieces, [0, 1, 2, 3], None))
+    got = kth_largest(s, ks, pieces, Layout(pieces, [0, 1, 2, 3], None))
     for x, k, tau in zip(s, ks, got):
         assert tau.item() == torch.topk(x, k).values[-1].item()
 
