@@ -88,6 +88,8 @@ def test_asdt_update_alone_matches_reference_on_strided_slices():
     assert torch.equal(anchors[0], states[2]["anchor"])
     with pytest.raises(ValueError, match="exactly one"):
         asdt_update([w[:, 0]], [g[:, 0]], unit_numels=[9], **hp)
+    with pytest.raises(ValueError, match="scores with importance='sketch' only"):
+        asdt_update([w[:, 0]], [g[:, 0]], momenta=momenta[:1], unit_numels=[9], scores=[g[:, 0].abs()], **hp)
 
 
 def test_bf16_state_matches_reference_and_is_bf16():

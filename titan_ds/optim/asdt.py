@@ -123,12 +123,15 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
     ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
     across ranks; ``unit_numels[i]`` is the whole unit's size, for ``k``). Give ``momenta`` (Growth: steps
     1-5, the momenta updated in place in their own dtype) or ``anchors`` (Elastic: ``c = g``, then the pull
-    toward the anchors), not both. ``scores``: the ``importance="sketch"`` estimates (ignored otherwise).
+    toward the anchors), not both. ``scores``: the ``importance="sketch"`` estimates (given with it only).
     ``kth_largest(scores, ks)`` gives each unit's threshold; a collective one (units split across ranks) must
     be called on every rank, so it is called even when there are no slices here.
     """
     if (momenta is None) == (anchors is None):
         raise ValueError("asdt_update needs momenta (Growth) or anchors (Elastic), exactly one of them")
+    if (importance == "sketch") != (scores is not None):
+        raise ValueError(f"asdt_update takes scores with importance='sketch' only, got importance={importance!r} "
+                         f"and scores={'given' if scores is not None else None}")
     b1, b2 = betas
     gs = [g.float() for g in grads]
     cs = [m.float() * b1 + g * (1 - b1) for m, g in zip(momenta, gs)] if momenta is not None else \
