@@ -407,7 +407,7 @@ class ASDT(torch.optim.Optimizer):
             weight_decay=group["weight_decay"], unit_numels=[self.units[pc.unit].numel for pc in pieces],
             importance=self.importance, momenta=bufs if mode == GROWTH else None,
             anchors=bufs if mode == ELASTIC else None, lr_scales=[self.unit_lr_scale(pc.unit) for pc in pieces],
-            elastic_pull=self.plasticity.elastic_pull if mode == ELASTIC else 0.0, scores=scores,
+            elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
             kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split))
 
     def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
