@@ -27,9 +27,7 @@ its exact k-th largest score by a collective bisection over the float bit patter
 (:func:`~titan_ds.optim.layout.kth_largest`), so ZeRO-1/2/3 take the same steps as stage 0. State is created
 lazily in ``step()`` and only covers units that are active: ``self.state[t]`` holds ``step``, the
 ``momentum`` and ``anchor`` buffers, and ``units``, one :class:`~titan_ds.optim.layout.UnitState` record per
-active unit saying where its slice of a buffer lies. BSPS's state is saved inside ASDT's ``state_dict``
-(``["asdt"]["plasticity"]``) and nowhere else: under ZeRO each rank saves and loads its own optimizer state,
-and between steps BSPS holds this rank's part of the signals of blocks split across ranks.
+active unit saying where its slice of a buffer lies.
 
 The math is :func:`asdt_update` (steps 1-5 on a list of unit slices: tensors in, updated in place, no
 optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
@@ -431,7 +429,7 @@ class ASDT(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format, each tensor's ``units`` records saved as plain lists (``_to_saved``), plus ``"asdt"``:
-        the engine step, the TGSS table and the BSPS state (its only copy in a checkpoint)."""
+        the engine step, the TGSS table and the BSPS state."""
         sd = super().state_dict()
         sd["state"] = {k: _to_saved(st) for k, st in sd["state"].items()}
         sd["asdt"] = {"engine_step": self._engine_step, "last_selected": self.last_selected,

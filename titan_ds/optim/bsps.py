@@ -23,9 +23,7 @@ step ``t + 1``, each logged once:
 
 ``max_active_fraction`` bounds the elements of Growth + Elastic blocks (the ones holding optimizer state).
 All decisions are a deterministic function of the signals, so every rank and every ZeRO stage takes them
-identically (signals of blocks split across ranks are all-reduced first). The state (:meth:`Plasticity.state_dict`)
-is saved in checkpoints once, inside ASDT's state dict: under ZeRO the signals observed since the last
-``end_step`` are this rank's part, so it is per-rank state, saved and loaded with the optimizer's.
+identically (signals of blocks split across ranks are all-reduced first).
 """
 from __future__ import annotations
 
