@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from titan_ds.optim.asdt import ASDT, reference_step
+from titan_ds.optim.asdt import ASDT, ELASTIC, GROWTH, asdt_update, reference_step
 from titan_ds.optim.delta import apply_delta, save_delta
 
 
@@ -64,6 +64,32 @@ def test_flat_path_matches_reference_bit_exactly(importance, density, granularit
         m = opt.state[p]["momentum"]
         ref = torch.cat([states[(i, s)]["momentum"] for s in sorted(s for (j, s) in states if j == i)])
         assert torch.equal(m, ref)
+
+
+def test_asdt_update_alone_matches_reference_on_strided_slices():
+    """The function without the optimizer: Growth and Elastic units given as non-contiguous column views, bf16
+    momenta and anchors, per-unit lr scales; column 3 is given to neither (frozen)."""
+    w, hp = torch.randn(9, 4), dict(lr=1e-2, betas=(0.9, 0.99), density=0.4, weight_decay=0.1)
+    ref = w.clone()
+    momenta = [torch.zeros(9, dtype=torch.bfloat16) for _ in range(2)]
+    anchors = [w[:, 2].clone().to(torch.bfloat16)]
+    states = [{}, {}, {}]
+    for _ in range(4):
+        g = torch.randn(9, 4)
+        n = asdt_update([w[:, 0], w[:, 1]], [g[:, 0], g[:, 1]], momenta=momenta, unit_numels=[9, 9], **hp)
+        n += asdt_update([w[:, 2]], [g[:, 2]], anchors=anchors, unit_numels=[9], lr_scales=[0.3],
+                         elastic_pull=0.2, **hp)
+        assert n == 3 * 4  # ceil(0.4 * 9) per unit, continuous scores
+        reference_step([(ref[:, j], g[:, j], states[j]) for j in range(3)], importance="momentum",
+                       state_dtype=torch.bfloat16, modes=[GROWTH, GROWTH, ELASTIC], lr_scales=[1.0, 1.0, 0.3],
+                       elastic_pull=0.2, **hp)
+    assert torch.equal(w, ref)
+    assert all(torch.equal(m, st["momentum"]) for m, st in zip(momenta, states))
+    assert torch.equal(anchors[0], states[2]["anchor"])
+    with pytest.raises(ValueError, match="exactly one"):
+        asdt_update([w[:, 0]], [g[:, 0]], unit_numels=[9], **hp)
+    with pytest.raises(ValueError, match="scores with importance='sketch' only"):
+        asdt_update([w[:, 0]], [g[:, 0]], momenta=momenta[:1], unit_numels=[9], scores=[g[:, 0].abs()], **hp)
 
 
 def test_bf16_state_matches_reference_and_is_bf16():

@@ -13,6 +13,7 @@ from titan_ds.config import PlasticityConfig  # noqa: E402
 from titan_ds.optim.asdt import ASDT, ELASTIC, FROZEN, GROWTH, SLEEPING, reference_step  # noqa: E402
 from titan_ds.optim.bsps import Plasticity  # noqa: E402
 from titan_ds.optim.install import build_plasticity  # noqa: E402
+from titan_ds.optim.layout import UnitState  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +100,46 @@ def test_flat_path_matches_reference_with_modes():
     for p, r in zip(ps, ref):
         assert torch.equal(p.data, r)
     assert torch.equal(opt.state[ps[1]]["anchor"], states[1]["anchor"])
+
+
+def _block_modes_opt(p: torch.Tensor) -> tuple[ASDT, Plasticity]:
+    """25 elements in blocks of 10, 10, 5 (one BSPS block each), modes set by hand, no transitions."""
+    opt = ASDT([("w", p)], lr=1e-2, density=0.4, granularity="block", block_size=10)
+    pl = Plasticity(["b0", "b1", "b2"], [10, 10, 5], max_active_fraction=1.0)
+    pl.modes, pl.assigned = [GROWTH, ELASTIC, GROWTH], True
+    pl.is_probe = lambda t: False
+    pl.end_step = lambda t, group=None: []
+    opt.attach_plasticity(pl, [0, 1, 2])
+    return opt, pl
+
+
+def test_state_records_follow_modes_and_save_in_the_checkpoint_format():
+    """One UnitState per active unit in memory; state dicts keep the format checkpoints always had
+    (``<buffer>_units``/``_lens``); a state put back in that form directly (as HMS does) steps identically."""
+    p = torch.randn(25, requires_grad=True)
+    q = p.detach().clone().requires_grad_()
+    opt, pl = _block_modes_opt(p)
+    p.grad = torch.randn(25)
+    opt.step()
+    assert opt.state[p]["units"] == [UnitState(0, "momentum", 0, 10), UnitState(2, "momentum", 10, 5),
+                                     UnitState(1, "anchor", 0, 10)]
+    saved = opt.state_dict()["state"][0]
+    assert "units" not in saved and saved["momentum_units"] == [0, 2] and saved["anchor_units"] == [1]
+    assert saved["momentum_lens"] == {0: 10, 2: 5} and saved["anchor_lens"] == {1: 10}
+    kept = opt.state[p]["momentum"][10:15].clone()  # unit 2's momentum
+    opt2, pl2 = _block_modes_opt(q)
+    q.data.copy_(p.data)
+    opt2.state[q] = copy.deepcopy(saved)
+    opt2._engine_step = opt._engine_step
+    pl.modes = pl2.modes = [FROZEN, GROWTH, GROWTH]
+    for o, t in ((opt, p), (opt2, q)):
+        t.grad = torch.ones(25)
+        o.step()
+    assert torch.equal(p.data, q.data)
+    assert opt.state[p]["units"] == opt2.state[q]["units"] == [UnitState(1, "momentum", 0, 10),
+                                                               UnitState(2, "momentum", 10, 5)]
+    assert opt.state[p]["anchor"].numel() == 0
+    assert torch.equal(opt.state[p]["momentum"][10:15], kept * 0.99 + (1 - 0.99))  # unit 2 kept its momentum
 
 
 def _bsps_model(max_active=0.5):

@@ -10,8 +10,8 @@ from tests.helpers.launch import run as run_group
 sys.path.insert(0, os.path.dirname(__file__))
 import zero_harness as h  # noqa: E402
 
-from titan_ds.optim.asdt import _kth_largest  # noqa: E402
-from titan_ds.optim.layout import Layout, Piece  # noqa: E402
+from titan_ds.optim.asdt import ASDT  # noqa: E402
+from titan_ds.optim.layout import Layout, Piece, kth_largest, param_layout  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +49,30 @@ def test_collective_kth_largest_is_exact(dist1):
     s = [torch.rand(37), torch.zeros(5), torch.tensor([0.5, 0.5, 0.5, 0.1]), torch.rand(1000) ** 6]
     ks = [5, 2, 2, 999]
     pieces = [Piece(i, 0, x.numel(), 0) for i, x in enumerate(s)]
-    got = _kth_largest(s, ks, pieces, Layout(pieces, [0, 1, 2, 3], None))
+    got = kth_largest(s, ks, pieces, Layout(pieces, [0, 1, 2, 3], None))
     for x, k, tau in zip(s, ks, got):
         assert tau.item() == torch.topk(x, k).values[-1].item()
+
+
+def test_units_marked_split_step_like_local_ones(dist1):
+    """Every unit marked split (collective k-th largest, over 1 rank here; both modes' calls run, as on a rank
+    that holds none of a mode's units): the same steps as without the marks."""
+    ps = [torch.randn(7, 5, requires_grad=True), torch.randn(11, requires_grad=True)]
+    qs = [p.detach().clone().requires_grad_() for p in ps]
+    start = [p.detach().clone() for p in ps]
+    marked = ASDT([(f"p{i}", p) for i, p in enumerate(ps)], lr=1e-2, density=0.3, weight_decay=0.1)
+    plain = ASDT([(f"p{i}", q) for i, q in enumerate(qs)], lr=1e-2, density=0.3, weight_decay=0.1)
+    units = [marked.units_by_param[f"p{i}"] for i in range(len(ps))]
+    marked.attach_layouts({id(p): (p, Layout(param_layout(us).pieces, [u.index for u in us], None))
+                           for p, us in zip(ps, units)})
+    for t in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        marked.step()
+        plain.step()
+    for p, q, s0 in zip(ps, qs, start):
+        assert torch.equal(p.data, q.data) and not torch.equal(p.data, s0)
 
 
 @pytest.mark.slow

@@ -23,29 +23,35 @@ then ``w[M] += elastic_pull * (a[M] - w[M])`` toward the block's weights ``a`` a
 Works on what DeepSpeed hands it: at stage 0 the parameters; under ZeRO-1/2/3 flat fp32 partitions whose
 :class:`~titan_ds.optim.layout.Layout` (units held, units split across ranks) is attached by
 ``titan_ds.optim.install.after_initialize`` (or :meth:`ASDT.attach_layouts`). A unit split across ranks gets
-its exact k-th largest score by a collective bisection over the float bit patterns (``_kth_largest``), so
-ZeRO-1/2/3 take the same steps as stage 0. State is created lazily in ``step()``, lives in ``self.state[t]``
-(``step``, ``momentum``, ``anchor``, and the unit lists they cover), and only covers units that are active.
+its exact k-th largest score by a collective bisection over the float bit patterns
+(:func:`~titan_ds.optim.layout.kth_largest`), so ZeRO-1/2/3 take the same steps as stage 0. State is created
+lazily in ``step()`` and only covers units that are active: ``self.state[t]`` holds ``step``, the
+``momentum`` and ``anchor`` buffers, and ``units``, one :class:`~titan_ds.optim.layout.UnitState` record per
+active unit saying where its slice of a buffer lies.
 
-:func:`reference_step` is the plain per-unit loop of the steps above, the oracle for the flat path.
+The math is :func:`asdt_update` (steps 1-5 on a list of unit slices: tensors in, updated in place, no
+optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
+what DeepSpeed hands over, BSPS modes and signals, the sketch, ``requires_grad`` at stage 0, metrics).
+:func:`reference_step` is an independent plain per-unit loop of the same steps, the oracle for both.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
 from ..utils import get_logger
 
-from .layout import Layout, Piece, Unit, build_units, param_layout
 from ..comm.tgss import CountMinSketch
+from .bsps import ELASTIC, FROZEN, GROWTH, SLEEPING
+from .layout import (Layout, LayoutMap, Piece, Unit, UnitState, build_units, kth_largest, param_layout, place_units,
+                     views)
 
-__all__ = ["ASDT", "reference_step", "GROWTH", "ELASTIC", "FROZEN", "SLEEPING"]
+__all__ = ["ASDT", "asdt_update", "local_kth_largest", "reference_step", "GROWTH", "ELASTIC", "FROZEN", "SLEEPING"]
 
 log = get_logger("titan_ds.optim")
 
-FROZEN, GROWTH, ELASTIC, SLEEPING = 0, 1, 2, 3
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _IMPORTANCE = ("momentum", "grad_weight", "sketch")
 
@@ -97,63 +103,110 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
             w[mask] = w[mask] + (a[mask] - w[mask]) * elastic_pull
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """int32 bit patterns of non-negative floats: monotone in the value (IEEE-754)."""
-    return x.float().contiguous().view(torch.int32)
+KthLargest = Callable[[list[torch.Tensor], list[int]], list[torch.Tensor]]
 
 
-def _kth_largest(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece], layout: Layout) -> list[torch.Tensor]:
-    """The k-th largest score of each piece's unit: local ``topk``, or a collective bisection when split."""
-    taus: list[Optional[torch.Tensor]] = [None] * len(pieces)
-    split_pos = {u: j for j, u in enumerate(layout.split_units)}
-    local_split = []
-    for i, (s, k, pc) in enumerate(zip(scores, ks, pieces)):
-        if pc.unit in split_pos:
-            local_split.append(i)
-        else:
-            taus[i] = torch.topk(s, k).values[-1]
-    if layout.split_units:
-        found = _bisect_split(scores, ks, pieces, layout, local_split, split_pos)
-        for i in local_split:
-            taus[i] = found[split_pos[pieces[i].unit]]
-    return taus  # type: ignore[return-value]
+def local_kth_largest(scores: list[torch.Tensor], ks: list[int]) -> list[torch.Tensor]:
+    """The k-th largest value of each whole unit's scores (``torch.topk``)."""
+    return [torch.topk(s, k).values[-1] for s, k in zip(scores, ks)]
 
 
-def _bisect_split(scores, ks, pieces, layout: Layout, local_split: list[int], split_pos: dict[int, int]) -> torch.Tensor:
-    """Exact k-th largest over units spread across ranks: bisect the int32 bit pattern (31 all-reduces of counts).
+def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: float, betas: tuple[float, float],
+                density: float, weight_decay: float, unit_numels: list[int], importance: str = "momentum",
+                momenta: Optional[list[torch.Tensor]] = None, anchors: Optional[list[torch.Tensor]] = None,
+                lr_scales: Optional[list[float]] = None, elastic_pull: float = 0.0,
+                scores: Optional[list[torch.Tensor]] = None, kth_largest: KthLargest = local_kth_largest) -> int:
+    """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed.
 
-    Finds, per split unit, the largest pattern ``t`` with ``count(bits >= t) >= k`` summed over ranks, which is
-    the pattern of the k-th largest value. Every rank calls this with the same ``layout.split_units``.
+    ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
+    across ranks; ``unit_numels[i]`` is the whole unit's size, for ``k``). Give ``momenta`` (Growth: steps
+    1-5, the momenta updated in place in their own dtype) or ``anchors`` (Elastic: ``c = g``, then the pull
+    toward the anchors), not both. ``scores``: the ``importance="sketch"`` estimates (given with it only).
+    ``kth_largest(scores, ks)`` gives each unit's threshold; a collective one (units split across ranks) must
+    be called on every rank, so it is called even when there are no slices here.
     """
-    import deepspeed.comm as dist
+    if (momenta is None) == (anchors is None):
+        raise ValueError("asdt_update needs momenta (Growth) or anchors (Elastic), exactly one of them")
+    if (importance == "sketch") != (scores is not None):
+        raise ValueError(f"asdt_update takes scores with importance='sketch' only, got importance={importance!r} "
+                         f"and scores={'given' if scores is not None else None}")
+    b1, b2 = betas
+    gs = [g.float() for g in grads]
+    cs = [m.float() * b1 + g * (1 - b1) for m, g in zip(momenta, gs)] if momenta is not None else \
+        [g.clone() for g in gs]
+    est = scores if importance == "sketch" else [None] * len(gs)
+    ss = [_scores(importance, c, g, w, e) for c, g, w, e in zip(cs, gs, weights, est)]
+    taus = kth_largest(ss, [_k(density, n) for n in unit_numels])
+    selected = 0
+    for i, w in enumerate(weights):
+        mask = (ss[i] >= taus[i]) & (ss[i] > 0)
+        selected += int(mask.sum())
+        new = w - (torch.sign(cs[i]) + weight_decay * w) * (lr * (1.0 if lr_scales is None else lr_scales[i]))
+        if anchors is not None:
+            a = anchors[i].float()
+            new = new + (a - new) * elastic_pull
+        w.copy_(torch.where(mask, new, w))
+        if momenta is not None:
+            m = momenta[i]
+            m.copy_((m.float() * b2 + gs[i] * (1 - b2)).to(m.dtype))
+    return selected
 
-    n = len(layout.split_units)
-    kvec = torch.zeros(n, dtype=torch.int64)
-    for i in local_split:
-        kvec[split_pos[pieces[i].unit]] = ks[i]
-    dist.all_reduce(kvec, op=dist.ReduceOp.MAX, group=layout.group)
-    bits = {i: _bits(scores[i]) for i in local_split}
-    lo = torch.zeros(n, dtype=torch.int64)
-    hi = torch.full((n,), 0x7F800000, dtype=torch.int64)  # +inf
-    for _ in range(32):
-        mid = (lo + hi + 1) // 2
-        counts = torch.zeros(n, dtype=torch.int64)
-        for i in local_split:
-            j = split_pos[pieces[i].unit]
-            counts[j] += int((bits[i] >= mid[j]).sum())
-        dist.all_reduce(counts, group=layout.group)
-        ok = counts >= kvec
-        lo = torch.where(ok, mid, lo)
-        hi = torch.where(ok, hi, mid - 1)
-    return lo.to(torch.int32).view(torch.float32)
+
+# ---------------------------------------------------------------------------------------------- state format
+_BUFFER = {GROWTH: "momentum", ELASTIC: "anchor"}
+
+
+def _to_saved(st: dict[str, Any]) -> dict[str, Any]:
+    """A tensor's state as checkpoints hold it: the records as ``<buffer>_units`` (order) and ``_lens``."""
+    if "units" not in st:  # already in this form (restored by HMS and not stepped since)
+        return dict(st)
+    out = {k: v for k, v in st.items() if k != "units"}
+    for buffer in _BUFFER.values():
+        records = [r for r in st.get("units", []) if r.buffer == buffer]
+        out[f"{buffer}_units"] = [r.unit for r in records]
+        out[f"{buffer}_lens"] = {r.unit: r.length for r in records}
+    return out
+
+
+def _from_saved(st: dict[str, Any]) -> None:
+    """Inverse of :func:`_to_saved`, in place (the units of a buffer lie in it end to end, in order)."""
+    records = []
+    for buffer in _BUFFER.values():
+        lens, cursor = st.pop(f"{buffer}_lens", {}), 0
+        for u in st.pop(f"{buffer}_units", []):
+            records.append(UnitState(int(u), buffer, cursor, int(lens[u])))
+            cursor += int(lens[u])
+    st["units"] = records
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
+def _check(lr: float, betas: tuple[float, float], density: float, weight_decay: float, importance: str,
+           state_dtype: str, block_size: int) -> None:
+    errors = []
+    if not lr > 0:
+        errors.append(f"lr must be > 0, got {lr}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        errors.append(f"betas must be in [0, 1), got {list(betas)}")
+    if not 0.0 < density <= 1.0:
+        errors.append(f"density must be in (0, 1], got {density}")
+    if weight_decay < 0:
+        errors.append(f"weight_decay must be >= 0, got {weight_decay}")
+    if importance not in _IMPORTANCE:
+        errors.append(f"unknown importance {importance!r}; choose one of {list(_IMPORTANCE)}")
+    if state_dtype not in _DTYPES:
+        errors.append(f"unknown state_dtype {state_dtype!r}; choose one of {sorted(_DTYPES)}")
+    if block_size < 1:
+        errors.append(f"block_size must be >= 1, got {block_size}")
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
 class ASDT(torch.optim.Optimizer):
     """Sparse sign-momentum optimizer; see the module docstring for the algorithm.
 
     ``params``: tensors, ``(name, tensor)`` pairs (names are used by BSPS and delta export), or param group
-    dicts whose ``params`` are such lists (per-group ``lr``/``weight_decay``/``density``/``betas``). Works unchanged under DeepSpeed ZeRO 0-3 once layouts are attached (``attach_layouts``).
+    dicts whose ``params`` are such lists (per-group ``lr``/``weight_decay``/``density``/``betas``). Works
+    unchanged under DeepSpeed ZeRO 0-3 once layouts are attached (``attach_layouts``).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
@@ -162,23 +215,7 @@ class ASDT(torch.optim.Optimizer):
                  sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0):
         groups = self._groups(params)
         named = [np for g in groups for np in g["params"]]
-        errors = []
-        if not lr > 0:
-            errors.append(f"lr must be > 0, got {lr}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            errors.append(f"betas must be in [0, 1), got {list(betas)}")
-        if not 0.0 < density <= 1.0:
-            errors.append(f"density must be in (0, 1], got {density}")
-        if weight_decay < 0:
-            errors.append(f"weight_decay must be >= 0, got {weight_decay}")
-        if importance not in _IMPORTANCE:
-            errors.append(f"unknown importance {importance!r}; choose one of {list(_IMPORTANCE)}")
-        if state_dtype not in _DTYPES:
-            errors.append(f"unknown state_dtype {state_dtype!r}; choose one of {sorted(_DTYPES)}")
-        if block_size < 1:
-            errors.append(f"block_size must be >= 1, got {block_size}")
-        if errors:
-            raise ValueError("; ".join(errors))
+        _check(lr, betas, density, weight_decay, importance, state_dtype, block_size)
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
         self.importance, self.state_dtype = importance, _DTYPES[state_dtype]
@@ -187,9 +224,7 @@ class ASDT(torch.optim.Optimizer):
         self.units_by_param: dict[str, list[Unit]] = {}
         for u in self.units:
             self.units_by_param.setdefault(u.param, []).append(u)
-        self._layouts: dict[int, tuple[torch.Tensor, Layout]] = {
-            id(p): (p, param_layout(self.units_by_param[n])) for n, p in named}
-        self._zero = False
+        self._layouts = LayoutMap({id(p): (p, param_layout(self.units_by_param[n])) for n, p in named}, zero=False)
         self.plasticity = None                 # a bsps.Plasticity, set by attach_plasticity
         self._block_of_unit: Optional[list[int]] = None
         self._engine_step = 0                  # last engine step begun (ZeRO: from the per-tensor step counters)
@@ -222,25 +257,19 @@ class ASDT(torch.optim.Optimizer):
         return out
 
     # ------------------------------------------------------------------ wiring (install.py)
+    @property
+    def _zero(self) -> bool:
+        return self._layouts.zero
+
     def attach_layouts(self, layouts: dict[int, tuple[torch.Tensor, Layout]]) -> None:
         """Use the flat-partition layouts of a ZeRO optimizer (``layout.zero_layouts``)."""
-        self._layouts = dict(layouts)
-        self._zero = True
+        self._layouts = LayoutMap(layouts, zero=True)
 
     def attach_plasticity(self, plasticity: Any, block_of_unit: list[int]) -> None:
         """Drive unit modes from a :class:`~titan_ds.optim.bsps.Plasticity` (``block_of_unit[u]``: its block)."""
         if len(block_of_unit) != len(self.units):
             raise ValueError(f"block_of_unit has {len(block_of_unit)} entries for {len(self.units)} units")
         self.plasticity, self._block_of_unit = plasticity, list(block_of_unit)
-
-    def _layout(self, t: torch.Tensor) -> Layout:
-        hit = self._layouts.get(id(t))
-        if hit is None or hit[0] is not t:
-            raise RuntimeError(
-                f"ASDT was handed a tensor of shape {tuple(t.shape)} it has no layout for. Under ZeRO-1/2/3 "
-                f"DeepSpeed passes flat partitions: build the engine with titan_ds.initialize (which attaches "
-                f"the layout), or call titan_ds.optim.install.attach_zero_layout(engine, optimizer)")
-        return hit[1]
 
     def unit_mode(self, u: int) -> int:
         if self.plasticity is None:
@@ -249,6 +278,9 @@ class ASDT(torch.optim.Optimizer):
 
     def unit_lr_scale(self, u: int) -> float:
         return 1.0 if self.plasticity is None else self.plasticity.lr_scale(self._block_of_unit[u])
+
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(self.names, [p for g in self.param_groups for p in g["params"]]))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -261,10 +293,8 @@ class ASDT(torch.optim.Optimizer):
             for t in group["params"]:
                 if t.grad is None:
                     continue
-                layout = self._layout(t)
-                st = self.state[t]
-                if not st:
-                    st.update(step=0, momentum_units=[], anchor_units=[], momentum_lens={}, anchor_lens={})
+                layout = self._layouts.of(t)
+                st = self._tensor_state(t)
                 st["step"] += 1
                 if self._zero:  # every flat partition has a gradient every step: counters run in lockstep
                     if st["step"] > self._engine_step:
@@ -278,6 +308,14 @@ class ASDT(torch.optim.Optimizer):
             self._end_engine_step()
         return loss
 
+    def _tensor_state(self, t: torch.Tensor) -> dict[str, Any]:
+        st = self.state[t]
+        if not st:
+            st.update(step=0, units=[])
+        elif "units" not in st:  # the saved form, put back directly (HMS restores optimizer state itself)
+            _from_saved(st)
+        return st
+
     def _begin_engine_step(self, step: int) -> None:
         if self._zero and self._engine_step > 0:
             self._end_engine_step()  # ZeRO: step() runs once per group/sub-group; close the previous step now
@@ -290,7 +328,7 @@ class ASDT(torch.optim.Optimizer):
         self.grad_bytes, self._grad_acc = self._grad_acc, 0
         self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
         if self.plasticity is not None:
-            self.plasticity.end_step(self._engine_step, self._distributed_group())
+            self.plasticity.end_step(self._engine_step, self._layouts.group())
             if not self._zero:
                 self._stage0_plasticity()
         if self.sketch is not None and not self._zero:
@@ -300,106 +338,75 @@ class ASDT(torch.optim.Optimizer):
         """Stage 0: free the state of blocks that left Growth/Elastic now, and set ``requires_grad`` for the
         next step (Frozen/Sleeping blocks compute no gradient, except at probe steps). Under ZeRO
         ``requires_grad`` is fixed at engine init, so this runs only when the optimizer holds the parameters."""
-        nxt = self._engine_step + 1
-        for name, p in zip(self.names, [q for g in self.param_groups for q in g["params"]]):
-            units = self.units_by_param[name]
+        for _, p in self._params():
             st = self.state.get(p)
             if st:
-                layout = self._layout(p)
-                modes = [self.unit_mode(pc.unit) for pc in layout.pieces]
-                w_flat = p.data.view(-1)
-                self._resize(st, "momentum", [pc for pc, md in zip(layout.pieces, modes) if md == GROWTH], w_flat, True)
-                self._resize(st, "anchor", [pc for pc, md in zip(layout.pieces, modes) if md == ELASTIC], w_flat, False)
-            need = any(self.plasticity.needs_grad(self._block_of_unit[u.index], nxt) for u in units)
+                self._place(p, st, self._layouts.of(p))
+        self._restore_requires_grad(drop_grads=True)
+
+    def _restore_requires_grad(self, drop_grads: bool = False) -> None:
+        """Stage 0: ``requires_grad`` of each parameter for the next step, from its blocks' BSPS modes."""
+        nxt = self._engine_step + 1
+        for name, p in self._params():
+            need = any(self.plasticity.needs_grad(self._block_of_unit[u.index], nxt)
+                       for u in self.units_by_param[name])
             p.requires_grad_(need)
-            if not need:
+            if drop_grads and not need:
                 p.grad = None  # a frozen/sleeping block holds no gradient
 
-    def _distributed_group(self):
-        for _, lay in self._layouts.values():
-            if lay.group is not None:
-                return lay.group
-        return None
+    def _pieces_by_mode(self, layout: Layout) -> dict[int, list[Piece]]:
+        out: dict[int, list[Piece]] = {GROWTH: [], ELASTIC: []}
+        for pc in layout.pieces:
+            mode = self.unit_mode(pc.unit)
+            if mode in out:
+                out[mode].append(pc)
+        return out
 
-    def _update(self, t: torch.Tensor, st: dict, layout: Layout, group: dict) -> None:
-        w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
-        modes = [self.unit_mode(pc.unit) for pc in layout.pieces]
-        self._observe(layout, modes, g_flat)
-        grow = [pc for pc, md in zip(layout.pieces, modes) if md == GROWTH]
-        elas = [pc for pc, md in zip(layout.pieces, modes) if md == ELASTIC]
-        self._resize(st, "momentum", grow, w_flat, zero=True)
-        self._resize(st, "anchor", elas, w_flat, zero=False)
-        if grow or layout.split_units:
-            self._apply(w_flat, g_flat, st, layout, grow, GROWTH, group)
-        if elas or layout.split_units:
-            self._apply(w_flat, g_flat, st, layout, elas, ELASTIC, group)
+    def _place(self, t: torch.Tensor, st: dict[str, Any], layout: Layout) -> dict[int, list[Piece]]:
+        """Make the state buffers cover the active units (new Growth units start at 0, Elastic ones at w)."""
+        w_flat, dtype = t.data.view(-1), self.state_dtype
+        empty = torch.zeros(0, dtype=dtype, device=w_flat.device)
+        by_mode = self._pieces_by_mode(layout)
+        place_units(st, "momentum", by_mode[GROWTH],
+                    lambda pc: torch.zeros(pc.length, dtype=dtype, device=w_flat.device), empty)
+        place_units(st, "anchor", by_mode[ELASTIC], lambda pc: views(w_flat, [pc])[0].to(dtype), empty)
+        return by_mode
 
-    def _observe(self, layout: Layout, modes: list[int], g_flat: torch.Tensor) -> None:
+    def _update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+        self._observe(layout, t.grad.view(-1))
+        by_mode = self._place(t, st, layout)
+        for mode, pieces in by_mode.items():
+            if pieces or layout.split_units:  # split units: every rank joins the collective top-k
+                self._apply(t, st, layout, pieces, mode, group)
+
+    def _observe(self, layout: Layout, g_flat: torch.Tensor) -> None:
         p = self.plasticity
         if p is None:
             return
         probe = p.is_probe(self._engine_step if self._zero else self._engine_step + 1)
-        for pc, md in zip(layout.pieces, modes):
-            if probe or md in (GROWTH, ELASTIC):
+        for pc in layout.pieces:
+            if probe or self.unit_mode(pc.unit) in (GROWTH, ELASTIC):
                 g = g_flat[pc.start:pc.start + pc.length]
                 p.observe(self._block_of_unit[pc.unit], float(g.float().pow(2).sum()))
 
-    def _resize(self, st: dict, key: str, pieces: list[Piece], w_flat: torch.Tensor, zero: bool) -> None:
-        """Make ``st[key]`` cover exactly ``pieces`` (kept units keep their values; new ones start at 0 / w)."""
-        want = [pc.unit for pc in pieces]
-        have = st[f"{key}_units"]
-        if want == have and key in st:
-            return
-        old, lens = st.get(key), {pc.unit: pc.length for pc in pieces}
-        lens.update(st.get(f"{key}_lens", {}))
-        pos, cur = {}, 0
-        for u in have:
-            pos[u] = cur
-            cur += lens[u]
-        parts = []
-        for pc in pieces:
-            if old is not None and pc.unit in pos:
-                parts.append(old[pos[pc.unit]:pos[pc.unit] + pc.length])
-            elif zero:
-                parts.append(torch.zeros(pc.length, dtype=self.state_dtype, device=w_flat.device))
-            else:
-                parts.append(w_flat[pc.start:pc.start + pc.length].to(self.state_dtype))
-        st.pop(key, None)  # drop our reference to the old buffer before building the new one (peak memory)
-        st[key] = torch.cat(parts) if parts else torch.zeros(0, dtype=self.state_dtype, device=w_flat.device)
-        st[f"{key}_units"] = want
-        st[f"{key}_lens"] = {pc.unit: pc.length for pc in pieces}
-
-    def _apply(self, w_flat, g_flat, st, layout: Layout, pieces: list[Piece], mode: int, group: dict) -> None:
-        lr, (b1, b2), density, wd = group["lr"], group["betas"], group["density"], group["weight_decay"]
-        buf = st["momentum"] if mode == GROWTH else st["anchor"]
-        ws = [w_flat[pc.start:pc.start + pc.length] for pc in pieces]
-        gs = [g_flat[pc.start:pc.start + pc.length].float() for pc in pieces]
-        offs = [0]
-        for pc in pieces:
-            offs.append(offs[-1] + pc.length)
-        bufs = [buf[offs[i]:offs[i + 1]] for i in range(len(pieces))]
-        if mode == GROWTH:
-            cs = [bm.float() * b1 + g * (1 - b1) for bm, g in zip(bufs, gs)]
-        else:
-            cs = [g.clone() for g in gs]
-        est = self._sketch_scores(pieces, gs, layout, b2) if self.importance == "sketch" else [None] * len(pieces)
-        scores = [_scores(self.importance, c, g, w, e) for c, g, w, e in zip(cs, gs, ws, est)]
-        ks = [_k(density, self.units[pc.unit].numel) for pc in pieces]
+    def _apply(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, pieces: list[Piece], mode: int,
+               group: dict[str, Any]) -> None:
+        """Bookkeeping around :func:`asdt_update` for the units of one mode held in ``t``."""
+        buffer = _BUFFER[mode]
+        records = [r for r in st["units"] if r.buffer == buffer]  # in the order of ``pieces`` (place_units)
+        bufs = views(st[buffer], records)
+        gs = [g.float() for g in views(t.grad.view(-1), pieces)]
+        b2 = group["betas"][1]
+        scores = self._sketch_scores(pieces, gs, layout, b2) if self.sketch is not None else None
         # split units in this mode: BSPS modes are the same on every rank, so every rank gets the same list
-        lay = Layout(layout.pieces, [u for u in layout.split_units if self.unit_mode(u) == mode], layout.group)
-        taus = _kth_largest(scores, ks, pieces, lay)
-        for i, pc in enumerate(pieces):
-            w, g, c, s = ws[i], gs[i], cs[i], scores[i]
-            mask = (s >= taus[i]) & (s > 0)
-            self._selected_acc += int(mask.sum())
-            scale = lr * self.unit_lr_scale(pc.unit)
-            new = w - (torch.sign(c) + wd * w) * scale
-            if mode == ELASTIC:
-                a = bufs[i].float()
-                new = new + (a - new) * self.plasticity.elastic_pull
-            w.copy_(torch.where(mask, new, w))
-            if mode == GROWTH:
-                bufs[i].copy_((bufs[i].float() * b2 + g * (1 - b2)).to(self.state_dtype))
+        split = Layout(layout.pieces, [u for u in layout.split_units if self.unit_mode(u) == mode], layout.group)
+        self._selected_acc += asdt_update(
+            views(t.data.view(-1), pieces), gs, lr=group["lr"], betas=group["betas"], density=group["density"],
+            weight_decay=group["weight_decay"], unit_numels=[self.units[pc.unit].numel for pc in pieces],
+            importance=self.importance, momenta=bufs if mode == GROWTH else None,
+            anchors=bufs if mode == ELASTIC else None, lr_scales=[self.unit_lr_scale(pc.unit) for pc in pieces],
+            elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
+            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split))
 
     def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
         """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it."""
@@ -421,7 +428,10 @@ class ASDT(torch.optim.Optimizer):
         return n + (self.sketch.nbytes if self.sketch is not None else 0)
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's format, each tensor's ``units`` records saved as plain lists (``_to_saved``), plus ``"asdt"``:
+        the engine step, the TGSS table and the BSPS state."""
         sd = super().state_dict()
+        sd["state"] = {k: _to_saved(st) for k, st in sd["state"].items()}
         sd["asdt"] = {"engine_step": self._engine_step, "last_selected": self.last_selected,
                       "sketch": self.sketch.state_dict() if self.sketch is not None else None,
                       "plasticity": self.plasticity.state_dict() if self.plasticity is not None else None}
@@ -432,8 +442,9 @@ class ASDT(torch.optim.Optimizer):
         if extra is None:
             raise KeyError("not an ASDT optimizer state (no 'asdt' entry); resume with the optimizer it was saved with")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "asdt"})
-        for st in self.state.values():  # torch casts floating state to the param dtype: restore state_dtype
-            for key in ("momentum", "anchor"):
+        for st in self.state.values():
+            _from_saved(st)
+            for key in _BUFFER.values():  # torch casts floating state to the param dtype: restore state_dtype
                 if key in st:
                     st[key] = st[key].to(self.state_dtype)
         self._engine_step = int(extra["engine_step"])
@@ -448,19 +459,13 @@ class ASDT(torch.optim.Optimizer):
             if not self._zero:
                 self._restore_requires_grad()
 
-    def _restore_requires_grad(self) -> None:
-        nxt = self._engine_step + 1
-        for name, p in zip(self.names, [q for g in self.param_groups for q in g["params"]]):
-            p.requires_grad_(any(self.plasticity.needs_grad(self._block_of_unit[u.index], nxt)
-                                 for u in self.units_by_param[name]))
-
     # ------------------------------------------------------------------ sparse delta
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The (name, parameter) pairs ASDT was built with (stage 0: the live weights)."""
         if self._zero:
             raise RuntimeError("under ZeRO the optimizer holds flat partitions; export deltas from the gathered "
                                "model state (titan_ds.optim.delta.save_delta(path, engine.module.state_dict(), base))")
-        return list(zip(self.names, [p for g in self.param_groups for p in g["params"]]))
+        return self._params()
 
     def save_delta(self, path: str, base: Union[str, dict]) -> dict[str, int]:
         """Write the elements that differ from ``base`` (a state dict or its torch.save path); see delta.py."""

@@ -4,7 +4,10 @@ Stage 0 hands the optimizer the parameters themselves; ZeRO-1/2 hand it one flat
 group, ZeRO-3 one per sub-group (deepspeed_seams.md 1.2). ASDT and BSPS act per *unit* (a parameter, or a
 fixed-size block of one), so for every tensor the optimizer sees we keep a :class:`Layout`: the contiguous
 *pieces* of units it holds, and which units are split across data-parallel ranks (their top-k threshold is
-then found collectively, see ``asdt._kth_largest``).
+then found collectively, :func:`kth_largest`). :class:`LayoutMap` finds the layout of a tensor handed to
+``step()``. Inside the optimizer state of such a tensor, a :class:`UnitState` record says where each active
+unit's slice of a state buffer (``momentum`` or ``anchor``) lives; :func:`place_units` keeps a buffer and its
+records in step with the units that are active.
 
 The mapping comes from DeepSpeed's own bookkeeping (read from the installed 0.19.8 sources):
 
@@ -19,11 +22,12 @@ The mapping comes from DeepSpeed's own bookkeeping (read from the installed 0.19
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
-__all__ = ["Unit", "Piece", "Layout", "build_units", "param_layout", "zero_layouts"]
+__all__ = ["Unit", "Piece", "Layout", "LayoutMap", "UnitState", "build_units", "param_layout", "zero_layouts",
+           "views", "place_units", "kth_largest"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,73 @@ class Layout:
     split_units: list[int] = field(default_factory=list)  # units split across ranks: same list on every rank
     group: Any = None                                     # process group over which split units are spread
     zero: bool = False                                    # handed by a ZeRO optimizer (not a real parameter)
+
+
+@dataclass
+class UnitState:
+    """Where one active unit's optimizer state lives: ``state[buffer][start:start + length]``."""
+
+    unit: int            # Unit.index
+    buffer: str          # the state buffer holding it ("momentum" for Growth, "anchor" for Elastic)
+    start: int           # offset in that buffer
+    length: int          # = the length of the unit's piece in the tensor
+
+
+class _Span(Protocol):
+    start: int
+    length: int
+
+
+def views(flat: torch.Tensor, spans: Sequence[_Span]) -> list[torch.Tensor]:
+    """``flat[s.start:s.start + s.length]`` for each span (a :class:`Piece`, or a state record)."""
+    return [flat[s.start:s.start + s.length] for s in spans]
+
+
+class LayoutMap:
+    """The :class:`Layout` of every tensor the optimizer is handed, looked up by identity.
+
+    Stage 0: the parameters (``param_layout``); ZeRO-1/2/3: the flat partitions (``zero_layouts``).
+    """
+
+    def __init__(self, layouts: dict[int, tuple[torch.Tensor, Layout]], zero: bool):
+        self._layouts = dict(layouts)
+        self.zero = zero
+
+    def of(self, t: torch.Tensor) -> Layout:
+        hit = self._layouts.get(id(t))
+        if hit is None or hit[0] is not t:
+            raise RuntimeError(
+                f"ASDT was handed a tensor of shape {tuple(t.shape)} it has no layout for. Under ZeRO-1/2/3 "
+                f"DeepSpeed passes flat partitions: build the engine with titan_ds.initialize (which attaches "
+                f"the layout), or call titan_ds.optim.install.attach_zero_layout(engine, optimizer)")
+        return hit[1]
+
+    def group(self) -> Any:
+        """The process group split units are spread over (None: nothing is split, e.g. stage 0 or 1 rank)."""
+        for _, lay in self._layouts.values():
+            if lay.group is not None:
+                return lay.group
+        return None
+
+
+def place_units(st: dict[str, Any], buffer: str, pieces: list[Piece], init: Callable[[Piece], torch.Tensor],
+                empty: torch.Tensor) -> None:
+    """Make ``st[buffer]`` hold exactly the units of ``pieces``, in their order, and ``st["units"]`` say so.
+
+    Units already held keep their values; a new unit starts at ``init(piece)``; no pieces: ``empty``.
+    """
+    held = [r for r in st["units"] if r.buffer == buffer]
+    if buffer in st and [r.unit for r in held] == [pc.unit for pc in pieces]:
+        return
+    where, old = {r.unit: r for r in held}, st.get(buffer)
+    parts, records, cursor = [], [], 0
+    for pc in pieces:
+        r = where.get(pc.unit)
+        parts.append(old[r.start:r.start + r.length] if r is not None else init(pc))
+        records.append(UnitState(pc.unit, buffer, cursor, pc.length))
+        cursor += pc.length
+    st[buffer] = torch.cat(parts) if parts else empty  # the old buffer is needed until here (kept slices)
+    st["units"] = [r for r in st["units"] if r.buffer != buffer] + records
 
 
 def build_units(named: list[tuple[str, torch.Tensor]], granularity: str, block_size: int) -> list[Unit]:
@@ -161,3 +232,60 @@ def _stage3_layouts(zo: Any, names, units_by_param, dist) -> dict[int, tuple[tor
                                f"tensor has {flat.numel()}; DeepSpeed's layout changed, titan cannot map it")
         out[id(flat)] = (flat, Layout(pieces, sorted(split), group if world > 1 else None, zero=True))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- top-k thresholds
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 bit patterns of non-negative floats: monotone in the value (IEEE-754)."""
+    return x.float().contiguous().view(torch.int32)
+
+
+def kth_largest(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece], layout: Layout) -> list[torch.Tensor]:
+    """The k-th largest score of each piece's unit: local ``topk``, or a collective bisection when split.
+
+    ``layout.split_units`` must be the same list on every rank (the collective runs when it is not empty,
+    also on a rank that holds no piece of it).
+    """
+    taus: list[Optional[torch.Tensor]] = [None] * len(pieces)
+    split_pos = {u: j for j, u in enumerate(layout.split_units)}
+    local_split = []
+    for i, (s, k, pc) in enumerate(zip(scores, ks, pieces)):
+        if pc.unit in split_pos:
+            local_split.append(i)
+        else:
+            taus[i] = torch.topk(s, k).values[-1]
+    if layout.split_units:
+        found = _bisect_split(scores, ks, pieces, layout, local_split, split_pos)
+        for i in local_split:
+            taus[i] = found[split_pos[pieces[i].unit]]
+    return taus  # type: ignore[return-value]
+
+
+def _bisect_split(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece], layout: Layout,
+                  local_split: list[int], split_pos: dict[int, int]) -> torch.Tensor:
+    """Exact k-th largest over units spread across ranks: bisect the int32 bit pattern (32 all-reduces of counts).
+
+    Finds, per split unit, the largest pattern ``t`` with ``count(bits >= t) >= k`` summed over ranks, which is
+    the pattern of the k-th largest value. Every rank calls this with the same ``layout.split_units``.
+    """
+    import deepspeed.comm as dist
+
+    n = len(layout.split_units)
+    kvec = torch.zeros(n, dtype=torch.int64)
+    for i in local_split:
+        kvec[split_pos[pieces[i].unit]] = ks[i]
+    dist.all_reduce(kvec, op=dist.ReduceOp.MAX, group=layout.group)
+    bits = {i: _bits(scores[i]) for i in local_split}
+    lo = torch.zeros(n, dtype=torch.int64)
+    hi = torch.full((n,), 0x7F800000, dtype=torch.int64)  # +inf
+    for _ in range(32):
+        mid = (lo + hi + 1) // 2
+        counts = torch.zeros(n, dtype=torch.int64)
+        for i in local_split:
+            j = split_pos[pieces[i].unit]
+            counts[j] += int((bits[i] >= mid[j]).sum())
+        dist.all_reduce(counts, group=layout.group)
+        ok = counts >= kvec
+        lo = torch.where(ok, mid, lo)
+        hi = torch.where(ok, hi, mid - 1)
+    return lo.to(torch.int32).view(torch.float32)
