@@ -178,8 +178,11 @@ def before_initialize(ctx: Any) -> None:
         return out
 
     ctx.add_metrics(metrics)
-    if plasticity is not None:
-        ctx.add_state("bsps", plasticity.state_dict, plasticity.load_state_dict)
+    # BSPS state is saved once, inside ASDT's state_dict (["asdt"]["plasticity"]), not also through
+    # ctx.add_state: titan state goes to client_state, which only rank 0 writes and every rank reads, while
+    # under ZeRO each rank saves and loads its own optimizer state, and between steps BSPS holds this rank's
+    # part of the signals of blocks split across ranks (folded in at the next step). Checkpoints written
+    # before this also hold client_state["titan"]["bsps"]; it is not read (nothing is registered under it).
 
 
 def after_initialize(ctx: Any) -> None:
