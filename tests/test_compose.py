@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.checkpoints import bsps_states
 from tests.helpers.launch import ROOT, clean_env, run_deepspeed, run as run_group
 
 TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4",
@@ -72,6 +73,8 @@ def _full_vs_resumed(tmp: Path, cfg: Path, ranks: int) -> dict:
     assert _losses(tmp / "b.jsonl") == full[3:], "resume with every pillar on must be bit-exact"
     summary = json.loads((tmp / "s.json").read_text())
     _val_drop(summary, 6)  # the step-0 validation of the full run changed nothing: a and b matched it above
+    # BSPS state is saved once per rank: in ASDT's optimizer state (DeepSpeed's shard, or HMS's snapshot)
+    assert len(bsps_states(tmp / "ck" / "step3")) == ranks
     return summary
 
 

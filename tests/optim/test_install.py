@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.checkpoints import bsps_states
+
 import titan_ds
 from titan_ds.config import TitanConfig, TitanConfigError
 from titan_ds.data import Batcher, load_corpus
@@ -44,26 +46,12 @@ def _weights(engine):
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
-def _bsps_states(tag_dir: Path) -> list[dict]:
-    """Every BSPS state dict (``Plasticity.state_dict()``) held anywhere in the checkpoint's files."""
-    def find(x):
-        if isinstance(x, dict):
-            here = [x] if {"blocks", "modes", "in_mode", "acc"} <= set(x) else []
-            return here + [d for v in x.values() for d in find(v)]
-        if isinstance(x, (list, tuple)):
-            return [d for v in x for d in find(v)]
-        return []
-    files = sorted(tag_dir.rglob("*.pt"))
-    assert files
-    return [d for f in files for d in find(torch.load(f, map_location="cpu", weights_only=False))]
-
-
 @pytest.mark.parametrize("stage", [0, 2])
 def test_resume_is_bit_exact(dist_env, tmp_path, stage):
     a = _engine(stage)
     _steps(a, 0, 4)
     a.save_checkpoint(str(tmp_path), tag="s4")
-    saved = _bsps_states(tmp_path / "s4")
+    saved = bsps_states(tmp_path / "s4")
     assert len(saved) == 1  # once: inside ASDT's state dict, not again in client_state["titan"]
     if stage > 0:  # under ZeRO step 4's signals are folded in at step 5: the saved state holds this rank's part
         assert float(saved[0]["acc"].abs().sum()) > 0
@@ -87,7 +75,7 @@ def test_checkpoint_with_the_old_duplicate_bsps_entry_resumes_bit_exact(dist_env
     a.titan.state_sources["bsps"] = (pl.state_dict, pl.load_state_dict)  # what install.py registered before
     _steps(a, 0, 4)
     a.save_checkpoint(str(tmp_path), tag="s4")
-    assert len(_bsps_states(tmp_path / "s4")) == 2
+    assert len(bsps_states(tmp_path / "s4")) == 2
     _steps(a, 4, 9)
     b = _engine(2)
     assert "bsps" not in b.titan.state_sources

@@ -273,9 +273,28 @@ class _HMSRuntime:
         self.opt_swapper.restore(folder, self.engine.optimizer.fp32_partitioned_groups_flat,
                                  load_optimizer_states=options.get("load_optimizer_states", True))
         self.engine.optimizer.reset_swap_buffers()  # rewrite every parameter partition from its restored fp32 master
+        if options.get("load_optimizer_states", True):
+            self._restore_optimizer_extra(load_dir, tag)
         with open(os.path.join(folder, "SNAPSHOT_ID")) as f:
             self.snapshot_id = f.read().strip()
         _barrier()
+
+
+    def _client_optimizer(self) -> Any:
+        """The optimizer the user (or titan.optimizer) gave DeepSpeed, inside its ZeRO-3 optimizer."""
+        return getattr(self.engine.optimizer, "optimizer", None)
+
+    def _restore_optimizer_extra(self, load_dir: str, tag: str) -> None:
+        """Under NVMe optimizer offload DeepSpeed writes the client optimizer's ``state_dict()`` into each rank's
+        optimizer shard but never loads it back (seams appendix A); the snapshot restored the per-tensor state,
+        and this hands the shard's copy to the optimizer's ``load_extra_state`` (ASDT: engine step, TGSS table,
+        BSPS state), so that state is saved once, in DeepSpeed's own file."""
+        load = getattr(self._client_optimizer(), "load_extra_state", None)
+        if load is None:
+            return
+        path = self.engine._get_zero_ckpt_name(load_dir, tag)
+        shard = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # mmap: only what is read
+        load(shard["optimizer_state_dict"]["optimizer_state_dict"])
 
 
 def _barrier() -> None:

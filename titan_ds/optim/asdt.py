@@ -432,10 +432,13 @@ class ASDT(torch.optim.Optimizer):
         the engine step, the TGSS table and the BSPS state."""
         sd = super().state_dict()
         sd["state"] = {k: _to_saved(st) for k, st in sd["state"].items()}
-        sd["asdt"] = {"engine_step": self._engine_step, "last_selected": self.last_selected,
-                      "sketch": self.sketch.state_dict() if self.sketch is not None else None,
-                      "plasticity": self.plasticity.state_dict() if self.plasticity is not None else None}
+        sd["asdt"] = self._extra_state()
         return sd
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"engine_step": self._engine_step, "last_selected": self.last_selected,
+                "sketch": self.sketch.state_dict() if self.sketch is not None else None,
+                "plasticity": self.plasticity.state_dict() if self.plasticity is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         extra = state_dict.get("asdt")
@@ -447,6 +450,16 @@ class ASDT(torch.optim.Optimizer):
             for key in _BUFFER.values():  # torch casts floating state to the param dtype: restore state_dtype
                 if key in st:
                     st[key] = st[key].to(self.state_dtype)
+        self.load_extra_state(state_dict)
+
+    def load_extra_state(self, state_dict: dict[str, Any]) -> None:
+        """Restore, from a full :meth:`state_dict`, what ASDT keeps besides torch's per-tensor ``state`` and
+        ``param_groups``: the engine step, the TGSS table and the BSPS state (saved once, in ``["asdt"]``).
+        HMS calls it alone: under NVMe optimizer offload DeepSpeed saves the client optimizer's state dict in
+        each rank's shard but never loads it, and HMS's snapshot restores the per-tensor state itself."""
+        extra = state_dict.get("asdt")
+        if extra is None:
+            raise KeyError("not an ASDT optimizer state (no 'asdt' entry); resume with the optimizer it was saved with")
         self._engine_step = int(extra["engine_step"])
         self.last_selected = int(extra["last_selected"])
         if self.sketch is not None:
