@@ -93,7 +93,12 @@ def test_builds_asdt_and_sets_zero_flags(dist_env):
     m = e.titan.collect_metrics()
     assert set(m["plasticity"]) == {"frozen", "growth", "elastic", "sleeping"}
     assert sum(m["plasticity"].values()) == len(e.basic_optimizer.plasticity.blocks)
-    assert "asdt_state_bytes_per_param" in m
+    _steps(e, 0, 3)
+    m = e.titan.collect_metrics()
+    opt = e.basic_optimizer
+    # one bf16 buffer over the active units (BSPS: not every block holds state): 0 < bytes/param <= 2
+    assert m["asdt_state_bytes_per_param"] == opt.state_bytes() / sum(u.numel for u in opt.units)
+    assert 0 < m["asdt_state_bytes_per_param"] <= 2.0
 
 
 def test_offload_sets_force_ds_cpu_optimizer_false(dist_env):
