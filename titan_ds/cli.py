@@ -13,8 +13,9 @@ from typing import Any
 
 __all__ = ["main", "report"]
 
-PILLAR_MODULES = {"trd": "titan_ds.inject.trd", "mlme": "titan_ds.inject.mlme", "optimizer": "titan_ds.optim.install",
-                  "hms": "titan_ds.hms.install", "compression": "titan_ds.comm.hooks"}
+from .engine import PILLARS
+
+PILLAR_MODULES = {p.key: p.module for p in PILLARS}  # one list of pillars: titan_ds.engine.PILLARS
 
 
 def _version(mod: str) -> str:

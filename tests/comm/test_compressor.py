@@ -7,7 +7,6 @@ import torch
 from tests.helpers.collectives import run_ranks
 from titan_ds.comm import REGISTRY, GradientReducer, Segment, build_compressor
 from titan_ds.comm.base import LocalCollective, check_layout, sketch_budget, topk_budget
-from titan_ds.comm.hge import Hologram
 
 LOSSY = ["topk", "tgss", "hge"]
 
@@ -189,38 +188,11 @@ def test_state_of_another_method_is_refused():
         GradientReducer("tgss", 10.0).load_state_dict(a.state_dict())
 
 
-# ------------------------------------------------------------------ registry, sketches (the sketch itself: test_tgss.py)
+# ------------------------------------------------------------------ registry (the sketches: test_tgss.py, test_hge.py)
 def test_registry_unknown_name_lists_choices():
     assert sorted(REGISTRY) == ["hge", "none", "tgss", "topk"]
     with pytest.raises(ValueError, match=r"unknown compressor 'powersgd'; choose one of \['hge', 'none', 'tgss', 'topk'\]"):
         build_compressor("powersgd", 10.0)
-
-
-def _tgss(n: int, cols: int, seed: int):
-    """The tgss compressor's encode and estimate with ``cols`` columns and its hashes for ``n`` coordinates."""
-    comp = build_compressor("tgss", 4.0, 3)
-    keys = comp.keys(n, cols, seed, None)
-    return (lambda v: comp.encode(v, keys, cols, seed)), (lambda sk: comp.estimate(sk, keys, n, cols, seed)[0])
-
-
-def test_sketches_are_linear():
-    n = 5000
-    x, y = torch.randn(n), torch.randn(n)
-    hg = Hologram(3, 64, 9)
-    for enc in (_tgss(n, 128, 9)[0], hg.encode):
-        torch.testing.assert_close(enc(x) + enc(y), enc(x + y), rtol=1e-5, atol=1e-4)
-
-
-def test_single_heavy_coordinate_decodes_exactly():
-    n = 5000
-    x = torch.zeros(n)
-    x[1234] = 3.5
-    encode, estimate = _tgss(n, 128, 1)
-    hg = Hologram(3, 64, 1)
-    torch.testing.assert_close(estimate(encode(x)), x)
-    # HGE averages holograms, so a zero coordinate colliding in one of them decodes to a fraction of x_i;
-    # the heavy one itself comes back exactly (|exp(j theta)|^2 = 1)
-    assert abs(float(hg.decode(hg.encode(x), n)[1234]) - 3.5) < 1e-6
 
 
 # ------------------------------------------------------------------ non-finite steps

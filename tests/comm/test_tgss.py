@@ -146,3 +146,12 @@ def test_compressor_sketch_is_the_count_sketch():
     s.update(x)
     assert torch.equal(table, s.table)
     assert torch.equal(comp.estimate(table, keys, n, cols, seed)[0], s.query_range(0, n))
+
+
+def test_single_heavy_coordinate_decodes_exactly_through_the_compressor():
+    n = 5000
+    x = torch.zeros(n)
+    x[1234] = 3.5
+    comp = build_compressor("tgss", 4.0, 3)
+    keys = comp.keys(n, 128, 1, None)
+    torch.testing.assert_close(comp.estimate(comp.encode(x, keys, 128, 1), keys, n, 128, 1)[0], x)
