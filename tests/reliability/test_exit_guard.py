@@ -65,8 +65,12 @@ def test_guard_registers_once_and_settles_only_where_gloo_threads_run(monkeypatc
 
 
 def test_gloo_worker_threads_are_counted():
-    code = ("import torch.distributed as d\nfrom titan_ds.utils import _gloo_worker_threads as n\nbefore = n()\n"
+    # gloo starts its worker threads asynchronously: on a loaded machine none may exist yet right after
+    # init_process_group returns (seen with a benchmark on the other core), so wait for them (at most 10 s)
+    code = ("import time\nimport torch.distributed as d\nfrom titan_ds.utils import _gloo_worker_threads as n\n"
+            "before = n()\n"
             f"d.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:{free_port()}')\n"
+            "t = time.time()\nwhile n() == 0 and time.time() - t < 10:\n    time.sleep(0.01)\n"
             "print(before, n())")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
                        timeout=120)
