@@ -231,11 +231,12 @@ def test_trainer_with_titan_section_runs_the_chunked_loss(dist_env, tmp_path, ce
 
 
 @pytest.mark.slow
-def test_trainer_chunked_loss_trains_exactly_like_plain_deepspeed(dist_env, tmp_path, ce_calls):
+@pytest.mark.parametrize("stage", [0, 3])  # ZeRO-3: lm_head's weight is registered as used by the root's forward
+def test_trainer_chunked_loss_trains_exactly_like_plain_deepspeed(dist_env, tmp_path, ce_calls, stage):
     from tests.test_integrations import _ds_config
-    plain, plain_params, *_ = _trainer_run(tmp_path, _ds_config(0), installed=False)
+    plain, plain_params, *_ = _trainer_run(tmp_path, _ds_config(stage), installed=False)
     assert ce_calls == []
-    losses, params, *_ = _trainer_run(tmp_path, _ds_config(0, MLME_SECTION), installed=True)
+    losses, params, *_ = _trainer_run(tmp_path, _ds_config(stage, MLME_SECTION), installed=True)
     assert len(ce_calls) == 4
     torch.testing.assert_close(losses, plain, **TOL)
     for p, q in zip(params, plain_params):
@@ -265,3 +266,17 @@ def test_every_mlme_part_on_each_family_equals_hf(family):
     assert grads.keys() == grads0.keys()
     for n in grads0:
         torch.testing.assert_close(grads[n], grads0[n], atol=3e-5, rtol=3e-5, msg=lambda m: f"grad {n}: {m}")
+
+
+def test_installed_transformers_is_in_the_range_the_package_declares():
+    """The hf extra's range and the test extra's are the same, and the transformers these tests ran on is in it."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    extras = meta["optional-dependencies"]
+    ranges = {name: [Requirement(r).specifier for r in reqs if Requirement(r).name == "transformers"]
+              for name, reqs in extras.items()}
+    assert ranges["hf"] and ranges["test"] == ranges["hf"], ranges
+    assert ranges["hf"][0].contains(transformers.__version__), (transformers.__version__, ranges["hf"])
