@@ -149,11 +149,17 @@ class CompressionConfig(_Strict):
         return self
 
 
+# The linears of a transformer block: titan's GPT (qkv, proj, fc, out), HF Llama / Qwen2 / Mistral / Gemma
+# (q/k/v/o_proj, gate/up/down_proj) and HF GPT-2 (Conv1D c_attn, c_fc, c_proj). Never the embedding or lm_head.
+TRD_DEFAULT_INCLUDE = (r"\.(qkv|proj|fc|out|[qkvo]_proj|gate_proj|up_proj|down_proj|c_attn|c_fc|c_proj)$",)
+
+
 class TRDConfig(_Strict):
     """Tensor-ring linear layers (issue #3; titan_ds/inject/trd.py, docs/trd.md).
 
     ``rank``: one rank for every ring edge, or one per core (then every replaced layer must have that many
-    cores). ``include``/``exclude``: regexes, ``re.search`` on qualified module names (``blocks.0.mlp.fc``).
+    cores). ``include``/``exclude``: regexes, ``re.search`` on qualified module names (``blocks.0.mlp.fc``,
+    ``model.layers.0.self_attn.q_proj``; default :data:`TRD_DEFAULT_INCLUDE`).
     ``init``: ``random`` (variance-matched) or ``tr_svd`` (tensorly TR-SVD of the dense weight).
     ``min_features``: skip linears with ``min(in, out)`` below this. ``mode_size``: target size of the tensor
     modes the features are factored into. ``path``: ``cheapest`` picks the association with fewer multiply-adds per call.
@@ -162,7 +168,7 @@ class TRDConfig(_Strict):
     """
 
     rank: Union[int, list[int]] = 16
-    include: list[str] = Field(default_factory=lambda: [r"\.(qkv|proj|fc|out)$"])
+    include: list[str] = Field(default_factory=lambda: list(TRD_DEFAULT_INCLUDE))
     exclude: list[str] = Field(default_factory=list)
     init: Literal["random", "tr_svd"] = "random"
     min_features: int = Field(default=64, ge=1)
@@ -201,7 +207,8 @@ class MLMEConfig(_Strict):
     attention: "tiled" (titan_ds.kernels.attention), "sdpa" (torch SDPA), "off" (attention left as built);
     tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);
     stripe_ffn: tokens per StripeFFN stripe, null = MLP left as built; chunked_loss: fuse the LM head with the
-    cross-entropy (reference GPT; HF models compute logits in forward and are left alone, with a warning);
+    cross-entropy (reference GPT's lm_loss; HF Llama/Qwen2/Qwen3/Mistral/Gemma/GPT-2 causal LMs in training with
+    labels, titan_ds/inject/hf_loss.py; another HF family raises);
     loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary);
     recompute_blocks: keep only each transformer block's input for backward and recompute the block inside
     backward (one block's activations live at a time; costs one extra forward).

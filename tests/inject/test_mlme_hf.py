@@ -90,8 +90,8 @@ def test_hf_attention_dropout_raises():
         apply_mlme(transformers.GPT2LMHeadModel(cfg), MLMEConfig(stripe_ffn=None, chunked_loss=False))
 
 
-def test_hf_chunked_loss_warns_not_silently(caplog):
+def test_hf_chunked_loss_is_applied_not_skipped():
+    """Was a warning ("HF computes all logits inside forward"); now a policy (tests/inject/test_chunked_loss_hf.py)."""
     model = _gpt2()
-    with caplog.at_level("WARNING", logger="titan_ds.inject"):
-        apply_mlme(model, MLMEConfig(attention="off", stripe_ffn=None, chunked_loss=True))
-    assert "chunked_loss has no effect" in caplog.text
+    report = apply_mlme(model, MLMEConfig(attention="off", stripe_ffn=None, chunked_loss=True))
+    assert [(e.name, e.policy) for e in report.entries] == [("lm_head", "mlme.chunked_loss")]

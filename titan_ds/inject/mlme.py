@@ -9,11 +9,13 @@ What is replaced (every replacement keeps the state-dict names of the module it 
 | model | attention (``mlme.attention``) | MLP (``mlme.stripe_ffn``) | loss (``mlme.chunked_loss``) |
 |---|---|---|---|
 | reference GPT (titan_ds.models.gpt) | ``blocks.{i}.attn.core`` -> ``TiledAttention`` / ``SDPAttention`` | ``blocks.{i}.mlp`` (fc, act, out) -> ``StripeFFN`` | ``lm_loss`` -> ``ChunkedLMLoss`` |
-| HF GPT-2 | ``GPT2Attention``: its own config copy with ``_attn_implementation="titan_tiled"`` | ``GPT2MLP`` (c_fc, act, c_proj, dropout) -> ``StripeFFN`` | not replaced (see below) |
-| HF Llama-style | ``LlamaAttention`` (and any ``*Attention`` with the same interface), likewise | ``*MLP`` with gate/up/down_proj -> gated ``StripeFFN`` | not replaced |
+| HF GPT-2 | ``GPT2Attention``: its own config copy with ``_attn_implementation="titan_tiled"`` | ``GPT2MLP`` (c_fc, act, c_proj, dropout) -> ``StripeFFN`` | ``lm_head`` -> ``CapturingHead`` + chunked forward (titan_ds.inject.hf_loss) |
+| HF Llama, Qwen2/3, Mistral, Gemma | ``*Attention`` dispatching through HF's ``AttentionInterface``, likewise | ``*MLP`` with gate/up/down_proj -> gated ``StripeFFN`` | likewise |
 
-HF causal-LM heads compute all logits inside the model's ``forward`` before the loss, so no module swap can chunk
-them; with ``chunked_loss`` on, an HF model gets a warning in the log and the report has no loss entry.
+``attention="sdpa"`` on an HF model whose attention already runs on SDPA (the default of transformers 5) changes
+nothing and counts as done (logged). ``recompute_blocks`` matches HF decoder layers (``model.layers.{i}``,
+``transformer.h.{i}``). The chunked loss on an HF causal LM is in :mod:`titan_ds.inject.hf_loss`; an HF model of
+another family raises, naming the supported ones.
 HF attention dropout is not supported by the tiled kernel: a module with attention dropout > 0 raises at apply time.
 """
 from __future__ import annotations
@@ -29,11 +31,13 @@ from torch import Tensor, nn
 from ..kernels.attention import TiledAttention, tiled_attention
 from ..kernels.chunked_ce import ChunkedLMLoss
 from ..kernels.stripe_ffn import StripeFFN
+from .hf_loss import CapturingHead, HFChunkedLossPolicy
 from .policy import ReplacementReport, apply_policies
 from .recompute import BlockRecomputePolicy
 
 __all__ = ["SDPAttention", "AttentionCorePolicy", "HFAttentionPolicy", "StripeFFNPolicy", "ChunkedLossPolicy",
            "mlme_policies", "apply_mlme", "before_initialize", "HF_ATTN_IMPLEMENTATION"]
+# (the chunked loss of HF causal LMs is in titan_ds.inject.hf_loss)
 
 log = logging.getLogger("titan_ds.inject")
 
@@ -110,10 +114,16 @@ def hf_tiled_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     if dropout:
         raise ValueError(f"titan tiled attention has no attention dropout, got p={dropout}; set the model config's "
                          f"attention dropout (attn_pdrop / attention_dropout) to 0")
-    for unsupported in ("softcap", "sliding_window", "position_bias"):
+    for unsupported in ("softcap", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"titan tiled attention does not support {unsupported}; set titan.mlme.attention "
                              f"to \"sdpa\" for this model")
+    window = kwargs.get("sliding_window")
+    # A sliding window is carried by the mask HF builds (sdpa_mask, registered for titan_tiled); HF leaves the mask
+    # out only when the window cannot matter (no padding and fewer keys than the window).
+    if window is not None and attention_mask is None and key.shape[2] > window:
+        raise ValueError(f"titan tiled attention got sliding_window={window} for {key.shape[2]} keys without a "
+                         f"mask; set titan.mlme.attention to \"sdpa\" for this model")
     n_rep = getattr(module, "num_key_value_groups", 1)
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     tile = getattr(module, "_titan_tile", 128)
@@ -156,12 +166,18 @@ class HFAttentionPolicy:
         self.name, self.mode, self.tile = "mlme.attention", mode, tile
         self.impl = HF_ATTN_IMPLEMENTATION if mode == "tiled" else "sdpa"
         self._previous: dict[str, Any] = {}
+        self.already: list[str] = []  # modules that run on self.impl already (nothing to replace; counts as done)
 
     def matches(self, name: str, module: nn.Module) -> bool:
         cfg = getattr(module, "config", None)
-        return (type(module).__module__.startswith("transformers.") and type(module).__name__.endswith("Attention")
-                and cfg is not None and hasattr(cfg, "_attn_implementation")
-                and cfg._attn_implementation != self.impl)
+        if not (type(module).__module__.startswith("transformers.") and type(module).__name__.endswith("Attention")
+                and cfg is not None and hasattr(cfg, "_attn_implementation")):
+            return False
+        if cfg._attn_implementation == self.impl:
+            if name not in self.already:
+                self.already.append(name)
+            return False
+        return True
 
     def replace(self, name: str, module: nn.Module) -> nn.Module:
         if self.mode == "tiled":
@@ -283,8 +299,12 @@ class ChunkedLossPolicy:
 
 
 # ---------------------------------------------------------------------------------------------- wiring
-def mlme_policies(cfg: Any) -> list:
-    """The policies an ``MLMEConfig`` switches on, in the order they are tried."""
+def mlme_policies(cfg: Any, model: Optional[nn.Module] = None) -> list:
+    """The policies an ``MLMEConfig`` switches on, in the order they are tried.
+
+    With ``model`` an HF causal LM, ``chunked_loss`` is :class:`~titan_ds.inject.hf_loss.HFChunkedLossPolicy` for
+    it (which raises for an unsupported family); otherwise the reference GPT's :class:`ChunkedLossPolicy`.
+    """
     if cfg.attention not in _ATTENTION_MODES:
         raise ValueError(f"unknown titan.mlme.attention {cfg.attention!r}; choose one of {list(_ATTENTION_MODES)}")
     policies: list = []
@@ -293,7 +313,12 @@ def mlme_policies(cfg: Any) -> list:
     if cfg.stripe_ffn is not None:
         policies.append(StripeFFNPolicy(cfg.stripe_ffn))
     if cfg.chunked_loss:
-        policies.append(ChunkedLossPolicy(cfg.loss_chunk, getattr(cfg, "loss_vocab_chunk", None)))
+        vchunk = getattr(cfg, "loss_vocab_chunk", None)
+        if model is not None and _is_hf(model):
+            if "_titan_chunked_loss" not in model.__dict__:
+                policies.append(HFChunkedLossPolicy(model, cfg.loss_chunk, vchunk))
+        else:
+            policies.append(ChunkedLossPolicy(cfg.loss_chunk, vchunk))
     return policies
 
 
@@ -302,9 +327,13 @@ def _is_hf(model: nn.Module) -> bool:
         hasattr(getattr(model, "config"), "_attn_implementation")
 
 
+_OFF = {"mlme.attention": "attention (\"off\")", "mlme.stripe_ffn": "stripe_ffn (null)",
+        "mlme.chunked_loss": "chunked_loss (false)"}
+
+
 def apply_mlme(model: nn.Module, cfg: Any) -> ReplacementReport:
     """Apply the MLME policies of ``cfg`` to ``model`` in place; raises if a switched-on part replaced nothing."""
-    policies = mlme_policies(cfg)
+    policies = mlme_policies(cfg, model)
     report = apply_policies(model, policies)
     if getattr(cfg, "recompute_blocks", False):
         # a second pass: the first one already swapped the blocks' children (a replaced module's children are
@@ -315,18 +344,15 @@ def apply_mlme(model: nn.Module, cfg: Any) -> ReplacementReport:
                              f"'blocks.N', 'layers.N' or 'h.N'); set it to false")
         report.entries.extend(rec.entries)
     done = {e.policy for e in report.entries}
-    missing = [p.name for p in policies if p.name not in done]
-    hf = _is_hf(model)
-    if hf and "mlme.chunked_loss" in missing:
-        log.warning("titan: mlme.chunked_loss has no effect on %s: HF computes all logits inside forward; "
-                    "set titan.mlme.chunked_loss to false to silence this", type(model).__name__)
-        missing.remove("mlme.chunked_loss")
+    for p in policies:
+        if getattr(p, "already", None):
+            log.info("titan: %s: %d modules already use %r (nothing to replace)", p.name, len(p.already), p.impl)
+            done.add(p.name)
+    missing = list(dict.fromkeys(p.name for p in policies if p.name not in done))  # one name per key
     if missing:
-        keys = {"mlme.attention": "attention (\"off\")", "mlme.stripe_ffn": "stripe_ffn (null)",
-                "mlme.chunked_loss": "chunked_loss (false)"}
         raise ValueError(f"titan.mlme is on but {', '.join(missing)} matched no module of {type(model).__name__} "
-                         f"(MLME knows titan_ds.models.gpt.GPT, HF GPT-2 and Llama-style blocks); switch off "
-                         + ", ".join(f"titan.mlme.{keys[m]}" for m in missing))
+                         f"(MLME knows titan_ds.models.gpt.GPT and HF GPT-2, Llama, Qwen2/3, Mistral and Gemma "
+                         f"causal LMs); switch off " + ", ".join(f"titan.mlme.{_OFF[m]}" for m in missing))
     return report
 
 
@@ -345,6 +371,10 @@ def _register_zero3_external_params(model: nn.Module) -> int:
         elif isinstance(module, ChunkedLMLoss) and isinstance(getattr(model, "head", None), nn.Module):
             for p in model.head.parameters():
                 register_external_parameter(module, p)
+                n += 1
+        elif isinstance(module, CapturingHead):  # HF chunked loss: the root's forward reads lm_head's weight
+            for p in module.parameters():
+                register_external_parameter(model, p)
                 n += 1
     return n
 

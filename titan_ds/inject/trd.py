@@ -40,9 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import TRD_DEFAULT_INCLUDE
 from .policy import ReplacementReport, apply_policies
 
-__all__ = ["TensorRingLinear", "TRDPolicy", "factorize", "tr_svd", "apply_trd", "before_initialize", "path_flops"]
+__all__ = ["TensorRingLinear", "TRDPolicy", "factorize", "tr_svd", "apply_trd", "before_initialize", "path_flops",
+           "is_hf_conv1d", "dense_view", "init_errors"]
 
 log = logging.getLogger("titan_ds.trd")
 
@@ -249,13 +251,14 @@ class TensorRingLinear(nn.Module):
 
     # ------------------------------------------------------------------ conversion
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: Rank, *, init: str = "random", modes=None, mode_size: int = 4,
+    def from_linear(cls, linear: nn.Module, rank: Rank, *, init: str = "random", modes=None, mode_size: int = 4,
                     path: Path = "cheapest", core_lr_scale: float = 1.0) -> "TensorRingLinear":
-        """A TR layer for ``linear`` (bias copied; cores random or TR-SVD of its weight)."""
-        return cls(linear.in_features, linear.out_features, rank, modes, linear.bias is not None, mode_size=mode_size,
-                   path=path, init=init, dense_weight=linear.weight if init == "tr_svd" else None,
-                   dense_bias=linear.bias, core_lr_scale=core_lr_scale, device=linear.weight.device,
-                   dtype=linear.weight.dtype)
+        """A TR layer for ``linear``, an ``nn.Linear`` or HF ``Conv1D`` (bias copied; cores random or TR-SVD of its
+        weight, taken as (out, in): Conv1D stores the transpose)."""
+        in_features, out_features, weight, bias = dense_view(linear)
+        return cls(in_features, out_features, rank, modes, bias is not None, mode_size=mode_size,
+                   path=path, init=init, dense_weight=weight if init == "tr_svd" else None,
+                   dense_bias=bias, core_lr_scale=core_lr_scale, device=weight.device, dtype=weight.dtype)
 
     @torch.no_grad()
     def to_linear(self) -> nn.Linear:
@@ -266,6 +269,20 @@ class TensorRingLinear(nn.Module):
         if self.bias is not None:
             lin.bias.copy_(self.bias)
         return lin
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """HF's ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` stored (in, out), the transpose of ``nn.Linear``."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def dense_view(module: nn.Module) -> tuple[int, int, torch.Tensor, Optional[torch.Tensor]]:
+    """``(in_features, out_features, weight (out, in), bias)`` of an ``nn.Linear`` or HF ``Conv1D``."""
+    if is_hf_conv1d(module):
+        return int(module.nx), int(module.nf), module.weight.t(), module.bias
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, module.weight, module.bias
+    raise TypeError(f"expected nn.Linear or transformers' Conv1D, got {type(module).__name__}")
 
 
 def tr_svd(tensor: torch.Tensor, ranks: Sequence[int]) -> list[torch.Tensor]:
@@ -295,12 +312,14 @@ def tr_svd(tensor: torch.Tensor, ranks: Sequence[int]) -> list[torch.Tensor]:
 
 # ====================================================================== policy
 class TRDPolicy:
-    """Replace ``nn.Linear`` modules whose qualified name matches ``include`` (``re.search``), not ``exclude``,
-    and with ``min(in, out) >= min_features``, by :class:`TensorRingLinear`. Tracks which include patterns matched."""
+    """Replace ``nn.Linear`` and HF ``Conv1D`` modules whose qualified name matches ``include`` (``re.search``), not
+    ``exclude``, and with ``min(in, out) >= min_features``, by :class:`TensorRingLinear`. Tracks which include
+    patterns matched. A replaced ``Conv1D`` keeps its function (``x @ W + b``); its state-dict ``weight`` becomes
+    the cores, as for ``nn.Linear``."""
 
     name = "trd"
 
-    def __init__(self, rank: Rank = 16, include: Sequence[str] = (r"\.(qkv|proj|fc|out)$",), exclude: Sequence[str] = (),
+    def __init__(self, rank: Rank = 16, include: Sequence[str] = TRD_DEFAULT_INCLUDE, exclude: Sequence[str] = (),
                  init: str = "random", min_features: int = 64, mode_size: int = 4, path: Path = "cheapest",
                  core_lr_scale: float = 1.0):
         if init not in _INITS:
@@ -326,12 +345,12 @@ class TRDPolicy:
                 if p.search(name) and name not in self.matched[p.pattern]:
                     self.matched[p.pattern].append(name)
             return False
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear and not is_hf_conv1d(module):
             return False
         hits = [p for p in self.include if p.search(name)]
         if not hits or any(p.search(name) for p in self.exclude):
             return False
-        if min(module.in_features, module.out_features) < self.min_features:
+        if min(dense_view(module)[:2]) < self.min_features:
             return False
         for p in hits:
             self.matched[p.pattern].append(name)
@@ -342,7 +361,8 @@ class TRDPolicy:
             return _gathered_from_linear(module, self.rank, init=self.init, mode_size=self.mode_size, path=self.path,
                                          core_lr_scale=self.core_lr_scale)
         except ValueError as e:
-            raise ValueError(f"titan.trd cannot replace {name!r} ({module.in_features} -> {module.out_features}): {e}") from None
+            n_in, n_out = dense_view(module)[:2]
+            raise ValueError(f"titan.trd cannot replace {name!r} ({n_in} -> {n_out}): {e}") from None
 
     def detail(self, name: str, old: nn.Module, new: nn.Module) -> dict[str, Any]:
         out = {"modes": f"{new.in_modes}x{new.out_modes}", "ranks": list(new.ranks)}
@@ -369,10 +389,19 @@ def apply_trd(model: nn.Module, policy: TRDPolicy) -> ReplacementReport:
     """Apply ``policy`` to ``model``; warn, naming each include pattern that matched nothing."""
     report = apply_policies(model, [policy])
     for pat in policy.unmatched():
-        warnings.warn(f"titan.trd.include pattern {pat!r} matched no nn.Linear with min(in, out) >= "
-                      f"{policy.min_features} (qualified names look like 'blocks.0.mlp.fc'); fix or remove it",
-                      UserWarning, stacklevel=2)
+        warnings.warn(f"titan.trd.include pattern {pat!r} matched no nn.Linear (or HF Conv1D) with min(in, out) >= "
+                      f"{policy.min_features} (qualified names look like 'blocks.0.mlp.fc' or "
+                      f"'model.layers.0.self_attn.q_proj'); fix or remove it", UserWarning, stacklevel=2)
+    errors = init_errors(report)
+    if errors:
+        log.info("titan.trd: tr_svd relative reconstruction error ||W - W_tr|| / ||W|| per layer:\n%s",
+                 "\n".join(f"  {n}: {err:.4g}" for n, err in errors.items()))
     return report
+
+
+def init_errors(report: ReplacementReport) -> dict[str, float]:
+    """Layer name -> relative reconstruction error of its ``tr_svd`` init (empty for ``init="random"``)."""
+    return {e.name: e.detail["init_error"] for e in report.entries if "init_error" in e.detail}
 
 
 # ====================================================================== pillar hook
