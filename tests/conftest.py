@@ -15,6 +15,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton reads TRITON_INTERPRET when a @triton.jit function is defined, so it must be set before any test module
+# imports titan_ds.kernels (tests/inject's HF tests reach them too, and are collected before tests/kernels).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def seed_everything():
@@ -22,6 +27,16 @@ def seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def reset_accelerate_state():
+    """accelerate keeps one AcceleratorState per process: a Trainer or Accelerator of one test would otherwise
+    refuse the DeepSpeed plugin of the next ("cannot pass in a deepspeed_plugin when creating a second
+    Accelerator")."""
+    yield
+    if "accelerate.state" in sys.modules:
+        sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.fixture(scope="session")
