@@ -1,0 +1,332 @@
+"""Gradient compression at W workers, simulated in one process: quality and bytes sent/received per worker.
+
+The full table (resumable: every finished (method, ratio, W) row is appended to ``<out>.jsonl`` at once and a
+rerun skips it; run it on a quiet machine, it is CPU-bound)::
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python launch/bench/compress_scale.py --workers 2,8,32,128 \\
+        --methods none,topk,tgss,hge --ratios 30,100 --steps 200 --out results/compress_scale
+
+Why: HGE's and TGSS's messages are fixed-length vectors that a ring **all-reduce** sums in the network, while
+top-k's (index, value) pairs differ per rank and must be **all-gathered**, so top-k's received bytes grow with
+the number of workers ``W``. Two ranks cannot show it; this harness can, with the exact compressor code.
+
+How: ``W`` virtual workers share one model copy. Each step every worker computes the gradient of its own
+micro-batch (``Batcher(rank=w)``: its own stream of windows), then each worker's ``GradientReducer(method,
+ratio)`` (its own residuals, the package's code unchanged) reduces it through :class:`SimCollective`. The
+summed gradient every worker decodes is checked to be bit-identical across workers (so one model copy is
+exact data parallelism), divided by ``W`` and applied once with AdamW. ``none`` is the dense all-reduce
+through the same path, the row each method is compared with at the same ``W``.
+
+Bytes per worker come from the collective each call uses (:class:`SimCollective`'s formulas), both rounds of
+the sketch methods included. ``wire_x_recv`` is the dense ring all-reduce's received bytes over the method's,
+per worker, over the whole run (no warm-up by default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from titan_ds.comm import GradientReducer  # noqa: E402
+from titan_ds.comm.base import Segment  # noqa: E402
+from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
+from titan_ds.models import GPT  # noqa: E402
+
+__all__ = ["SimCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "train_row", "main"]
+
+log = logging.getLogger("titan_ds.bench.compress_scale")
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> float:
+    """Bytes each worker sends (and, the same, receives) in a ring all-reduce of an ``nbytes`` buffer.
+
+    Ring all-reduce = reduce-scatter + all-gather, each ``W - 1`` steps moving one ``nbytes / W`` block per
+    worker: ``2 (W - 1) / W * nbytes``. Thakur, Rabenseifner & Gropp, "Optimization of collective communication
+    operations in MPICH" (IJHPCA 2005), and Patarasuk & Yuan (JPDC 2009); NCCL's performance notes use the same
+    factor ``2 (n - 1) / n`` for all-reduce bus bandwidth (nccl-tests ``doc/PERFORMANCE.md``).
+    """
+    return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
+
+
+def ring_allgather_bytes(nbytes: int, world: int) -> float:
+    """Bytes each worker sends (and receives) in a ring all-gather where every worker contributes ``nbytes``.
+
+    ``W - 1`` steps, each forwarding one worker's block: ``(W - 1) * nbytes`` (the same sources; NCCL's
+    all-gather bus bandwidth factor ``(n - 1) / n`` of the ``W * nbytes`` output).
+    """
+    return float((world - 1) * nbytes)
+
+
+class _Abort(RuntimeError):
+    pass
+
+
+class SimCollective:
+    """``world_size`` virtual workers that run **one at a time**, in rank order, with the collectives computed on
+    the list of all workers' payloads.
+
+    The compressors call their collectives inline (``reduce`` encodes, all-reduces, decodes, all-reduces
+    again), so each worker runs in its own thread only to keep its stack between rounds: a turn token lets
+    exactly one worker compute at a time. Worker ``w`` runs until its next collective, deposits its payload
+    and hands the turn to ``w + 1``; the last worker computes the collective once (the sum in rank order, or
+    the list), and the turn goes back to worker 0, which reads the result and runs on. Every worker gets the
+    same tensor, so sums are identical on all workers by construction.
+
+    Bytes: ``sent[w]`` and ``received[w]`` add :func:`ring_allreduce_bytes` or :func:`ring_allgather_bytes`
+    of the payload for every call (equal for a ring; kept apart so a tree or parameter-server model can
+    differ). ``calls`` counts collectives per worker.
+    """
+
+    def __init__(self, world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.sent = [0.0] * world_size
+        self.received = [0.0] * world_size
+        self.calls = 0
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._slots: list[Optional[tuple[str, torch.Tensor]]] = [None] * world_size
+        self._result: Any = None
+        self._failed = False
+
+    def worker(self, w: int) -> "_SimWorker":
+        return _SimWorker(self, w)
+
+    # ------------------------------------------------------------------ turn-taking
+    def _wait_turn(self, w: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._failed or self._turn == w)
+            if self._failed:
+                raise _Abort("another virtual worker failed")
+
+    def _pass_turn(self, w: int) -> None:
+        with self._cond:
+            self._turn = (w + 1) % self.world_size
+            self._cond.notify_all()
+
+    def _collective(self, w: int, op: str, t: torch.Tensor) -> Any:
+        self._slots[w] = (op, t.detach().clone())
+        if w == self.world_size - 1:
+            self._result = self._compute()
+        self._pass_turn(w)
+        self._wait_turn(w)
+        return self._result
+
+    def _compute(self) -> Any:
+        ops = {(s[0], tuple(s[1].shape), s[1].dtype) for s in self._slots if s is not None}
+        if len(ops) != 1 or any(s is None for s in self._slots):
+            raise RuntimeError(f"virtual workers disagree on the collective: {sorted(map(str, ops))}")
+        op = self._slots[0][0]  # type: ignore[index]
+        parts = [s[1] for s in self._slots]  # type: ignore[index]
+        nbytes = parts[0].numel() * parts[0].element_size()
+        moved = (ring_allreduce_bytes if op == "all_reduce_sum" else ring_allgather_bytes)(nbytes, self.world_size)
+        for w in range(self.world_size):
+            self.sent[w] += moved
+            self.received[w] += moved
+        self.calls += 1
+        self._slots = [None] * self.world_size
+        if op == "all_gather":
+            return parts
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p  # rank order, once: every worker reads this same tensor
+        return total
+
+    # ------------------------------------------------------------------ driver
+    def run(self, fn: Callable[[int, Any], Any]) -> list:
+        """``fn(w, worker_view)`` for every worker (turn by turn); the results in worker order."""
+        out: list = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def target(w: int) -> None:
+            try:
+                self._wait_turn(w)
+                out[w] = fn(w, self.worker(w))
+                self._pass_turn(w)
+            except _Abort:
+                pass
+            except BaseException as e:  # surfaced below, after every thread stopped
+                errors.append(e)
+                with self._cond:
+                    self._failed = True
+                    self._cond.notify_all()
+
+        with self._cond:
+            self._turn, self._failed = 0, False
+        threads = [threading.Thread(target=target, args=(w,), daemon=True) for w in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+
+class _SimWorker:
+    """Worker ``w``'s view of a :class:`SimCollective`: the ``Collective`` protocol of ``titan_ds.comm.base``."""
+
+    def __init__(self, group: SimCollective, w: int):
+        self.group, self.w, self.world_size = group, w, group.world_size
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        t.copy_(self.group._collective(self.w, "all_reduce_sum", t))
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [p.clone() for p in self.group._collective(self.w, "all_gather", t)]
+
+
+# ----------------------------------------------------------------------------------------- training
+def _layout(model: torch.nn.Module) -> tuple[list[Segment], list[torch.nn.Parameter]]:
+    segs, params, off = [], [], 0
+    for name, p in model.named_parameters():
+        segs.append(Segment(name, 0, off, p.numel(), p.numel()))
+        params.append(p)
+        off += p.numel()
+    return segs, params
+
+
+@torch.no_grad()
+def _val_loss(model: torch.nn.Module, tokens, n: int, micro_batch: int, context: int) -> float:
+    model.eval()
+    losses = [float(model(x, y)) for x, y in val_batches(tokens, n, micro_batch, context)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,
+              context: int = 64, n_layer: int = 2, n_embd: int = 64, lr: float = 3e-3, seed: int = 0,
+              warmup: int = 0, val_batches_n: int = 8) -> dict[str, Any]:
+    """Train the tiny GPT data-parallel over ``world`` virtual workers with ``method``; one result row."""
+    torch.manual_seed(seed)
+    model = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)
+    layout, params = _layout(model)
+    n = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
+    reducers = [GradientReducer(method, ratio, warmup_steps=warmup, seed=seed) for _ in range(world)]
+    sim = SimCollective(world)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        flats = []
+        for w in range(world):
+            model.zero_grad(set_to_none=True)
+            x, y = batchers[w].get(step)
+            model(x, y).backward()
+            flats.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        outs = sim.run(lambda w, comm: reducers[w].reduce(flats[w], layout, comm, step))
+        for w in range(1, world):
+            if not torch.equal(outs[w], outs[0]):
+                raise RuntimeError(f"worker {w} decoded a different sum than worker 0 at step {step}: "
+                                   f"one model copy would not be data parallelism")
+        grad = outs[0] / world
+        for p, seg in zip(params, layout):
+            p.grad = grad[seg.flat_offset:seg.flat_offset + seg.numel].view_as(p).clone()
+        opt.step()
+        for r in reducers:
+            r.end_step()
+    dense = ring_allreduce_bytes(4 * n, world) * steps
+    sent, recv = sum(sim.sent) / world, sum(sim.received) / world
+    return {"method": method, "ratio": ratio, "world": world, "steps": steps, "micro_batch": micro_batch,
+            "context": context, "n_layer": n_layer, "n_embd": n_embd, "lr": lr, "seed": seed, "warmup": warmup,
+            "params": n, "val_loss": _val_loss(model, corpus.val, val_batches_n, micro_batch * 4, context),
+            "sent_per_worker_step": sent / steps, "recv_per_worker_step": recv / steps,
+            "dense_ring_per_worker_step": dense / steps,
+            "wire_x_sent": dense / sent if sent else math.inf, "wire_x_recv": dense / recv if recv else math.inf,
+            "handed_x": reducers[0].total_dense / reducers[0].total_wire if reducers[0].total_wire else math.inf,
+            "collectives_per_step": sim.calls / steps, "seconds": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------------------- table
+_KEY = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "lr", "seed", "warmup")
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row[k] for k in _KEY)
+
+
+def load_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "") -> str:
+    """The markdown table: every row next to ``none`` at the same W and settings."""
+    done = {_key(r) for r in rows}
+    missing = [k for k in wanted if k not in done]
+    dense = {_key({**r, "method": "none", "ratio": 1.0}): r for r in rows if r["method"] == "none"}
+    status = f"PARTIAL: {len(missing)} of {len(wanted)} rows missing" if missing else "all rows asked for"
+    lines = [f"# Gradient compression at W virtual workers ({status})", "", f"`{command}`", ""]
+    if label:
+        lines += [f"**{label}**", ""]
+    lines += ["Bytes per worker per step from ring all-reduce `2(W-1)/W B` / ring all-gather `(W-1) b` "
+              "(launch/bench/compress_scale.py). `wire_x_recv`: dense ring all-reduce bytes received / the "
+              "method's. `handed_x`: dense / bytes handed to the collectives (the 2-rank benchmark's ratio).", "",
+              "| method | ratio | W | steps | val_loss | delta_vs_dense | sent KiB/step | recv KiB/step | wire_x_recv "
+              "| handed_x | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["steps"], r["world"], r["method"] != "none", r["ratio"], r["method"])):
+        base = dense.get(_key({**r, "method": "none", "ratio": 1.0}))
+        delta = f"{r['val_loss'] - base['val_loss']:+.4f}" if base else "n/a"
+        lines.append(f"| {r['method']} | {r['ratio']:g} | {r['world']} | {r['steps']} | {r['val_loss']:.4f} | {delta} "
+                     f"| {r['sent_per_worker_step'] / 1024:.1f} | {r['recv_per_worker_step'] / 1024:.1f} "
+                     f"| {r['wire_x_recv']:.1f} | {r['handed_x']:.1f} | {r['seconds']:.0f} |")
+    if missing:
+        lines += ["", "Missing rows (method, ratio, W): " + ", ".join(f"({k[0]}, {k[1]:g}, {k[2]})" for k in missing)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="2,8,32,128")
+    p.add_argument("--methods", default="none,topk,tgss,hge")
+    p.add_argument("--ratios", default="30,100")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="dense steps before compressing")
+    p.add_argument("--out", default="results/compress_scale")
+    p.add_argument("--label", default="", help="a note printed under the table's title (e.g. why it is partial)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    corpus = load_corpus()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    jsonl = out.with_suffix(".jsonl")
+    command = "python launch/bench/compress_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    settings = dict(steps=a.steps, micro_batch=a.micro_batch, context=a.context, n_layer=2, n_embd=64, lr=a.lr,
+                    seed=a.seed, warmup=a.warmup)
+    wanted = []
+    for world in (int(x) for x in a.workers.split(",")):
+        for m in a.methods.split(","):
+            for ratio in ([1.0] if m == "none" else [float(x) for x in a.ratios.split(",")]):
+                wanted.append(_key({"method": m, "ratio": ratio, "world": world, **settings}))
+    for key in wanted:
+        if key in {_key(r) for r in load_rows(jsonl)}:
+            log.info("skip %s (done)", key[:3])
+            continue
+        row = train_row(key[0], key[1], key[2], corpus=corpus, **settings)
+        with jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")  # at once: a rerun skips it
+        log.info("%s %gx W=%d: val %.4f, recv %.1f KiB/step/worker, %.0fs", key[0], key[1], key[2],
+                 row["val_loss"], row["recv_per_worker_step"] / 1024, row["seconds"])
+        out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
+    out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The W-worker simulation harness (launch/bench/compress_scale.py): its collective's sums and byte counts,
+and one end-to-end run."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.launch import ROOT
+from titan_ds.comm import GradientReducer
+from titan_ds.comm.base import Segment, sketch_budget, topk_budget
+from titan_ds.data import Corpus
+
+_spec = importlib.util.spec_from_file_location("compress_scale", ROOT / "launch" / "bench" / "compress_scale.py")
+cs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cs)
+
+
+def test_sim_sum_is_the_direct_sum_on_every_worker():
+    W, n = 5, 1000
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(w)) for w in range(W)]
+    sim = cs.SimCollective(W)
+
+    def fn(w, comm):
+        t = xs[w].clone()
+        comm.all_reduce_sum(t)
+        gathered = comm.all_gather(xs[w][:3].clone())
+        return t, gathered
+
+    outs = sim.run(fn)
+    direct = xs[0].clone()
+    for x in xs[1:]:
+        direct += x
+    for t, gathered in outs:
+        assert torch.equal(t, direct)  # the same sum, in rank order, on every worker
+        assert all(torch.equal(g, x[:3]) for g, x in zip(gathered, xs))
+    torch.testing.assert_close(outs[0][0], torch.stack(xs).sum(0))
+
+
+def test_ring_byte_formulas_by_hand_at_four_workers():
+    """W = 4: an all-reduce of 1000 fp32 (4000 B) moves 2 * 3/4 * 4000 = 6000 B out of and into each worker;
+    an all-gather of 10 int32 (40 B each) moves 3 * 40 = 120 B."""
+    assert cs.ring_allreduce_bytes(4000, 4) == 6000
+    assert cs.ring_allgather_bytes(40, 4) == 120
+    assert cs.ring_allreduce_bytes(4000, 1) == 0 and cs.ring_allgather_bytes(40, 1) == 0
+    sim = cs.SimCollective(4)
+
+    def fn(w, comm):
+        comm.all_reduce_sum(torch.zeros(1000))
+        comm.all_gather(torch.zeros(10, dtype=torch.int32))
+
+    sim.run(fn)
+    assert sim.sent == [6120.0] * 4 and sim.received == [6120.0] * 4
+    assert sim.calls == 2
+
+
+@pytest.mark.parametrize("method", ["tgss", "hge", "topk"])
+def test_both_rounds_and_the_gather_are_counted(method):
+    """Sketch methods all-reduce the sketch (rows x 2k fp32) then the k exact values: two rounds, both counted.
+    top-k all-gathers k int32 indices and k fp32 values, so what each worker receives grows with W."""
+    W, n, ratio = 4, 20_000, 10.0
+    sim = cs.SimCollective(W)
+    layout = [Segment("p", 0, 0, n, n)]
+    reds = [GradientReducer(method, ratio) for _ in range(W)]
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(w)) for w in range(W)]
+    outs = sim.run(lambda w, comm: reds[w].reduce(xs[w], layout, comm, step=0))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    if method == "topk":
+        k = topk_budget(n, ratio)
+        want = 3 * 4 * k + 3 * 4 * k  # indices, then values: (W - 1) * b each
+    else:
+        k, cols = sketch_budget(n, ratio, 3)
+        want = 1.5 * (3 * cols * 4) + 1.5 * (4 * k)  # 2 (W - 1) / W = 1.5
+    assert sim.calls == 2
+    assert sim.received == [want] * W and sim.sent == [want] * W
+
+
+def test_disagreeing_workers_and_a_failing_worker_raise_instead_of_hanging():
+    sim = cs.SimCollective(3)
+    with pytest.raises(RuntimeError, match="disagree"):
+        sim.run(lambda w, comm: comm.all_reduce_sum(torch.zeros(2 + (w == 1))))
+
+    def boom(w, comm):
+        if w == 1:
+            raise ValueError("worker 1 broke")
+        comm.all_reduce_sum(torch.zeros(2))
+
+    with pytest.raises(ValueError, match="worker 1 broke"):
+        cs.SimCollective(3).run(boom)
+
+
+def test_harness_end_to_end_two_workers_two_steps():
+    rng = np.random.default_rng(0)
+    corpus = Corpus(train=rng.integers(0, 256, 50_000, dtype=np.uint8),
+                    val=rng.integers(0, 256, 5_000, dtype=np.uint8), source="random")
+    rows = {m: cs.train_row(m, 1.0 if m == "none" else 20.0, 2, 2, corpus=corpus, micro_batch=2, context=16,
+                            val_batches_n=2) for m in ("none", "hge")}
+    n = rows["none"]["params"]
+    assert rows["none"]["recv_per_worker_step"] == 4 * n  # 2 (W - 1) / W = 1 at W = 2
+    assert rows["none"]["wire_x_recv"] == 1.0
+    assert 15 < rows["hge"]["wire_x_recv"] <= 21 and rows["hge"]["collectives_per_step"] == 2
+    assert all(np.isfinite(r["val_loss"]) for r in rows.values())
+    assert rows["hge"]["val_loss"] != rows["none"]["val_loss"]
+    md = cs.render(list(rows.values()), [cs._key(r) for r in rows.values()] + [("topk", 20.0, 2) + (0,) * 8], "cmd")
+    assert "PARTIAL: 1 of 3 rows missing" in md and "| hge | 20 | 2 | 2 |" in md
