@@ -19,7 +19,12 @@ through the same path, the row each method is compared with at the same ``W``.
 
 Bytes per worker come from the collective each call uses (:class:`SimCollective`'s formulas), both rounds of
 the sketch methods included. ``wire_x_recv`` is the dense ring all-reduce's received bytes over the method's,
-per worker, over the whole run (no warm-up by default).
+per worker, over the whole run (no warm-up by default). Top-k is also run at ``ratio * W / 2``, where each
+worker receives as many bytes as an all-reduce method at ``ratio`` (``--no-match-recv`` drops those rows):
+the comparison that decides whether HGE's fixed-length message pays for its recovery loss.
+
+Cost: about ``46 * steps`` seconds for the default grid on a busy 2-core machine (0.02-0.04 s per worker and
+step for the 2x64 GPT), i.e. 1-2.5 hours at 200 steps; a rerun skips finished rows.
 """
 from __future__ import annotations
 
@@ -206,7 +211,7 @@ def _val_loss(model: torch.nn.Module, tokens, n: int, micro_batch: int, context:
 
 
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,
-              context: int = 64, n_layer: int = 2, n_embd: int = 64, lr: float = 3e-3, seed: int = 0,
+              context: int = 64, n_layer: int = 2, n_embd: int = 64, lr: float = 1e-3, seed: int = 0,
               warmup: int = 0, val_batches_n: int = 8) -> dict[str, Any]:
     """Train the tiny GPT data-parallel over ``world`` virtual workers with ``method``; one result row."""
     torch.manual_seed(seed)
@@ -287,6 +292,14 @@ def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "")
     return "\n".join(lines) + "\n"
 
 
+def _ratios(method: str, ratios: list[float], world: int, match_recv: bool) -> list[float]:
+    """The ratios to run ``method`` at: top-k also at ``ratio * W / 2`` (with ``match_recv``), where each worker
+    receives ``(W - 1) * 8 k = 2 (W - 1) / W * 4 n / ratio`` bytes, as much as an all-reduce method at ``ratio``."""
+    if method != "topk" or not match_recv or world <= 2:
+        return ratios
+    return ratios + [r * world / 2 for r in ratios if r * world / 2 not in ratios]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="2,8,32,128")
@@ -295,8 +308,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-match-recv", dest="match_recv", action="store_false",
+                   help="do not add the top-k rows whose received bytes match the all-reduce methods' (ratio x W / 2)")
     p.add_argument("--warmup", type=int, default=0, help="dense steps before compressing")
     p.add_argument("--out", default="results/compress_scale")
     p.add_argument("--label", default="", help="a note printed under the table's title (e.g. why it is partial)")
@@ -309,10 +324,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     command = "python launch/bench/compress_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     settings = dict(steps=a.steps, micro_batch=a.micro_batch, context=a.context, n_layer=2, n_embd=64, lr=a.lr,
                     seed=a.seed, warmup=a.warmup)
+    ratios = [float(x) for x in a.ratios.split(",")]
     wanted = []
     for world in (int(x) for x in a.workers.split(",")):
         for m in a.methods.split(","):
-            for ratio in ([1.0] if m == "none" else [float(x) for x in a.ratios.split(",")]):
+            for ratio in ([1.0] if m == "none" else _ratios(m, ratios, world, a.match_recv)):
                 wanted.append(_key({"method": m, "ratio": ratio, "world": world, **settings}))
     for key in wanted:
         if key in {_key(r) for r in load_rows(jsonl)}:

@@ -105,3 +105,23 @@ def test_harness_end_to_end_two_workers_two_steps():
     assert rows["hge"]["val_loss"] != rows["none"]["val_loss"]
     md = cs.render(list(rows.values()), [cs._key(r) for r in rows.values()] + [("topk", 20.0, 2) + (0,) * 8], "cmd")
     assert "PARTIAL: 1 of 3 rows missing" in md and "| hge | 20 | 2 | 2 |" in md
+
+
+def test_topk_at_ratio_times_w_over_2_receives_what_an_all_reduce_method_does():
+    """The table's matched top-k rows: at ``ratio * W / 2`` each worker receives about the bytes tgss/hge
+    receive at ``ratio`` (rounding of k aside), and at ``ratio`` itself ``W / 2`` times more."""
+    W, n, ratio = 8, 40_000, 10.0
+    assert cs._ratios("topk", [ratio], W, True) == [ratio, ratio * W / 2]
+    assert cs._ratios("hge", [ratio], W, True) == [ratio] and cs._ratios("topk", [ratio], 2, True) == [ratio]
+    x = [torch.randn(n, generator=torch.Generator().manual_seed(w)) for w in range(W)]
+    layout = [Segment("p", 0, 0, n, n)]
+
+    def recv(method, r):
+        sim = cs.SimCollective(W)
+        reds = [GradientReducer(method, r) for _ in range(W)]
+        sim.run(lambda w, comm: reds[w].reduce(x[w], layout, comm, step=0))
+        return sim.received[0]
+
+    sketch = recv("hge", ratio)
+    assert abs(recv("topk", ratio * W / 2) / sketch - 1) < 0.05
+    assert abs(recv("topk", ratio) / sketch - W / 2) < 0.2
