@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import titan_ds  # noqa: E402
-from titan_ds.inject import hf_loss  # noqa: E402
 from titan_ds.optim.asdt import ASDT  # noqa: E402
+from tests.inject.test_chunked_loss_hf import ce_calls  # noqa: E402,F401  (fixture: calls of the chunked loss)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -25,14 +25,6 @@ def _example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture
-def ce_calls(monkeypatch):
-    calls = []
-    real = hf_loss.chunked_linear_cross_entropy
-    monkeypatch.setattr(hf_loss, "chunked_linear_cross_entropy", lambda *a, **k: calls.append(k) or real(*a, **k))
-    return calls
 
 
 def _run(tmp_path, config: str, model: str) -> dict:
