@@ -67,3 +67,29 @@ def test_example_plain_config_is_plain_deepspeed(dist_env, tmp_path, ce_calls):
     assert isinstance(engine.basic_optimizer, torch.optim.AdamW)
     assert res["eval_at_start"] == res["eval_before"]  # nothing replaced
     _assert_trained(res)
+
+
+@pytest.mark.slow
+def test_hf_finetune_bench_rows_are_resumable(tmp_path):
+    """launch/bench/hf_finetune.py on the tiny model: two rows, each one `deepspeed` launch, saved as they finish;
+    a rerun with the same settings launches nothing. ASDT's accounted optimizer state is below AdamW's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "t.md"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench" / "hf_finetune.py"), "--model", "tiny-llama", "--steps", "3",
+           "--seq", "64", "--eval-blocks", "4", "--rows", "plain,titan_asdt", "--out", str(out)]
+    env = {**os.environ, "TITAN_CACHE": os.environ.get("TITAN_CACHE", str(ROOT / ".cache"))}
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600)
+    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert [r["row"] for r in rows] == ["plain", "titan_asdt"] and rows[1]["titan"] == ["mlme", "optimizer"]
+    plain, asdt = (r["memory"] for r in rows)
+    assert plain["parameters"] == asdt["parameters"] > 0 and plain["gradients"] == plain["parameters"]
+    # AdamW: two fp32 moments (+ a 4-byte step tensor per parameter tensor); ASDT: density 0.25, bf16 state
+    assert plain["optimizer_state"] == pytest.approx(2 * plain["parameters"], rel=1e-3)
+    assert 0 < asdt["optimizer_state"] < plain["optimizer_state"] / 2
+    assert out.read_text().count("\n| ") == 3  # header + 2 rows
+    again = subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600, capture_output=True, text=True)
+    assert again.stderr.count("already in") == 2 and "spawned" not in again.stdout + again.stderr
+    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 2
