@@ -93,7 +93,9 @@ def corpus_texts() -> tuple[list[str], list[str]]:
                 seen.add(d)
                 split["eval" if i % EVAL_EVERY == EVAL_EVERY - 1 else "train"].append(d)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(split))
+    tmp = out.with_name(f"{out.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(split))
+    os.replace(tmp, out)  # atomic: the ranks of a launch may all build it at once
     return split["train"], split["eval"]
 
 
