@@ -29,10 +29,22 @@ def _localise(obj, tmp: Path):
     return obj
 
 
+# what HF's Trainer puts in place of each "auto" of the shipped ds_configs/hf_*.json (from TrainingArguments:
+# micro-batch x accumulation x world, accumulation 1, max_grad_norm 1.0); any other "auto" fails the test
+HF_AUTO = {"train_batch_size": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+
+
+def _fill_auto(cfg: dict) -> dict:
+    out = {k: HF_AUTO[k] if v == "auto" and k in HF_AUTO else v for k, v in cfg.items()}
+    assert '"auto"' not in json.dumps(out), f'an "auto" this test does not fill: {out}'
+    return out
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_trains_three_steps(dist_env, tmp_path, path):
     cfg = _localise(json.loads(path.read_text()), tmp_path)
     cfg["train_micro_batch_size_per_gpu"] = 2
+    cfg = _fill_auto(cfg)
     cfg.pop("csv_monitor", None)
     titan = TitanConfig.from_ds_config(cfg)
     torch.manual_seed(0)

