@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--summary-out", default=None, help="one JSON object at the end (rank 0)")
     p.add_argument("--plot", default=None, help="PNG of loss and memory at the end (rank 0)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--zero-init", action="store_true",
+                   help="build the model under titan_ds.zero_init (ZeRO-3: partitioned, and with titan.hms streamed "
+                        "to disk, as each module is built; for models that do not fit whole in RAM)")
     p = titan_ds.engine.add_titan_args(p)
     return p.parse_args(argv)
 
@@ -100,8 +103,13 @@ def main(argv=None) -> dict:
     micro_batch = args.micro_batch or int(ds.get("train_micro_batch_size_per_gpu", 16))
     ds["train_micro_batch_size_per_gpu"] = micro_batch
     ds.pop("train_batch_size", None)
-    model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.context,
-                          vocab_size=args.vocab))
+    gcfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.context,
+                     vocab_size=args.vocab)
+    if args.zero_init:
+        with titan_ds.zero_init(ds):
+            model = GPT(gcfg)
+    else:
+        model = GPT(gcfg)
     optimizer = None if (titan is not None and titan.optimizer is not None) or "optimizer" in ds else \
         make_optimizer(model, args.lr)
     scheduler = None if "scheduler" in ds else \

@@ -71,6 +71,10 @@ class HMSConfig(_Strict):
     direct_io: Literal["detect", "on", "off"] = "detect"
     spill_tiers: list[DiskTier] = Field(default_factory=list)
     nvme_capacity_mb: Optional[int] = Field(default=None, ge=1)
+    # where ZeRO-3's fp32 gradient partition lives (4 bytes/param, DeepSpeed's grad_partitions_flat_buffer):
+    # "dram" as DeepSpeed allocates it; "disk" a file mapping under nvme_path, which the kernel writes back and
+    # reclaims under memory pressure (for models whose gradients do not fit in RAM; slower)
+    gradient_buffer: Literal["dram", "disk"] = "dram"
 
     @field_validator("nvme_path")
     @classmethod

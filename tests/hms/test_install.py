@@ -10,6 +10,7 @@ from titan_ds.config import HMSConfig, TitanConfig, TitanConfigError
 from titan_ds.hms.install import configure_ds_config, validate_folder
 
 ROOT = Path(__file__).resolve().parents[2]
+BOUND_KEYS = ("zero_optimization.reduce_bucket_size=", "zero_optimization.stage3_", "zero_optimization.sub_group_size=")
 
 
 def test_folder_created_and_writable(tmp_path):
@@ -55,6 +56,19 @@ def test_ds_config_made_zero3_nvme_and_flags_set():
     assert "zero_force_ds_cpu_optimizer" not in ds2
 
 
+def test_zero3_working_buffers_bounded_unless_the_user_set_them():
+    from titan_ds.hms.install import ZERO3_BOUNDS
+    ds = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 12345, "sub_group_size": "auto"}}
+    changed = configure_ds_config(ds, "/x", client_optimizer=False)
+    z = ds["zero_optimization"]
+    assert z["reduce_bucket_size"] == 12345  # the user's value is kept
+    assert "zero_optimization.reduce_bucket_size=1e+04" not in changed
+    for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                "sub_group_size"):  # "auto" (HF) and missing both get the bound
+        assert z[key] == ZERO3_BOUNDS[key] <= 5e7, key
+        assert any(c.startswith(f"zero_optimization.{key}=") for c in changed), key
+
+
 @pytest.mark.parametrize("zero,match", [
     ({"stage": 2}, r"zero_optimization.stage is 2: set it to 3"),
     ({"stage": 3, "offload_param": {"device": "cpu"}}, r"offload_param.device must be \"nvme\", got 'cpu'"),
@@ -91,7 +105,8 @@ def test_shipped_hms_configs(name, tmp_path):
     want = {"hms.json": ["zero_optimization.offload_param.device=nvme", "zero_optimization.offload_param.max_in_cpu=0",
                          "zero_optimization.offload_optimizer.device=nvme"],
             "titan_zero3_nvme.json": []}[name]
-    assert changed == want
+    # ... and the ZeRO-3 working-buffer bounds the file leaves unset
+    assert [c for c in changed if not c.startswith(BOUND_KEYS)] == want
     for sec in ("offload_param", "offload_optimizer"):
         assert ds["zero_optimization"][sec]["device"] == "nvme"
         assert ds["zero_optimization"][sec]["nvme_path"] == before["zero_optimization"].get(sec, {}).get(

@@ -142,6 +142,64 @@ def test_hms_equals_no_offload_bitwise_1rank(tmp):
     assert a["bytes_written"] == m["bytes_written"] > 0 and a["bytes_read"] > 0
 
 
+def test_model_built_under_titan_zero_init_streams_from_birth_and_trains_the_same(tmp):
+    # issue 16: a model larger than RAM must never exist whole; built under titan_ds.zero_init each module's
+    # parameters go to HMS's store as it is constructed, initialize adopts that store, and the run is the same
+    ref, = run(tmp, "none0_zi", "--mode", "none", "--clip", 0)
+    zi, = run(tmp, "hms0_zi", "--mode", "hms", "--clip", 0, "--zero-init")
+    assert_same(ref, zi)
+    assert zi["hms"]["bytes_written"] > 0
+
+
+def test_gradient_buffer_on_disk_trains_the_same(tmp):
+    # titan.hms.gradient_buffer "disk": DeepSpeed's fp32 gradient partitions live in a file mapping (page cache,
+    # reclaimable under a memory cap) instead of anonymous memory; the arithmetic is unchanged
+    ref, = run(tmp, "hms0_gdram", "--mode", "hms", "--clip", 1.0, "--gas", 2)
+    gd, = run(tmp, "hms0_gd", "--mode", "hms", "--clip", 1.0, "--gas", 2, "--grad-disk")
+    assert_same(ref, gd)
+    assert gd["grad_buffer_mapped"] is True and ref["grad_buffer_mapped"] is False
+
+
+def test_disk_gradient_buffer_replaces_only_that_allocation(tmp_path):
+    from titan_ds.hms.install import _DiskGradientBuffer
+    shim = _DiskGradientBuffer(str(tmp_path), torch)
+    assert shim.zeros(5).untyped_storage().filename is None  # another caller: the real torch.zeros
+    assert shim.float32 is torch.float32 and shim.isinf is torch.isinf
+
+    def _setup_for_real_optimizer():  # the name of DeepSpeed's caller
+        return shim.zeros(1000, dtype=torch.float32, device="cpu")
+
+    t = _setup_for_real_optimizer()
+    assert t.untyped_storage().filename is not None and t.numel() == 1000 and not t.any()
+    assert shim.bytes == 4000 and not list(tmp_path.iterdir())  # unlinked once mapped
+    t += 1
+    assert t.sum() == 1000
+    assert _setup_for_real_optimizer().untyped_storage().filename is None  # once only
+
+
+def test_plain_zero_init_model_is_refused_with_the_fix(tmp):
+    import titan_ds
+    from titan_ds.config import TitanConfigError
+    from titan_ds.hms.install import _adopted_swapper
+
+    class P:  # stands for a parameter converted by deepspeed.zero.Init with DeepSpeed's own swapper
+        ds_id, ds_status, nvme_swapper = 0, None, object()
+
+    class M(torch.nn.Module):
+        def parameters(self, recurse=True):
+            return iter([P()])
+
+    import deepspeed.runtime.zero.partition_parameters as pp
+    orig = pp.is_zero_param
+    pp.is_zero_param = lambda p: isinstance(p, P)
+    try:
+        with pytest.raises(TitanConfigError, match=r"titan_ds.zero_init\(ds_config\)"):
+            _adopted_swapper(M())
+    finally:
+        pp.is_zero_param = orig
+    assert callable(titan_ds.zero_init)
+
+
 @pytest.mark.slow
 def test_hms_equals_cpu_offload_with_clipping_and_grad_accumulation(tmp):
     for gas in (1, 2):

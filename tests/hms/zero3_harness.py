@@ -135,6 +135,8 @@ def main():
     ap.add_argument("--record-trace", help="write the ZeRO-3 parameter access trace (per step) to this json")
     ap.add_argument("--record-store", action="store_true", help="dump the HMS store's put/get/prefetch calls")
     ap.add_argument("--sync-prefetch", action="store_true", help="HMS prefetch reads complete when submitted")
+    ap.add_argument("--grad-disk", action="store_true", help="titan.hms.gradient_buffer: disk")
+    ap.add_argument("--zero-init", action="store_true", help="build the model under titan_ds.zero_init(cfg)")
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
     import deepspeed
@@ -146,12 +148,18 @@ def main():
         for m in (partitioned_param_swapper, partitioned_optimizer_swapper, pipelined_optimizer_swapper):
             m.AsyncIOBuilder = TitanAIOBuilder
     cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
+    if a.grad_disk:
+        cfg["titan"]["hms"]["gradient_buffer"] = "disk"
     from titan_ds.utils import after_init_distributed
     deepspeed.init_distributed()
     after_init_distributed()
     rank = torch.distributed.get_rank()
     if a.mode == "ds_nvme":  # DeepSpeed's swapper needs the model built under zero.Init on a CPU (seams 0.5)
         with deepspeed.zero.Init(config_dict_or_path=cfg):
+            net = model()
+    elif a.zero_init:
+        import titan_ds
+        with titan_ds.zero_init(cfg):
             net = model()
     else:
         net = model()
@@ -188,6 +196,8 @@ def main():
            "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups]}
     if a.mode == "hms":
         res["hms"] = engine.titan.collect_metrics()["hms"]
+        gb = engine.optimizer.grad_partitions_flat_buffer
+        res["grad_buffer_mapped"] = gb.untyped_storage().filename is not None
         res["store_ops"] = ops
         if a.record_trace:
             import json

@@ -5,7 +5,9 @@
 1. checks ``titan.hms.nvme_path`` (and every ``spill_tiers[i].path``): it must exist or be creatable, and be
    writable; otherwise a :class:`TitanConfigError` names the key;
 2. makes the ds_config ZeRO-3 with parameters and optimizer state offloaded to ``nvme`` (sets what is missing,
-   raises naming the key for what contradicts it: another stage, another offload device, ``fast_init``);
+   raises naming the key for what contradicts it: another stage, another offload device, ``fast_init``), and
+   bounds ZeRO-3's working buffers (``ZERO3_BOUNDS``: bucket sizes, live parameters, optimizer sub-group) where
+   the user left them unset or ``"auto"``; every value it sets is logged;
    with a client optimizer it sets ``zero_force_ds_cpu_optimizer: false`` and
    ``zero_allow_untested_optimizer: true`` (seams 1.2);
 3. builds the store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache), the predictor and the
@@ -42,7 +44,8 @@ from .prefetch import make_predictor
 from .store import Tier, TensorStore
 from .swapper import HMSOptimizerSwapper, HMSParamSwapper
 
-__all__ = ["before_initialize", "after_initialize", "validate_folder", "configure_ds_config"]
+__all__ = ["before_initialize", "after_initialize", "validate_folder", "configure_ds_config", "zero_init",
+           "build_param_swapper", "ZERO3_BOUNDS"]
 
 log = logging.getLogger("titan_ds.hms")
 _MB = 1 << 20
@@ -66,6 +69,22 @@ def validate_folder(path: str, key: str) -> str:
         raise TitanConfigError([f"{key}={path!r} is not writable ({e.strerror}); fix its permissions or choose "
                                 f"another folder"])
     return full
+
+
+# DeepSpeed's ZeRO-3 defaults size its working buffers for a GPU beside a large host: reduce_bucket_size 5e8 is a
+# 2 GB fp32 bucket, stage3_max_live_parameters / stage3_max_reuse_distance 1e9 let up to 1e9 gathered elements
+# (4 GB) stay resident, sub_group_size 1e9 makes the optimizer step swap in 1e9 elements of fp32 state at once
+# (16 GB with Adam). A 404M-parameter model under a 4 GiB cgroup was OOM-killed with them and trained with
+# 2e7-5e7 (issue 16); the step of a 57M model peaks 1.2 GB higher with sub_group_size 5e7 than with 1e7
+# (measured). HMS exists for models that do not fit, so it bounds them unless the user set them; ``titan-ds
+# plan`` sizes them for a given budget (titan_ds/plan.py).
+ZERO3_BOUNDS: dict[str, int] = {
+    "reduce_bucket_size": 20_000_000,
+    "stage3_prefetch_bucket_size": 20_000_000,
+    "stage3_max_live_parameters": 40_000_000,
+    "stage3_max_reuse_distance": 40_000_000,
+    "sub_group_size": 10_000_000,
+}
 
 
 def configure_ds_config(ds: dict[str, Any], nvme_path: str, *, client_optimizer: bool) -> list[str]:
@@ -98,6 +117,10 @@ def configure_ds_config(ds: dict[str, Any], nvme_path: str, *, client_optimizer:
                           "titan.hms replaces; set it to false")
     if errors:
         raise TitanConfigError(errors)
+    for key, value in ZERO3_BOUNDS.items():
+        if zero.get(key, "auto") == "auto":  # HF's "auto" would be filled from the hidden size, unbounded
+            zero[key] = value
+            changed.append(f"zero_optimization.{key}={value:.0e}")
     if client_optimizer:
         for key, value in (("zero_force_ds_cpu_optimizer", False), ("zero_allow_untested_optimizer", True)):
             if ds.get(key, value) != value:
@@ -136,61 +159,153 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def before_initialize(ctx) -> None:
+def _prepare(hms, ds_config: dict[str, Any], *, client_optimizer: bool) -> str:
+    """Check the folders, make ``ds_config`` ZeRO-3 + NVMe with bounded buffers, set up the process."""
     import deepspeed
-    from deepspeed.runtime.zero import stage3
-
-    hms = ctx.titan.hms
     root = validate_folder(hms.nvme_path, "titan.hms.nvme_path")
-    spill = [validate_folder(t.path, f"titan.hms.spill_tiers[{i}].path") for i, t in enumerate(hms.spill_tiers)]
-    changed = configure_ds_config(ctx.ds_config, root, client_optimizer=ctx.optimizer is not None
-                                  or ctx.titan.optimizer is not None)
-    for c in changed:
+    for i, t in enumerate(hms.spill_tiers):
+        validate_folder(t.path, f"titan.hms.spill_tiers[{i}].path")
+    for c in configure_ds_config(ds_config, root, client_optimizer=client_optimizer):
         log.info("titan hms: set %s", c)
     _bound_allocator_retention()
     deepspeed.init_distributed()
     after_init_distributed()
+    return root
+
+
+def build_param_swapper(hms, ds_config: dict[str, Any], root: str) -> HMSParamSwapper:
+    """This rank's store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache) and parameter swapper.
+    The rank's folders are emptied first: swap files of an earlier run are stale (checkpoints live elsewhere)."""
     rank = _rank()
     folder = os.path.join(root, "titan_hms", f"rank{rank}")
-    shutil.rmtree(folder, ignore_errors=True)  # swap files of an earlier run are stale; checkpoints live elsewhere
+    shutil.rmtree(folder, ignore_errors=True)
     tiers = [Tier(folder, None if hms.nvme_capacity_mb is None else hms.nvme_capacity_mb * _MB)]
-    for path, t in zip(spill, hms.spill_tiers):
-        sub = os.path.join(path, "titan_hms", f"rank{rank}")
+    for t in hms.spill_tiers:
+        sub = os.path.join(os.path.abspath(os.path.expanduser(t.path)), "titan_hms", f"rank{rank}")
         shutil.rmtree(sub, ignore_errors=True)
         tiers.append(Tier(sub, None if t.capacity_mb is None else t.capacity_mb * _MB))
     io = AsyncIOHandle(threads=hms.io_threads, direct=hms.direct_io)
     store = TensorStore(tiers, dram_cache_bytes=hms.dram_cache_mb * _MB, io=io, durable=False)
-    buffer_count = int(ctx.ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
-    pswap = HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
-                            device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
-                            prefetch_depth=hms.prefetch_depth)
-    _convert_model(ctx.model, ctx.ds_config, pswap)
+    buffer_count = int(ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
+    return HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
+                           device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
+                           prefetch_depth=hms.prefetch_depth)
+
+
+def zero_init(ds_config: Any, **init_kwargs: Any):
+    """``deepspeed.zero.Init`` for a model too large to exist whole in RAM: use it as the context in which the
+    model is built, then pass the same ds_config to :func:`titan_ds.initialize`::
+
+        with titan_ds.zero_init(ds_config):
+            model = build_model()            # each module is partitioned (and, with titan.hms, streamed to
+        engine, *_ = titan_ds.initialize(    # disk) as soon as it is constructed
+            model=model, config=ds_config)
+
+    With a ``titan.hms`` section the parameters go straight to HMS's store, which ``initialize`` then adopts;
+    without one this is ``deepspeed.zero.Init(config_dict_or_path=ds_config)``. ``ds_config`` is completed in
+    place (ZeRO-3 + NVMe offload and HMS's buffer bounds), as ``initialize`` would, when it is a dict.
+    """
+    import deepspeed
+    from ..config import TitanConfig, load_ds_config
+    ds = ds_config if isinstance(ds_config, dict) else load_ds_config(ds_config)
+    titan = TitanConfig.from_ds_config(ds) if "titan" in ds else None
+    plain = {k: v for k, v in ds.items() if k != "titan"}
+    if titan is None or titan.hms is None:
+        return deepspeed.zero.Init(config_dict_or_path=plain, **init_kwargs)
+    # client_optimizer=True: the flags a client (or titan) optimizer needs are harmless for DeepSpeed's own
+    root = _prepare(titan.hms, plain, client_optimizer=True)
+    for k, v in plain.items():
+        ds[k] = v
+    pswap = build_param_swapper(titan.hms, plain, root)
+    return deepspeed.zero.Init(config_dict_or_path=plain, param_swapper=pswap, **init_kwargs)
+
+
+def before_initialize(ctx) -> None:
+    from deepspeed.runtime.zero import stage3
+
+    hms = ctx.titan.hms
+    root = _prepare(hms, ctx.ds_config, client_optimizer=ctx.optimizer is not None or ctx.titan.optimizer is not None)
+    pswap = _adopted_swapper(ctx.model)  # built under titan_ds.zero_init: its parameters already live in HMS
+    if pswap is None:
+        pswap = build_param_swapper(hms, ctx.ds_config, root)
+        _convert_model(ctx.model, ctx.ds_config, pswap)
     ctx.zero_init_kwargs["param_swapper"] = pswap  # parameters later pillars create (TRD cores) stream via HMS
-    saved = (stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper)
+    rank = _rank()
+    store = pswap.store
+    saved = (stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper, stage3.torch)
     ctx.on_abort(functools.partial(_restore_swapper_classes, saved))
     factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank)
     stage3.PartitionedOptimizerSwapper = stage3.PipelinedOptimizerSwapper = factory
-    runtime = _HMSRuntime(store=store, param_swapper=pswap, rank=rank, saved_globals=saved)
+    grad_file = None
+    if hms.gradient_buffer == "disk":
+        grad_file = _DiskGradientBuffer(store.tiers[0].path, saved[2])
+        stage3.torch = grad_file
+    runtime = _HMSRuntime(store=store, param_swapper=pswap, rank=rank, saved_globals=saved, grad_file=grad_file)
     ctx.reports["hms"] = runtime
     ctx.add_metrics(runtime.metrics)
     ctx.add_state("hms", runtime.state, runtime.load_state)
 
 
-def _restore_swapper_classes(saved: tuple[Any, Any]) -> None:
+def _restore_swapper_classes(saved: tuple[Any, Any, Any]) -> None:
     from deepspeed.runtime.zero import stage3
-    stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper = saved
+    stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper, stage3.torch = saved
+
+
+class _DiskGradientBuffer:
+    """Stands for ``torch`` in DeepSpeed's stage3 module during ``deepspeed.initialize`` (``titan.hms.
+    gradient_buffer: "disk"``). Its one change: the ``torch.zeros`` in ``_setup_for_real_optimizer``, the only one
+    there (DeepSpeed 0.19.8), which allocates ``grad_partitions_flat_buffer`` (this rank's fp32 gradient
+    partitions, 4 bytes/param), returns a shared mapping of a sparse file instead. Its pages are page cache: the
+    kernel writes them back and reclaims them under memory pressure (a cgroup cap included), where anonymous
+    memory could only be swapped or OOM-killed. The file is unlinked once mapped (the space is freed with the
+    mapping). Everything else is the real ``torch``."""
+
+    def __init__(self, folder: str, real_torch):
+        self._torch, self._folder = real_torch, folder
+        self.bytes = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._torch, name)
+
+    def zeros(self, *size, **kw):
+        import sys
+        caller = sys._getframe(1).f_code.co_name
+        dtype, device = kw.get("dtype") or self._torch.get_default_dtype(), kw.get("device", "cpu")
+        if caller != "_setup_for_real_optimizer" or self._torch.device(device).type != "cpu" or self.bytes:
+            return self._torch.zeros(*size, **kw)
+        n = int(size[0] if len(size) == 1 and not isinstance(size[0], (tuple, list)) else
+                torch.Size(size[0] if len(size) == 1 else size).numel())
+        os.makedirs(self._folder, exist_ok=True)
+        path = os.path.join(self._folder, f"grad_buffer.{os.getpid()}.bin")
+        itemsize = self._torch.empty((), dtype=dtype).element_size()
+        with open(path, "wb") as f:
+            f.truncate(n * itemsize)  # sparse: reads as zeros, takes disk only as pages are written back
+        t = self._torch.from_file(path, shared=True, size=n, dtype=dtype)
+        os.unlink(path)
+        self.bytes = n * itemsize
+        log.info("titan hms: ZeRO-3 gradient partitions (%.1f MiB) in a file mapping under %s", self.bytes / _MB,
+                 self._folder)
+        return t
+
+
+def _adopted_swapper(model: torch.nn.Module) -> HMSParamSwapper | None:
+    """The HMS swapper of a model built under :func:`zero_init`; None for an ordinary model. Raises for a model
+    built under plain ``deepspeed.zero.Init`` (its parameters use DeepSpeed's swapper) or a mix."""
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+    converted = [p for p in model.parameters() if is_zero_param(p)]
+    if not converted:
+        return None
+    swappers = {id(getattr(p, "nvme_swapper", None)): getattr(p, "nvme_swapper", None) for p in converted}
+    only = next(iter(swappers.values()))
+    if len(swappers) == 1 and isinstance(only, HMSParamSwapper) and len(converted) == len(list(model.parameters())):
+        return only
+    raise TitanConfigError(["titan.hms: the model was built under deepspeed.zero.Init, so its parameters use "
+                            "DeepSpeed's own swapper; build it under titan_ds.zero_init(ds_config) instead (same "
+                            "arguments), or build it normally and titan converts it"])
 
 
 def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapper) -> None:
     import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import is_zero_param
-    params = list(model.parameters())
-    converted = [p for p in params if is_zero_param(p)]
-    if converted:
-        if all(isinstance(getattr(p, "nvme_swapper", None), HMSParamSwapper) for p in converted):
-            return
-        raise TitanConfigError(["titan.hms converts the model itself: build it normally, not under "
-                                "deepspeed.zero.Init (its parameters would use DeepSpeed's own swapper)"])
     # dtype=None: Init then takes the dtype from the config; passing one hits the CPU dtype bug (seams 0.5)
     deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, param_swapper=pswap)
 
@@ -198,8 +313,10 @@ def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapp
 class _HMSRuntime:
     """What HMS keeps after initialize: the store, the swappers, metrics and lifecycle callbacks."""
 
-    def __init__(self, *, store: TensorStore, param_swapper: HMSParamSwapper, rank: int, saved_globals):
+    def __init__(self, *, store: TensorStore, param_swapper: HMSParamSwapper, rank: int, saved_globals,
+                 grad_file: "_DiskGradientBuffer | None" = None):
         self.store, self.param_swapper, self.rank = store, param_swapper, rank
+        self.grad_file = grad_file
         self.saved_globals = saved_globals
         self.engine = None
         self.opt_swapper = None
@@ -222,7 +339,8 @@ class _HMSRuntime:
         rates = {k: v for k, v in now.items() if k.endswith(("_hit_rate", "_hits", "_misses"))}
         return {"hms": {"hit_rate": now["hit_rate"], **rates, **step,
                         "hits": st.cache_hits + st.prefetch_hits, "misses": st.misses,
-                        "disk_bytes": sum(t.used_bytes for t in self.store.tiers),
+                        "disk_bytes": sum(t.used_bytes for t in self.store.tiers) +
+                        (self.grad_file.bytes if self.grad_file else 0),
                         "dram_cache_bytes": self.store.cache_bytes}}
 
     def state(self) -> dict[str, Any]:
@@ -238,6 +356,10 @@ class _HMSRuntime:
     # ------------------------------------------------------------------ lifecycle callbacks
     def attach(self, engine) -> None:
         _restore_swapper_classes(self.saved_globals)
+        if self.grad_file is not None and not self.grad_file.bytes:
+            raise RuntimeError("titan hms: gradient_buffer \"disk\" did not find DeepSpeed's gradient buffer "
+                               "allocation (stage3._setup_for_real_optimizer); this DeepSpeed version differs from "
+                               "0.19.8: set titan.hms.gradient_buffer to \"dram\"")
         self.engine = engine
         self.opt_swapper = getattr(engine.optimizer, "optimizer_swapper", None)
         if not isinstance(self.opt_swapper, HMSOptimizerSwapper):
