@@ -106,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-every", type=int, default=0,
                    help="validate before training and every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=64)
+    p.add_argument("--val-micro-batch", type=int, default=None,
+                   help="sequences per validation batch (default: the training micro-batch); the validation set "
+                        "depends on it, so runs at different micro-batches compare on the same set by fixing it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file or folder (default: CPython stdlib sources)")
     p.add_argument("--save-dir", default=None)
@@ -171,6 +174,7 @@ def main(argv=None) -> dict:
     titan = TitanConfig.from_ds_config(ds)  # validate before any work: every error at once
     micro_batch = args.micro_batch or int(ds.get("train_micro_batch_size_per_gpu", 16))
     ds["train_micro_batch_size_per_gpu"] = micro_batch
+    val_mb = args.val_micro_batch or micro_batch
     ds.pop("train_batch_size", None)
     model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.context,
                           vocab_size=args.vocab))
@@ -208,7 +212,7 @@ def main(argv=None) -> dict:
     timed_tokens, timed_s = 0, 0.0
     last: dict = {}
     if args.val_every and start == 0:  # the untrained baseline, so a curve (and a test) can show the drop
-        val_history.append((0, validate(engine, corpus, args, micro_batch)))
+        val_history.append((0, validate(engine, corpus, args, val_mb)))
     for step in range(start + 1, args.steps + 1):
         x, y = batches.get(step)
         t0 = time.perf_counter()
@@ -231,7 +235,7 @@ def main(argv=None) -> dict:
             last = engine.titan.collect_metrics()
             record.update({k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))})
         if args.val_every and step % args.val_every == 0 and step != args.steps:
-            record["val_loss"] = validate(engine, corpus, args, micro_batch)
+            record["val_loss"] = validate(engine, corpus, args, val_mb)
             val_history.append((step, record["val_loss"]))
         history.append(record)
         if mfile:
@@ -247,7 +251,7 @@ def main(argv=None) -> dict:
             engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
     if bar:
         bar.close()
-    val = validate(engine, corpus, args, micro_batch)
+    val = validate(engine, corpus, args, val_mb)
     val_history.append((args.steps, val))
     if args.save_dir and not (args.save_every and args.steps % args.save_every == 0):
         engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}", client_state={"step": args.steps})

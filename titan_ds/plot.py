@@ -1,9 +1,9 @@
-"""Loss and memory plot of a training run (matplotlib, headless)."""
+"""Plots (matplotlib, headless): a training run's loss and memory; a memory-vs-quality frontier."""
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plot_run"]
+__all__ = ["plot_run", "plot_frontier"]
 
 
 def plot_run(history: list[dict[str, Any]], val_history: list[tuple[int, float]], summary: dict[str, Any],
@@ -28,4 +28,51 @@ def plot_run(history: list[dict[str, Any]], val_history: list[tuple[int, float]]
     ax2.tick_params(axis="x", rotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# one colour and marker per family of row, in the legend's order
+_FAMILIES = {"adamw": ("black", "o", "dense AdamW (lr grid)"), "peer": ("tab:blue", "s", "low-memory peers"),
+             "titan": ("tab:red", "D", "titan profiles")}
+
+
+def plot_frontier(points: list[dict[str, Any]], path: str, *, title: str = "",
+                  xlabel: str = "training-state MiB (params + grads + optimizer + activations, accounted; log)",
+                  ylabel: str = "validation loss (nats/byte)") -> None:
+    """One labelled point per config: ``x`` (memory), ``y`` (mean loss), optional ``ylo``/``yhi`` (the seeds'
+    min and max, drawn as an error bar), ``family`` (a key of the legend: adamw, peer, titan), ``label``, and
+    ``best`` (drawn larger: the reference row)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    unknown = sorted({p["family"] for p in points} - set(_FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown families {unknown}; choose from {sorted(_FAMILIES)}")
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for fam, (colour, marker, name) in _FAMILIES.items():
+        mine = [p for p in points if p["family"] == fam]
+        if not mine:
+            continue
+        ax.scatter([p["x"] for p in mine], [p["y"] for p in mine], c=colour, marker=marker, label=name, zorder=3,
+                   s=[90 if p.get("best") else 36 for p in mine])
+        for p in mine:
+            if p.get("ylo") is not None and p.get("yhi") is not None:
+                ax.errorbar(p["x"], p["y"], yerr=[[p["y"] - p["ylo"]], [p["yhi"] - p["y"]]], c=colour, lw=1,
+                            capsize=3, zorder=2)
+            ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=(5, 4), fontsize=7,
+                        color=colour)
+    ax.set_xscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 30, 300: not 3x10^1
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
