@@ -72,11 +72,13 @@ def test_table_picks_the_best_lr_over_seeds_and_labels_deltas_within_the_spread(
     by = {r.name: r for r in rows}
     s = {"steps": 10, "train_args": ""}
     a1, a3, lion, exact = by["adamw_lr1e-3"], by["adamw_lr3e-3"], by["lion_lr1e-4"], by["titan_exact"]
+    fac = by["adafactor_lr1e-2"]
     done = [
         # seed 0 alone would pick 3e-3 (2.00 < 2.01); the mean over both seeds picks 1e-3 (2.015 < 2.05)
         _rec(a1, 0, 2.01, s, 1e-3), _rec(a1, 1, 2.02, s, 1e-3),
         _rec(a3, 0, 2.00, s, 3e-3), _rec(a3, 1, 2.10, s, 3e-3),
         _rec(lion, 0, 2.03, s, 1e-4, mem=50 * 2**20, tps=500.0), _rec(lion, 1, 2.04, s, 1e-4, mem=50 * 2**20),
+        _rec(fac, 0, 2.02, s, 1e-2), _rec(fac, 1, 2.02, s, 1e-2),
         _rec(exact, 0, 2.10, s, 3e-3), _rec(exact, 1, 2.10, s, 3e-3),  # trained at a stale best lr: not used
     ]
     table = {t["config"]: t for t in frontier.summarise(rows, done, {}, s, [0, 1], 1e-3)}
@@ -86,6 +88,8 @@ def test_table_picks_the_best_lr_over_seeds_and_labels_deltas_within_the_spread(
     assert table["adamw_lr3e-3"]["verdict"] == "no difference"   # 0.035 < its own spread 0.10
     assert table["lion_lr1e-4"]["delta"] == pytest.approx(0.02)
     assert table["lion_lr1e-4"]["verdict"] == "worse"            # 0.02 > both spreads (0.01, 0.01)
+    assert table["adafactor_lr1e-2"]["spread"] == 0.0
+    assert table["adafactor_lr1e-2"]["verdict"] == "no difference"  # 0.005 < the reference's spread 0.01
     assert table["lion_lr1e-4"]["mem_vs_adamw"] == pytest.approx(0.5)
     assert table["lion_lr1e-4"]["tokens_per_s_ratio"] == pytest.approx(0.75)
     assert table["titan_exact"]["lr"] == 1e-3 and table["titan_exact"]["status"] == "pending"
