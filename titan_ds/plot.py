@@ -50,7 +50,8 @@ def plot_frontier(points: list[dict[str, Any]], path: str, *, title: str = "",
     unknown = sorted({p["family"] for p in points} - set(_FAMILIES))
     if unknown:
         raise ValueError(f"unknown families {unknown}; choose from {sorted(_FAMILIES)}")
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 6))
+    labels: list[tuple[dict[str, Any], str]] = []
     for fam, (colour, marker, name) in _FAMILIES.items():
         mine = [p for p in points if p["family"] == fam]
         if not mine:
@@ -61,18 +62,39 @@ def plot_frontier(points: list[dict[str, Any]], path: str, *, title: str = "",
             if p.get("ylo") is not None and p.get("yhi") is not None:
                 ax.errorbar(p["x"], p["y"], yerr=[[p["y"] - p["ylo"]], [p["yhi"] - p["y"]]], c=colour, lw=1,
                             capsize=3, zorder=2)
-            ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=(5, 4), fontsize=7,
-                        color=colour)
+            labels.append((p, colour))
     ax.set_xscale("log")
+    xs = [p["x"] for p in points]
+    ax.set_xlim(min(xs) / 1.4, max(xs) * 2.6)  # room on the right for the labels of the largest configs
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 30, 300: not 3x10^1
     ax.xaxis.set_major_formatter(plain)
     ax.xaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.tick_params(axis="x", which="both", labelsize=7)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    _place_labels(fig, ax, labels)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# label positions tried in turn (offset in points, horizontal alignment), the first that overlaps no earlier label
+_SPOTS = [((5, 4), "left"), ((5, -10), "left"), ((-5, 4), "right"), ((-5, -10), "right"), ((5, 13), "left"),
+          ((5, -19), "left"), ((-5, 13), "right"), ((-5, -19), "right")]
+
+
+def _place_labels(fig: Any, ax: Any, labels: list[tuple[dict[str, Any], str]]) -> None:
+    renderer = fig.canvas.get_renderer()
+    placed: list[Any] = []
+    for p, colour in sorted(labels, key=lambda pc: pc[0]["y"]):
+        for offset, ha in _SPOTS:
+            text = ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=offset, ha=ha,
+                               fontsize=7, color=colour)
+            box = text.get_window_extent(renderer)
+            if not any(box.overlaps(b) for b in placed) or (offset, ha) == _SPOTS[-1]:
+                placed.append(box)
+                break
+            text.remove()
