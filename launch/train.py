@@ -5,10 +5,12 @@
     python launch/train.py --deepspeed_config ds_configs/baseline_adamw.json --steps 20   # 1 rank, no launcher
 
 With a ``"titan"`` section the pillars it names are applied by ``titan_ds.initialize``; without one this is plain
-DeepSpeed. When the section has an ``optimizer`` the titan optimizer is built from it; otherwise torch AdamW
-(betas 0.9/0.95, weight decay 0.1 on matrices) is the client optimizer. The learning rate warms up linearly and
-decays by a cosine to 10%. Batches are a pure function of (seed, step, rank), so a resumed run sees exactly the
-batches the uninterrupted run would have seen.
+DeepSpeed. When the section has an ``optimizer`` the titan optimizer is built from it; otherwise the client
+optimizer is ``--optimizer`` (default torch AdamW, betas 0.9/0.95) at ``--lr``, with ``--weight-decay`` (default
+0.1) on matrices and none on vectors; the other choices are the low-memory optimizers a user would pick instead
+of titan (see :data:`CLIENT_OPTIMIZERS`). The learning rate warms up linearly and decays by a cosine to 10%.
+Batches are a pure function of (seed, step, rank), so a resumed run sees exactly the batches the uninterrupted
+run would have seen.
 """
 from __future__ import annotations
 
@@ -27,11 +29,60 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import titan_ds  # noqa: E402
 from titan_ds.config import TitanConfig, load_ds_config  # noqa: E402
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
-from titan_ds.metrics import ActivationCounter, accounted_memory, peak_rss_bytes  # noqa: E402
+from titan_ds.metrics import ActivationCounter, accounted_memory, optimizer_state_bytes, peak_rss_bytes  # noqa: E402
 from titan_ds.models import GPT, GPTConfig  # noqa: E402
 from titan_ds.utils import ensure_dist_env, get_logger  # noqa: E402
 
 log = get_logger("titan_ds.train")
+
+
+DEFAULT_WEIGHT_DECAY = 0.1
+
+
+def _adamw(groups: list[dict], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def _adafactor(groups: list[dict], lr: float) -> torch.optim.Optimizer:
+    # torch's defaults otherwise (beta2_decay -0.8, eps (None, 1e-3), d 1): lr caps the relative step size
+    # rho_t = min(lr, 1/sqrt(t)), and the weight decay is param *= 1 - lr * weight_decay
+    return torch.optim.Adafactor(groups, lr=lr)
+
+
+def _lion(groups: list[dict], lr: float) -> torch.optim.Optimizer:
+    try:
+        from lion_pytorch import Lion
+    except ImportError as e:
+        raise SystemExit(f"--optimizer lion needs the lion-pytorch package ({e}); install it with "
+                         "`pip install --no-deps lion-pytorch==0.2.5` or `pip install -e .[bench]`") from e
+    return Lion(groups, lr=lr, betas=(0.9, 0.99))  # the paper's betas; weight decay: p *= 1 - lr * wd
+
+
+def _torchao(cls_name: str):
+    def build(groups: list[dict], lr: float) -> torch.optim.Optimizer:
+        try:
+            import torchao.optim
+        except ImportError as e:
+            raise SystemExit(f"--optimizer {cls_name.lower()} needs torchao ({e}); install it with "
+                             "`pip install --no-deps torchao==0.18.0` or `pip install -e .[bench]`") from e
+        return getattr(torchao.optim, cls_name)(groups, lr=lr, betas=(0.9, 0.95))  # AdamW's betas here
+    return build
+
+
+# name -> builder(param groups, lr): the one list of client optimizers (the --optimizer choices)
+CLIENT_OPTIMIZERS = {"adamw": _adamw, "adafactor": _adafactor, "lion": _lion,
+                     "adamw8bit": _torchao("AdamW8bit"), "adamw4bit": _torchao("AdamW4bit")}
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, name: str = "adamw",
+                   weight_decay: float = DEFAULT_WEIGHT_DECAY) -> torch.optim.Optimizer:
+    """The client optimizer ``name`` over two groups: matrices with ``weight_decay``, vectors without."""
+    if name not in CLIENT_OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(CLIENT_OPTIMIZERS)}")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return CLIENT_OPTIMIZERS[name]([{"params": decay, "weight_decay": weight_decay},
+                                    {"params": no_decay, "weight_decay": 0.0}], lr)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,11 +96,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=None,
                    help="defaults to the config's train_micro_batch_size_per_gpu (16 in the shipped configs)")
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak lr of the AdamW client optimizer")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak lr of the client optimizer")
+    p.add_argument("--optimizer", choices=sorted(CLIENT_OPTIMIZERS), default=None,
+                   help="client optimizer when the config has no titan.optimizer nor DeepSpeed 'optimizer' section "
+                        "(default adamw)")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help=f"client optimizer's decoupled weight decay on matrices (default {DEFAULT_WEIGHT_DECAY})")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--val-every", type=int, default=0,
                    help="validate before training and every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=64)
+    p.add_argument("--val-micro-batch", type=int, default=None,
+                   help="sequences per validation batch (default: the training micro-batch); the validation set "
+                        "depends on it, so runs at different micro-batches compare on the same set by fixing it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="text file or folder (default: CPython stdlib sources)")
     p.add_argument("--save-dir", default=None)
@@ -75,13 +134,6 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95))
-
-
 @torch.no_grad()
 def validate(engine, corpus, args, micro_batch: int) -> float:
     engine.eval()
@@ -90,6 +142,29 @@ def validate(engine, corpus, args, micro_batch: int) -> float:
         total += float(engine(x.to(engine.device), y.to(engine.device)))
     engine.train()
     return total / max(1, args.val_batches)
+
+
+def _client_optimizer(model: torch.nn.Module, args: argparse.Namespace, ds: dict,
+                      titan: "TitanConfig | None") -> "torch.optim.Optimizer | None":
+    """``--optimizer`` unless the config builds its own (then asking for one is an error, never ignored)."""
+    owner = "titan.optimizer" if titan is not None and titan.optimizer is not None else \
+        "the ds_config's 'optimizer' section" if "optimizer" in ds else None
+    if owner is not None:
+        for flag, value in (("--optimizer", args.optimizer), ("--weight-decay", args.weight_decay)):
+            if value is not None:
+                raise SystemExit(f"{flag} {value} conflicts with {owner} in {args.deepspeed_config}: the optimizer "
+                                 f"comes from the config; drop {flag} or the config's optimizer")
+        return None
+    wd = DEFAULT_WEIGHT_DECAY if args.weight_decay is None else args.weight_decay
+    return make_optimizer(model, args.lr, args.optimizer or "adamw", wd)
+
+
+def _sum_over_ranks(value: int, world: int) -> int:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t)  # every rank runs this line once, after its last step
+    return int(t.item())
 
 
 def main(argv=None) -> dict:
@@ -102,6 +177,7 @@ def main(argv=None) -> dict:
     titan = TitanConfig.from_ds_config(ds)  # validate before any work: every error at once
     micro_batch = args.micro_batch or int(ds.get("train_micro_batch_size_per_gpu", 16))
     ds["train_micro_batch_size_per_gpu"] = micro_batch
+    val_mb = args.val_micro_batch or micro_batch
     ds.pop("train_batch_size", None)
     gcfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.context,
                      vocab_size=args.vocab)
@@ -110,8 +186,7 @@ def main(argv=None) -> dict:
             model = GPT(gcfg)
     else:
         model = GPT(gcfg)
-    optimizer = None if (titan is not None and titan.optimizer is not None) or "optimizer" in ds else \
-        make_optimizer(model, args.lr)
+    optimizer = _client_optimizer(model, args, ds, titan)
     scheduler = None if "scheduler" in ds else \
         (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps)))
     args.deepspeed_config = None
@@ -141,10 +216,11 @@ def main(argv=None) -> dict:
         from tqdm import tqdm
         bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     history, val_history, peak = [], [], None
+    opt_state_peak = 0  # bytes of the client optimizer's state tensors on this rank, peak over steps
     timed_tokens, timed_s = 0, 0.0
     last: dict = {}
     if args.val_every and start == 0:  # the untrained baseline, so a curve (and a test) can show the drop
-        val_history.append((0, validate(engine, corpus, args, micro_batch)))
+        val_history.append((0, validate(engine, corpus, args, val_mb)))
     for step in range(start + 1, args.steps + 1):
         x, y = batches.get(step)
         t0 = time.perf_counter()
@@ -155,6 +231,7 @@ def main(argv=None) -> dict:
         engine.step()
         dt = time.perf_counter() - t0
         mem.optimizer_state = max(mem.optimizer_state, accounted_memory(engine).optimizer_state)
+        opt_state_peak = max(opt_state_peak, optimizer_state_bytes(engine))
         peak = mem if peak is None else type(mem)(**{k: max(getattr(peak, k) or 0, getattr(mem, k) or 0)
                                                      for k in mem.__dataclass_fields__})
         if step > start + 3:  # the first steps pay one-off costs (allocations, lazy state)
@@ -166,7 +243,7 @@ def main(argv=None) -> dict:
             last = engine.titan.collect_metrics()
             record.update({k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))})
         if args.val_every and step % args.val_every == 0 and step != args.steps:
-            record["val_loss"] = validate(engine, corpus, args, micro_batch)
+            record["val_loss"] = validate(engine, corpus, args, val_mb)
             val_history.append((step, record["val_loss"]))
         history.append(record)
         if mfile:
@@ -182,10 +259,11 @@ def main(argv=None) -> dict:
             engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
     if bar:
         bar.close()
-    val = validate(engine, corpus, args, micro_batch)
+    val = validate(engine, corpus, args, val_mb)
     val_history.append((args.steps, val))
     if args.save_dir and not (args.save_every and args.steps % args.save_every == 0):
         engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}", client_state={"step": args.steps})
+    opt_state_total = _sum_over_ranks(opt_state_peak, world)
     summary = {
         "steps": args.steps, "start_step": start, "world_size": world, "micro_batch": micro_batch,
         "model": model.cfg.to_dict() if hasattr(model, "cfg") else {}, "trainable_params": trainable,
@@ -193,6 +271,11 @@ def main(argv=None) -> dict:
         "tokens_per_s": timed_tokens / timed_s if timed_s else float("nan"),
         "step_s": timed_s / max(1, len(history) - 3),
         "memory": peak.to_dict() if peak else {}, "peak_rss": peak_rss_bytes(),
+        # measured from the optimizer's state tensors (not assumed), every rank's partition: see
+        # titan_ds.metrics.optimizer_state_bytes; per trainable parameter of this model (after TRD, if on)
+        "optimizer_state_bytes": opt_state_total,
+        "optimizer_bytes_per_param": opt_state_total / max(1, trainable),
+        "optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
         "skipped_steps": sum(1 for r in history if r["skipped"]),
         "pillars": titan.enabled_pillars if titan else [],
         "titan_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))},

@@ -9,24 +9,13 @@ import pytest
 import torch
 
 import titan_ds
+from titan_ds.bench import localise_paths
 from titan_ds.config import TitanConfig, TitanConfigError
 from titan_ds.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
 TINY = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
-
-
-def _localise(obj, tmp: Path):
-    """Point every nvme_path and HMS spill-tier path at a temporary folder."""
-    if isinstance(obj, dict):
-        out = {k: (str(tmp / Path(v).name) if k == "nvme_path" else _localise(v, tmp)) for k, v in obj.items()}
-        for tier in out.get("spill_tiers", []):
-            tier["path"] = str(tmp / Path(tier["path"]).name)
-        return out
-    if isinstance(obj, list):
-        return [_localise(v, tmp) for v in obj]
-    return obj
 
 
 # what HF's Trainer puts in place of each "auto" of the shipped ds_configs/hf_*.json (from TrainingArguments:
@@ -42,7 +31,7 @@ def _fill_auto(cfg: dict) -> dict:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_trains_three_steps(dist_env, tmp_path, path):
-    cfg = _localise(json.loads(path.read_text()), tmp_path)
+    cfg = localise_paths(json.loads(path.read_text()), tmp_path)
     cfg["train_micro_batch_size_per_gpu"] = 2
     cfg = _fill_auto(cfg)
     cfg.pop("csv_monitor", None)

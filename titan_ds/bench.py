@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["baseline_config", "compare", "run_row", "write_table", "ROOT"]
+__all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -34,6 +34,20 @@ def baseline_config(stage: int = 0, **overrides: Any) -> dict[str, Any]:
         cfg["zero_allow_untested_optimizer"] = True  # torch AdamW as client optimizer is "untested" for ZeRO
     cfg.update(copy.deepcopy(overrides))
     return cfg
+
+
+def localise_paths(obj: Any, folder: Path) -> Any:
+    """A copy of a ds_config with every ``nvme_path`` and HMS spill-tier ``path`` moved into ``folder`` (same
+    base names), so a run never writes next to the checkout."""
+    if isinstance(obj, dict):
+        out = {k: (str(Path(folder) / Path(v).name) if k == "nvme_path" else localise_paths(v, folder))
+               for k, v in obj.items()}
+        for tier in out.get("spill_tiers", []):
+            tier["path"] = str(Path(folder) / Path(tier["path"]).name)
+        return out
+    if isinstance(obj, list):
+        return [localise_paths(v, folder) for v in obj]
+    return obj
 
 
 def _launcher(num_ranks: int, port: int) -> list[str]:

@@ -14,7 +14,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["StepMetrics", "MemoryBreakdown", "accounted_memory", "ActivationCounter", "peak_rss_bytes"]
+__all__ = ["StepMetrics", "MemoryBreakdown", "accounted_memory", "ActivationCounter", "peak_rss_bytes",
+           "optimizer_state_bytes"]
 
 
 @dataclass
@@ -106,17 +107,54 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
     return (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
 
 
+def _leaves(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors that hold ``t``'s bytes. A tensor subclass that wraps others (torchao's 8-bit and 4-bit
+    optimizer states: ``codes``, ``scale``, ``qmap``) reports the logical shape and dtype (fp32) and has no
+    storage of its own: its bytes are those of its inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _leaves(getattr(t, name))
+    else:
+        yield t
+
+
 def _sum_unique(tensors: Iterable[torch.Tensor], seen: set) -> int:
     total = 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+    for outer in tensors:
+        if outer is None or not isinstance(outer, torch.Tensor):
             continue
-        k = _key(t)
-        if k in seen:
-            continue
-        seen.add(k)
-        total += _nbytes(t)
+        for t in _leaves(outer):
+            if t.numel() == 0:
+                continue
+            k = _key(t)
+            if k in seen:
+                continue
+            seen.add(k)
+            total += _nbytes(t)
     return total
+
+
+def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for s in getattr(optimizer, "state", {}).values():
+        for v in (s.values() if isinstance(s, dict) else []):
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (every buffer and step counter, measured from the tensors,
+    deduplicated by storage; wrapper subclasses such as torchao's quantized states by their inner tensors).
+
+    ``optimizer`` is a torch optimizer or a DeepSpeed engine (its ``basic_optimizer``: the client optimizer,
+    which under ZeRO holds the state of this rank's partition only). ZeRO's fp32 master copies are not
+    optimizer state here (:func:`accounted_memory` counts them under ``optimizer_state``)."""
+    optimizer = getattr(optimizer, "basic_optimizer", optimizer)
+    return _sum_unique(_state_tensors(optimizer), set())
 
 
 def _module_params(engine: Any) -> list[torch.Tensor]:
@@ -142,12 +180,7 @@ def _optimizer_tensors(engine: Any) -> tuple[list[torch.Tensor], list[torch.Tens
     for g in (averaged.values() if isinstance(averaged, dict) else []):
         grads.extend(x for x in (g or []) if isinstance(x, torch.Tensor))
     if basic is not None and hasattr(basic, "state"):
-        for s in basic.state.values():
-            for v in (s.values() if isinstance(s, dict) else []):
-                if isinstance(v, torch.Tensor):
-                    state.append(v)
-                elif isinstance(v, (list, tuple)):
-                    state.extend(x for x in v if isinstance(x, torch.Tensor))
+        state = _state_tensors(basic)
     return masters, grads, state
 
 

@@ -1,9 +1,9 @@
-"""Loss and memory plot of a training run (matplotlib, headless)."""
+"""Plots (matplotlib, headless): a training run's loss and memory; a memory-vs-quality frontier."""
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plot_run"]
+__all__ = ["plot_run", "plot_frontier"]
 
 
 def plot_run(history: list[dict[str, Any]], val_history: list[tuple[int, float]], summary: dict[str, Any],
@@ -29,3 +29,72 @@ def plot_run(history: list[dict[str, Any]], val_history: list[tuple[int, float]]
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# one colour and marker per family of row, in the legend's order
+_FAMILIES = {"adamw": ("black", "o", "dense AdamW (lr grid)"), "peer": ("tab:blue", "s", "low-memory peers"),
+             "titan": ("tab:red", "D", "titan profiles")}
+
+
+def plot_frontier(points: list[dict[str, Any]], path: str, *, title: str = "",
+                  xlabel: str = "training-state MiB (params + grads + optimizer + activations, accounted; log)",
+                  ylabel: str = "validation loss (nats/byte)") -> None:
+    """One labelled point per config: ``x`` (memory), ``y`` (mean loss), optional ``ylo``/``yhi`` (the seeds'
+    min and max, drawn as an error bar), ``family`` (a key of the legend: adamw, peer, titan), ``label``, and
+    ``best`` (drawn larger: the reference row)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    unknown = sorted({p["family"] for p in points} - set(_FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown families {unknown}; choose from {sorted(_FAMILIES)}")
+    fig, ax = plt.subplots(figsize=(10, 6))
+    labels: list[tuple[dict[str, Any], str]] = []
+    for fam, (colour, marker, name) in _FAMILIES.items():
+        mine = [p for p in points if p["family"] == fam]
+        if not mine:
+            continue
+        ax.scatter([p["x"] for p in mine], [p["y"] for p in mine], c=colour, marker=marker, label=name, zorder=3,
+                   s=[90 if p.get("best") else 36 for p in mine])
+        for p in mine:
+            if p.get("ylo") is not None and p.get("yhi") is not None:
+                ax.errorbar(p["x"], p["y"], yerr=[[p["y"] - p["ylo"]], [p["yhi"] - p["y"]]], c=colour, lw=1,
+                            capsize=3, zorder=2)
+            labels.append((p, colour))
+    ax.set_xscale("log")
+    xs = [p["x"] for p in points]
+    ax.set_xlim(min(xs) / 1.4, max(xs) * 2.6)  # room on the right for the labels of the largest configs
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 30, 300: not 3x10^1
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="both", labelsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _place_labels(fig, ax, labels)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# label positions tried in turn (offset in points, horizontal alignment), the first that overlaps no earlier label
+_SPOTS = [((5, 4), "left"), ((5, -10), "left"), ((-5, 4), "right"), ((-5, -10), "right"), ((5, 13), "left"),
+          ((5, -19), "left"), ((-5, 13), "right"), ((-5, -19), "right")]
+
+
+def _place_labels(fig: Any, ax: Any, labels: list[tuple[dict[str, Any], str]]) -> None:
+    renderer = fig.canvas.get_renderer()
+    placed: list[Any] = []
+    for p, colour in sorted(labels, key=lambda pc: pc[0]["y"]):
+        for offset, ha in _SPOTS:
+            text = ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=offset, ha=ha,
+                               fontsize=7, color=colour)
+            box = text.get_window_extent(renderer)
+            if not any(box.overlaps(b) for b in placed) or (offset, ha) == _SPOTS[-1]:
+                placed.append(box)
+                break
+            text.remove()
