@@ -1,5 +1,6 @@
-"""``titan-ds report``: what is available on this machine; ``titan-ds clean-shm``: free the shared memory that
-earlier DeepSpeed CPU runs leaked."""
+"""``titan-ds report``: what is available on this machine; ``titan-ds plan``: which configuration fits a model
+on this machine (:mod:`titan_ds.plan`); ``titan-ds clean-shm``: free the shared memory that earlier DeepSpeed
+CPU runs leaked."""
 from __future__ import annotations
 
 import argparse
@@ -96,10 +97,20 @@ def main(argv=None) -> int:
     r.add_argument("--nvme-path", default="./titan_storage")
     r.add_argument("--probe-mb", type=int, default=64)
     r.add_argument("--json", action="store_true")
+    pl = sub.add_parser("plan", help="predicted bytes per tier of each candidate config; writes the best that fits")
+    from .plan import add_arguments as _plan_args
+    _plan_args(pl)
     c = sub.add_parser("clean-shm", help="remove /dev/shm files that earlier DeepSpeed CPU runs leaked "
                                          "(deepspeed_allreduce_buffer_*, 66 MB per rank and run; only unused ones)")
     c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     a = p.parse_args(argv)
+    if a.cmd == "plan":
+        from .plan import run as _plan
+        try:
+            return _plan(a)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"titan-ds plan: {e}", file=sys.stderr)
+            return 2
     if a.cmd == "clean-shm":
         from .utils import stale_deepspeed_shm, unlink_quietly
         stale = stale_deepspeed_shm()

@@ -1,0 +1,135 @@
+"""`titan-ds plan`: the model spec, the byte model's structure, the CLI, and (as root) the config it writes
+trained under the cap it was given."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_ds.config import TitanConfig
+from titan_ds.memcap import cgroup_available, run_capped
+from titan_ds.models import GPT, GPTConfig
+from titan_ds.plan import (MODES, candidate_config, candidates, load_calibration, model_spec, parse_size, predict)
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+
+
+def test_gpt_spec_counts_the_real_model():
+    m = model_spec("gpt:3x192")
+    real = GPT(GPTConfig(n_layer=3, n_embd=192, n_head=3))
+    assert m.params == sum(p.numel() for p in real.parameters())
+    assert (m.layers, m.hidden, m.heads) == (3, 192, 3)
+    with pytest.raises(ValueError, match="gpt:LAYERSxWIDTH"):
+        model_spec("gpt:12by768")
+    with pytest.raises(ValueError, match="hf:PATH_OR_CONFIG"):
+        model_spec("llama-7b")
+
+
+def test_hf_spec_counts_on_the_meta_device(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    cfg.save_pretrained(tmp_path)
+    real = transformers.AutoModelForCausalLM.from_config(cfg)
+    for spec in (f"hf:{tmp_path}", f"hf:{tmp_path}/config.json"):
+        m = model_spec(spec)
+        assert m.params == sum(p.numel() for p in real.parameters()) and m.layers == 2 and m.vocab == 300
+
+
+def test_structure_orders_the_candidates_and_scales_with_ranks():
+    m = model_spec("gpt:24x1024")
+    cal = load_calibration()
+    peak = {mode: predict(mode, m, calibration=cal).dram_peak for mode in MODES}
+    # on the CPU accelerator the "device" is DRAM, so offloading to CPU saves nothing there: only HMS's disk
+    # does; with its gradient partitions mapped to a file and a 2-byte optimizer state, hms_asdt holds least
+    assert peak["hms_asdt"] < peak["hms"] < min(peak["zero2"], peak["zero3"], peak["zero3_cpu"])
+    assert peak["zero3_cpu"] > peak["zero3"]  # + the fp32 gradient copy the CPU optimizer reads
+    assert predict("hms_asdt", m, calibration=cal).disk_total < predict("hms", m, calibration=cal).disk_total
+    one = predict("zero3", m, ranks=1, calibration=cal).dram
+    two = predict("zero3", m, ranks=2, calibration=cal).dram
+    assert two["gradients"] == pytest.approx(one["gradients"] / 2)  # ZeRO-3 partitions over ranks
+    assert predict("zero2", m, ranks=2, calibration=cal).dram["parameters"] == \
+        predict("zero2", m, ranks=1, calibration=cal).dram["parameters"]  # ZeRO-2 replicates parameters
+
+
+def test_fits_names_the_tier_that_does_not():
+    m = model_spec("gpt:24x1024")
+    cands = candidates(m, seq=128, micro=1, cpu_mem=2 * GiB, disk=100 * GiB)
+    by = {c.mode: c for c in cands}
+    assert not by["zero2"].fits and "DRAM" in by["zero2"].why
+    cands = candidates(m, seq=128, micro=1, cpu_mem=64 * GiB, disk=0)
+    assert not {c.mode: c for c in cands}["hms"].fits and "disk" in {c.mode: c for c in cands}["hms"].why
+    assert {c.mode: c for c in cands}["zero2"].fits
+
+
+def test_parse_size():
+    assert parse_size("24G") == 24 * GiB and parse_size("512M") == 512 * 2**20 and parse_size("2.5GiB") == 2.5 * GiB
+    assert parse_size("8") == 8 * GiB
+    with pytest.raises(ValueError, match="24G"):
+        parse_size("lots")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_candidate_configs_are_valid(mode):
+    cfg = candidate_config(mode, nvme_path="/tmp/x")
+    if "titan" in cfg:
+        TitanConfig.from_ds_config(cfg)
+    assert cfg["zero_optimization"]["stage"] == (2 if mode == "zero2" else 3)
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "titan_ds.cli", "plan", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), **kw)
+
+
+def test_cli_prints_the_table_and_writes_the_best(tmp_path):
+    out = tmp_path / "cfg.json"
+    p = _cli("--model", "gpt:24x1024", "--cpu-mem", "3G", "--disk", "20G", "--out", str(out),
+             "--nvme-path", str(tmp_path / "nvme"))
+    assert p.returncode == 0, p.stderr
+    assert "| zero2 | no |" in p.stdout and "best fitting: hms" in p.stdout
+    cfg = json.loads(out.read_text())
+    assert cfg["titan"]["hms"]["nvme_path"] == str(tmp_path / "nvme")
+    p = _cli("--model", "gpt:24x1024", "--cpu-mem", "0.5G")
+    assert p.returncode == 1 and "nothing fits" in p.stdout
+    p = _cli("--model", "gpt:24", "--cpu-mem", "4G")
+    assert p.returncode == 2 and "gpt:LAYERSxWIDTH" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cgroup_available(), reason="needs root and a cgroup v1 memory controller")
+def test_plan_config_trains_under_the_cap(tmp_path):
+    """The issue's check: plan on a cap, train the config it wrote for 2 steps under that cap, and it fits
+    (finite loss, not OOM-killed); plain ZeRO-2 (which plan rejected) is OOM-killed under the same cap."""
+    cap, spec = "1.5G", "gpt:8x768"
+    out = tmp_path / "cfg.json"
+    p = _cli("--model", spec, "--cpu-mem", cap, "--disk", "10G", "--out", str(out), "--nvme-path",
+             str(tmp_path / "nvme"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    chosen = p.stdout.split("best fitting: ")[1].split()[0]
+    assert chosen != "zero2", p.stdout
+
+    def train(cfg_path, zero_init):
+        summary = tmp_path / f"{cfg_path.stem}.summary.json"
+        cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg_path), "--steps",
+               "2", *model_spec(spec).gpt_args, "--micro-batch", "1", "--val-batches", "1", "--warmup", "1",
+               "--no-progress", "--summary-out", str(summary)] + (["--zero-init"] if zero_init else [])
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        r = run_capped(cmd, int(parse_size(cap)), env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=900)
+        return r, (json.loads(summary.read_text()) if summary.exists() else None)
+
+    r, s = train(out, zero_init=True)
+    assert r.ok and s is not None and math.isfinite(s["val_loss"]), r
+    z2 = tmp_path / "zero2.json"
+    z2.write_text(json.dumps(candidate_config("zero2")))
+    r2, _ = train(z2, zero_init=False)
+    assert r2.oom_killed, r2

@@ -1,0 +1,308 @@
+"""``titan-ds plan``: which DeepSpeed/titan configuration fits a machine, predicted before anything is run.
+
+For a model (the reference GPT ``gpt:LAYERSxWIDTH``, or a Hugging Face model ``hf:PATH_OR_CONFIG``), a sequence
+length, a micro-batch and the memory of each tier (device, DRAM, disk), every candidate configuration gets a
+prediction of the bytes it holds per tier, split into parameters, gradients, optimizer state, activations and
+ZeRO's working buffers; the table marks those that fit, and the fastest fitting one is written out as a complete
+ds_config with its ``"titan"`` section.
+
+The model of each candidate has two parts:
+
+1. **structure**, from DeepSpeed 0.19.8's source: what each ZeRO stage keeps resident, per rank. On this CPU
+   accelerator the "device" is DRAM and the dtype is fp32: ZeRO-2 holds the full parameters and gradients and
+   the partitioned fp32 master and optimizer state; ZeRO-3 holds partitions plus the gathered working set
+   (``stage3_max_live_parameters``, the prefetch and reduce buckets); ZeRO-3 CPU offload adds the fp32
+   gradient partition the CPU optimizer reads; HMS keeps on disk parameters, masters and optimizer state and
+   holds in DRAM DeepSpeed's fp32 gradient partition (``grad_partitions_flat_buffer``, 4 bytes/param: the
+   largest term left, see issue 16; ``hms_asdt`` maps it to a file, ``titan.hms.gradient_buffer: "disk"``), one
+   optimizer sub-group at a time, and its DRAM cache.
+2. **calibration**: per candidate, a process baseline (torch + DeepSpeed loaded, allocator, kernels) and the
+   bytes per parameter the structure does not explain, fitted on measured runs by
+   ``launch/bench/plan_accuracy.py --calibrate`` into ``titan_ds/plan_calibration.json`` (the file records the
+   command, date and points). ``launch/bench/plan_accuracy.py`` then checks predictions against cgroup-measured
+   peaks of runs that were not used for the fit (README: the accuracy table).
+
+Predictions for a GPU device (``--gpu-mem``) use the same structure with bf16 parameters and gradients on the
+device; they are not calibrated here (this machine has no GPU), and the table says so.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .hms.install import ZERO3_BOUNDS
+
+__all__ = ["ModelSpec", "Candidate", "model_spec", "candidates", "plan", "candidate_config", "MODES",
+           "CALIBRATION_FILE", "format_table"]
+
+GiB = 1 << 30
+CALIBRATION_FILE = Path(__file__).with_name("plan_calibration.json")
+# candidates, fastest first (the order in which the best fitting one is chosen)
+MODES = ("zero2", "zero3", "zero3_cpu", "hms", "hms_asdt")
+OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2}  # per parameter: AdamW exp_avg + exp_avg_sq; ASDT one bf16 buffer
+MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "hms": "adamw", "hms_asdt": "asdt_bf16"}
+DESCRIPTION = {
+    "zero2": "ZeRO-2, torch AdamW",
+    "zero3": "ZeRO-3, torch AdamW",
+    "zero3_cpu": "ZeRO-3 + CPU offload (params, optimizer), torch AdamW",
+    "hms": "ZeRO-3 + titan HMS (params, optimizer on disk), torch AdamW",
+    "hms_asdt": "ZeRO-3 + titan HMS + titan optimizer (ASDT, bf16 state), gradient partitions in a file mapping",
+}
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    intermediate: int
+    gpt_args: Optional[list[str]] = None  # launch/train.py arguments for the reference GPT
+
+
+def _count_meta(build) -> int:
+    import torch
+    with torch.device("meta"):
+        m = build()
+    return sum(p.numel() for p in m.parameters())
+
+
+def model_spec(spec: str, seq: int = 128) -> ModelSpec:
+    """``gpt:LAYERSxWIDTH`` (the reference GPT of launch/train.py, vocab 256, heads width/64) or
+    ``hf:PATH_OR_CONFIG`` (a folder or hub id with a config.json, or a config.json path). Parameters are
+    counted by building the model on the meta device (nothing is allocated)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "gpt":
+        try:
+            layers, width = (int(x) for x in arg.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--model {spec!r}: write gpt:LAYERSxWIDTH, e.g. gpt:12x768") from None
+        from .models import GPT, GPTConfig
+        heads = max(1, width // 64)
+        cfg = GPTConfig(n_layer=layers, n_embd=width, n_head=heads, block_size=max(seq, 128), vocab_size=256)
+        return ModelSpec(spec, _count_meta(lambda: GPT(cfg)), layers, width, heads, 256, 4 * width,
+                         ["--layers", str(layers), "--width", str(width), "--heads", str(heads), "--context",
+                          str(max(seq, 128))])
+    if kind == "hf":
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise ValueError("--model hf:... needs transformers: pip install 'titan-ds[hf]'") from None
+        path = arg[:-len("config.json")] if arg.endswith("config.json") else arg
+        cfg = AutoConfig.from_pretrained(path or ".")
+        n = _count_meta(lambda: AutoModelForCausalLM.from_config(cfg))
+        hidden = int(getattr(cfg, "hidden_size", getattr(cfg, "n_embd", 0)))
+        return ModelSpec(spec, n, int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0))), hidden,
+                         int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 1))),
+                         int(cfg.vocab_size), int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden))
+    raise ValueError(f"--model {spec!r}: write gpt:LAYERSxWIDTH or hf:PATH_OR_CONFIG")
+
+
+def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_batch: int = 1,
+                     dram_cache_mb: int = 64) -> dict[str, Any]:
+    """The complete ds_config of a candidate (what ``plan --out`` writes and the benchmarks train)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "steps_per_print": 10**9, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+        "zero_optimization": {"stage": 2 if mode == "zero2" else 3}}
+    z = cfg["zero_optimization"]
+    if mode != "zero2":
+        z.update(stage3_param_persistence_threshold=0, **ZERO3_BOUNDS)
+    else:
+        z.update(reduce_bucket_size=ZERO3_BOUNDS["reduce_bucket_size"],
+                 allgather_bucket_size=ZERO3_BOUNDS["reduce_bucket_size"])
+    if mode == "zero3_cpu":
+        z["offload_param"] = {"device": "cpu"}
+        z["offload_optimizer"] = {"device": "cpu"}
+    if mode.startswith("hms"):
+        cfg["titan"] = {"hms": {"nvme_path": nvme_path, "dram_cache_mb": dram_cache_mb, "prefetch": "trace",
+                                "prefetch_depth": 2}}
+        if mode == "hms_asdt":
+            cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-3, "density": 0.1, "state_dtype": "bf16"}
+            cfg["titan"]["hms"]["gradient_buffer"] = "disk"
+    return cfg
+
+
+@dataclass
+class Candidate:
+    mode: str
+    description: str
+    device: dict[str, float] = field(default_factory=dict)  # bytes by kind; empty on a CPU-only machine
+    dram: dict[str, float] = field(default_factory=dict)
+    disk: dict[str, float] = field(default_factory=dict)
+    fits: bool = False
+    why: str = ""
+    calibrated: bool = True
+
+    @property
+    def dram_peak(self) -> float:
+        return sum(self.dram.values())
+
+    @property
+    def device_peak(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def disk_total(self) -> float:
+        return sum(self.disk.values())
+
+
+def load_calibration(path: Path = CALIBRATION_FILE) -> dict[str, Any]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python launch/bench/plan_accuracy.py --calibrate`")
+    return json.loads(path.read_text())
+
+
+def activation_bytes(m: ModelSpec, seq: int, micro: int, elem: int = 4) -> float:
+    """Saved activations of one micro-batch, per layer s*b*(34h + 5*a*s) half-precision bytes (Korthikanti et
+    al. 2022) scaled to ``elem`` bytes, plus the logits and their softmax (2 x b*s*vocab)."""
+    per_layer = seq * micro * (34 * m.hidden + 5 * m.heads * seq) * elem / 2
+    return m.layers * per_layer + 2 * micro * seq * m.vocab * elem
+
+
+def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: bool) -> dict[str, dict[str, float]]:
+    """Resident bytes per rank by tier and kind, before calibration."""
+    P, N = m.params, ranks
+    S = OPT_STATE_BYTES[MODE_OPTIMIZER[mode]]
+    w = 2 if gpu else 4   # parameter/gradient bytes on the device: bf16 on a GPU, fp32 on the CPU accelerator
+    sub = min(ZERO3_BOUNDS["sub_group_size"], P / N)
+    live = min(ZERO3_BOUNDS["stage3_max_live_parameters"], P)
+    dev: dict[str, float] = {"activations": activation_bytes(m, seq, micro, w)}
+    dram: dict[str, float] = {}
+    disk: dict[str, float] = {}
+    if mode == "zero2":
+        dev.update(parameters=w * P, gradients=w * P + (4 * P / N if gpu else 0),
+                   optimizer=4 * P / N + S * P / N,
+                   buffers=2 * 4 * ZERO3_BOUNDS["reduce_bucket_size"])
+    elif mode == "zero3":
+        dev.update(parameters=w * P / N + w * live, gradients=w * P / N, optimizer=4 * P / N + S * P / N,
+                   buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
+    elif mode == "zero3_cpu":
+        dev.update(parameters=w * live, gradients=w * P / N,
+                   buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
+        dram.update(parameters=w * P / N, gradients=4 * P / N, optimizer=4 * P / N + S * P / N)
+    else:  # hms, hms_asdt: partitions, masters and optimizer state on disk; one sub-group in DRAM during the step
+        grads_on_disk = mode == "hms_asdt" and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
+        dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
+                   buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
+        dram.update(optimizer=sub * (4 + 4 + S), cache=64 * 2**20)
+        disk.update(parameters=w * P / N, optimizer=(4 + S) * P / N,  # fp32 masters + state
+                    gradients=4 * P / N * (2 if grads_on_disk else 1))  # swapped fp32 grads (+ the mapping)
+    if gpu:
+        return {"device": dev, "dram": dram, "disk": disk}
+    for k, v in dev.items():  # the CPU accelerator: the device is DRAM
+        dram[k] = dram.get(k, 0) + v
+    return {"device": {}, "dram": dram, "disk": disk}
+
+
+def predict(mode: str, m: ModelSpec, *, ranks: int = 1, seq: int = 128, micro: int = 1, gpu: bool = False,
+            calibration: Optional[dict] = None) -> Candidate:
+    t = _structure(mode, m, ranks, seq, micro, gpu)
+    c = Candidate(mode, DESCRIPTION[mode], device=t["device"], dram=t["dram"], disk=t["disk"])
+    cal = (calibration or load_calibration())["modes"].get(mode)
+    if cal is None or gpu:
+        c.calibrated = False
+    if cal is not None:  # the process baseline, and bytes/param the structure does not explain (issue 16)
+        c.dram["baseline"] = cal["baseline_bytes"]
+        c.dram["unexplained"] = cal["extra_bytes_per_param"] * m.params / ranks
+    return c
+
+
+def candidates(m: ModelSpec, *, seq: int, micro: int, cpu_mem: float, disk: float, gpu_mem: Optional[float] = None,
+               ranks: int = 1, calibration: Optional[dict] = None) -> list[Candidate]:
+    """Every candidate with its prediction and whether it fits (all sizes in bytes; DRAM and disk are for the
+    whole machine, shared by ``ranks`` processes; the device memory is per rank)."""
+    out = []
+    for mode in MODES:
+        c = predict(mode, m, ranks=ranks, seq=seq, micro=micro, gpu=gpu_mem is not None, calibration=calibration)
+        reasons = []
+        if c.dram_peak * ranks > cpu_mem:
+            reasons.append(f"DRAM {c.dram_peak * ranks / GiB:.1f} > {cpu_mem / GiB:.1f} GiB")
+        if gpu_mem is not None and c.device_peak > gpu_mem:
+            reasons.append(f"device {c.device_peak / GiB:.1f} > {gpu_mem / GiB:.1f} GiB")
+        if c.disk_total * ranks > disk:
+            reasons.append(f"disk {c.disk_total * ranks / GiB:.1f} > {disk / GiB:.1f} GiB")
+        c.fits, c.why = not reasons, "; ".join(reasons) or "fits"
+        out.append(c)
+    return out
+
+
+def plan(m: ModelSpec, **kw) -> tuple[list[Candidate], Optional[Candidate]]:
+    cands = candidates(m, **kw)
+    return cands, next((c for c in cands if c.fits), None)
+
+
+def format_table(m: ModelSpec, cands: list[Candidate], ranks: int) -> str:
+    kinds = ["parameters", "gradients", "optimizer", "activations", "buffers", "cache", "baseline", "unexplained"]
+    lines = [f"model {m.name}: {m.params / 1e6:,.1f}M parameters ({m.layers} layers, hidden {m.hidden}); "
+             f"per rank, GiB", ""]
+    head = ["config", "fits", "device", "DRAM", "disk"] + [f"dram:{k}" for k in kinds] + ["calibrated", "why"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for c in cands:
+        cells = [c.mode, "yes" if c.fits else "no", f"{c.device_peak / GiB:.2f}" if c.device else "-",
+                 f"{c.dram_peak / GiB:.2f}", f"{c.disk_total / GiB:.2f}"]
+        cells += [f"{c.dram.get(k, 0) / GiB:.2f}" for k in kinds]
+        cells += ["yes" if c.calibrated else "no", c.why]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> float:
+    """'24G', '512M', '2.5GiB', '60' (GiB) -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    if t and t[-1] in mult:
+        return float(t[:-1]) * mult[t[-1]]
+    try:
+        return float(t) * GiB
+    except ValueError:
+        raise ValueError(f"size {text!r}: write e.g. 24G, 512M or a number of GiB") from None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="titan-ds plan", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="gpt:LAYERSxWIDTH or hf:PATH_OR_CONFIG")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--gpu-mem", default=None, help="device memory per rank (e.g. 80G); omit on a CPU-only machine")
+    p.add_argument("--cpu-mem", required=True, help="DRAM for the job (e.g. 24G)")
+    p.add_argument("--disk", default="0", help="free disk for HMS (e.g. 60G)")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--nvme-path", default="./titan_storage", help="titan.hms.nvme_path written into an HMS config")
+    p.add_argument("--out", default=None, help="write the best fitting config here (ds_config json)")
+    p.add_argument("--json", action="store_true", help="print the candidates as JSON")
+
+
+def run(a) -> int:
+    m = model_spec(a.model, a.seq)
+    cands, best = plan(m, seq=a.seq, micro=a.micro_batch, cpu_mem=parse_size(a.cpu_mem), disk=parse_size(a.disk),
+                       gpu_mem=None if a.gpu_mem is None else parse_size(a.gpu_mem), ranks=a.ranks)
+    if a.json:
+        print(json.dumps([{"mode": c.mode, "fits": c.fits, "why": c.why, "device": c.device, "dram": c.dram,
+                           "disk": c.disk, "calibrated": c.calibrated} for c in cands], indent=1))
+    else:
+        print(format_table(m, cands, a.ranks))
+    if best is None:
+        print("\nnothing fits: more DRAM or disk, a smaller model, or a shorter sequence")
+        return 1
+    print(f"\nbest fitting: {best.mode} ({best.description})")
+    if a.out:
+        cfg = candidate_config(best.mode, nvme_path=a.nvme_path, micro_batch=a.micro_batch)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(cfg, indent=1) + "\n")
+        extra = f" (launch/train.py {' '.join(m.gpt_args)})" if m.gpt_args else ""
+        print(f"wrote {a.out}{extra}")
+    return 0
