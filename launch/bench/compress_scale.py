@@ -196,7 +196,7 @@ class _SimWorker:
 def _layout(model: torch.nn.Module) -> tuple[list[Segment], list[torch.nn.Parameter]]:
     segs, params, off = [], [], 0
     for name, p in model.named_parameters():
-        segs.append(Segment(name, 0, off, p.numel(), p.numel()))
+        segs.append(Segment(name, 0, off, p.numel(), p.numel(), tuple(p.shape)))
         params.append(p)
         off += p.numel()
     return segs, params

@@ -78,7 +78,7 @@ def test_unused_keys_are_errors():
     with pytest.raises(TitanConfigError, match="sketch_rows, which method='topk' does not use"):
         TitanConfig(compression={"method": "topk", "sketch_rows": 2})
     with pytest.raises(TitanConfigError, match="must be one of"):
-        TitanConfig(compression={"method": "powersgd"})
+        TitanConfig(compression={"method": "dgc"})
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("compress*.json")), ids=lambda p: p.name)
