@@ -6,7 +6,7 @@
 
 With a ``"titan"`` section the pillars it names are applied by ``titan_ds.initialize``; without one this is plain
 DeepSpeed. When the section has an ``optimizer`` the titan optimizer is built from it; otherwise torch AdamW
-(betas 0.9/0.95, weight decay 0.1 on matrices) is the client optimizer. The learning rate warms up linearly and
+(betas 0.9/0.95, ``--beta1`` to change the first, weight decay 0.1 on matrices) is the client optimizer. The learning rate warms up linearly and
 decays by a cosine to 10%. Batches are a pure function of (seed, step, rank), so a resumed run sees exactly the
 batches the uninterrupted run would have seen.
 """
@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="defaults to the config's train_micro_batch_size_per_gpu (16 in the shipped configs)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=1e-3, help="peak lr of the AdamW client optimizer")
+    p.add_argument("--beta1", type=float, default=0.9,
+                   help="AdamW beta1; 0 when titan.compression.momentum (DGC) already applies the momentum")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--val-every", type=int, default=0,
                    help="validate before training and every N steps (0: only at the end)")
@@ -72,11 +74,11 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, lr: float, beta1: float = 0.9) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95))
+                             lr=lr, betas=(beta1, 0.95))
 
 
 @torch.no_grad()
@@ -103,7 +105,10 @@ def main(argv=None) -> dict:
     model = GPT(GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.context,
                           vocab_size=args.vocab))
     optimizer = None if (titan is not None and titan.optimizer is not None) or "optimizer" in ds else \
-        make_optimizer(model, args.lr)
+        make_optimizer(model, args.lr, args.beta1)
+    if optimizer is None and args.beta1 != 0.9:
+        raise SystemExit("--beta1 sets the AdamW client optimizer's beta1, but this config builds its own optimizer "
+                         "(titan.optimizer or an \"optimizer\" section); set its betas there instead")
     scheduler = None if "scheduler" in ds else \
         (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps)))
     args.deepspeed_config = None

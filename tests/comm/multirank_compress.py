@@ -76,11 +76,14 @@ def config(method: str) -> dict:
         zero.update({"reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0})
     elif args.stage in (1, 2):
         zero.update({"reduce_bucket_size": 5000, "allgather_bucket_size": 50000})  # several buckets
-    comp = {"method": method, "ratio": args.ratio}
-    if method != "none":
-        comp["warmup_steps"] = 2
-    else:
+    if method == "none":
         comp = {"method": "none"}
+    elif method == "powersgd":  # rank 1: the MLP's three matrices go as P and Q, its biases dense
+        comp = {"method": "powersgd", "rank": 1, "warmup_steps": 2}
+    elif method == "dgc":  # topk with DGC's momentum correction, masking and local clipping (ramp: unit tests)
+        comp = {"method": "topk", "ratio": args.ratio, "warmup_steps": 2, "momentum": 0.9, "local_clip": 1.0}
+    else:
+        comp = {"method": method, "ratio": args.ratio, "warmup_steps": 2}
     return {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True,
             "optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "titan": {"compression": comp}}
@@ -109,17 +112,21 @@ def train(method: str, rank: int) -> dict:
         losses.append(float(lt) / dist.get_world_size())
     out = {"losses": losses, "seam_calls": dict(hooks.seam_calls), "steps": metrics,
            "dense_total": dense_total, "wire_total": wire_total}
-    # checkpoint round trip: residuals of every rank come back
+    # checkpoint round trip: residuals and every other store (DGC's momentum, PowerSGD's Q) of every rank come back
     if method != "none":
-        before = {k: v.clone() for k, v in hooks.reducer.residuals.residuals.items()}
+        stores = hooks.reducer.stores
+        before = {name: {k: v.clone() for k, v in st.residuals.items()} for name, st in stores.items()}
         ckdir = os.environ.get("TITAN_TEST_CKPT") or tempfile.mkdtemp()
         engine.save_checkpoint(ckdir, tag=f"{method}")
-        for v in hooks.reducer.residuals.residuals.values():
-            v.zero_()
+        for st in stores.values():
+            for v in st.residuals.values():
+                v.zero_()
         engine.load_checkpoint(ckdir, tag=f"{method}")
-        after = hooks.reducer.residuals.residuals
-        out["residuals_restored"] = (set(before) == set(after)
-                                     and all(torch.equal(before[k], after[k]) for k in before))
+        after = {name: st.residuals for name, st in stores.items()}
+        out["stores"] = {name: len(v) for name, v in before.items()}
+        out["residuals_restored"] = all(set(before[n]) == set(after[n])
+                                        and all(torch.equal(before[n][k], after[n][k]) for k in before[n])
+                                        for n in before)
         out["residual_norm"] = hooks.reducer.residuals.norm()
     hooks.uninstall()
     return out
