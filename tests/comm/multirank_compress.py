@@ -30,6 +30,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--local_rank", type=int, default=0)
 args = p.parse_args()
 
+RESUMED = 3  # steps run after the checkpoint, then again after loading it: the two must agree bit for bit
 COUNTED = ("all_reduce", "reduce", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
 
 
@@ -62,9 +63,9 @@ def model_and_data(seed: int):
                                 torch.nn.Tanh(), torch.nn.Linear(128, 8))
     teacher = torch.nn.Linear(32, 8)
     g = torch.Generator().manual_seed(seed)
-    xs = torch.randn(args.steps, 32, 32, generator=g)
+    xs = torch.randn(args.steps + RESUMED, 32, 32, generator=g)
     with torch.no_grad():
-        ys = teacher(xs) + 0.01 * torch.randn(args.steps, 32, 8, generator=g)
+        ys = teacher(xs) + 0.01 * torch.randn(args.steps + RESUMED, 32, 8, generator=g)
     return model, xs, ys
 
 
@@ -87,6 +88,13 @@ def config(method: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True,
             "optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "titan": {"compression": comp}}
+
+
+def step(engine, xs, ys, s: int) -> float:
+    loss = torch.nn.functional.mse_loss(engine(xs[s]), ys[s])
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
 
 
 def train(method: str, rank: int) -> dict:
@@ -122,12 +130,17 @@ def train(method: str, rank: int) -> dict:
             for v in st.residuals.values():
                 v.zero_()
         engine.load_checkpoint(ckdir, tag=f"{method}")
-        after = {name: st.residuals for name, st in stores.items()}
+        after = {name: {k: v.clone() for k, v in st.residuals.items()} for name, st in stores.items()}
         out["stores"] = {name: len(v) for name, v in before.items()}
         out["residuals_restored"] = all(set(before[n]) == set(after[n])
                                         and all(torch.equal(before[n][k], after[n][k]) for k in before[n])
                                         for n in before)
         out["residual_norm"] = hooks.reducer.residuals.norm()
+        # bit-exact resume: RESUMED more steps, then load the checkpoint and run them again
+        first = [step(engine, xs, ys, s) for s in range(args.steps, args.steps + RESUMED)]
+        engine.load_checkpoint(ckdir, tag=f"{method}")
+        again = [step(engine, xs, ys, s) for s in range(args.steps, args.steps + RESUMED)]
+        out["resume_bit_exact"] = first == again and len(set(first)) > 1
     hooks.uninstall()
     return out
 
@@ -141,9 +154,11 @@ def main():
         results[method] = train(method, rank)
     # rank 1's restore check travels to rank 0 for the report
     flags = [None, None]
-    dist.all_gather_object(flags, {m: r.get("residuals_restored") for m, r in results.items()})
+    dist.all_gather_object(flags, {m: (r.get("residuals_restored"), r.get("resume_bit_exact"))
+                                   for m, r in results.items()})
     for m in results:
-        results[m]["restored_by_rank"] = [f[m] for f in flags]
+        results[m]["restored_by_rank"] = [f[m][0] for f in flags]
+        results[m]["resumed_by_rank"] = [f[m][1] for f in flags]
     from deepspeed.runtime.zero import stage3
     results["stage3_global_restored"] = stage3.reduce_scatter_coalesced.__module__ != "titan_ds.comm.hooks"
     if rank == 0:

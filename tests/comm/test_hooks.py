@@ -136,6 +136,7 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
             assert r["wire_total"] == r["dense_total"]
         else:
             assert r["restored_by_rank"] == [True, True]
+            assert r["resumed_by_rank"] == [True, True], "the steps after a load must repeat bit for bit"
             assert r["residual_norm"] > 0
             want = {"powersgd": {"residuals", "q"}, "dgc": {"residuals", "momentum"}}.get(method, {"residuals"})
             assert set(r["stores"]) == want and all(r["stores"].values()), (method, r["stores"])
