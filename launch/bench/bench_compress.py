@@ -9,7 +9,7 @@ all-reduce goes through ``DeepSpeedEngine.allreduce_bucket``). The first row is 
 all-reduce). Compressed rows run ``warmup_steps`` dense steps first (``--warmup``, default 10), then compress
 with error feedback.
 
-Methods: ``topk``, ``tgss``, ``hge`` at each of ``--ratios``; ``dgc`` is ``topk`` with DGC's options
+Methods: ``topk``, ``tgss``, ``hge`` at each of ``--ratios`` (or ``name@r1/r2`` for its own ratios); ``dgc`` is ``topk`` with DGC's options
 (``--dgc-momentum``, masking, ``--dgc-clip``, the ratio ramp ``--dgc-ramp-steps`` from ``--dgc-ramp-start``;
 with momentum its rows train with AdamW ``--beta1 --dgc-beta1``, default 0, because the compressor's velocity
 already is the momentum); ``powersgd`` at each of ``--ranks`` (its bytes follow from the rank, not ``--ratios``).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import baseline_config, compare  # noqa: E402
+from titan_ds.bench import add_dgc_args, baseline_config, compare  # noqa: E402
 
 
 def dgc_section(ratio: float, warmup: int, a: argparse.Namespace) -> dict:
@@ -41,15 +41,23 @@ def dgc_section(ratio: float, warmup: int, a: argparse.Namespace) -> dict:
 
 def rows(methods: list[str], ratios: list[float], warmup: int, stage: int, ranks: list[int] = (1,),
          a: argparse.Namespace | None = None) -> list[tuple]:
+    """The dense row, then ``powersgd`` at each rank, then every other method at each ratio (ratio-major).
+
+    A method written ``name@r1/r2`` runs at those ratios instead of ``ratios`` (e.g. ``topk@120,dgc@300``: the
+    same whole-run bytes when DGC ramps up from a denser start)."""
     out: list[tuple] = [("dense_allreduce", baseline_config(stage=stage))]
-    for m in methods:
-        if m == "powersgd":
-            for r in ranks:
-                comp = {"method": "powersgd", "rank": r, "error_feedback": True, "warmup_steps": warmup}
-                out.append((f"powersgd_r{r}", baseline_config(stage=stage, titan={"compression": comp})))
-    for ratio in ratios:
-        for m in methods:
-            if m == "powersgd":
+    own: dict[str, list[float]] = {}
+    for spec in methods:
+        name, _, at = spec.partition("@")
+        own[name] = [float(x) for x in at.split("/")] if at else list(ratios)
+    if "powersgd" in own:
+        for r in ranks:
+            comp = {"method": "powersgd", "rank": r, "error_feedback": True, "warmup_steps": warmup}
+            out.append((f"powersgd_r{r}", baseline_config(stage=stage, titan={"compression": comp})))
+    every = sorted({x for m, rs in own.items() if m != "powersgd" for x in rs})
+    for ratio in every:
+        for m, rs in own.items():
+            if m == "powersgd" or ratio not in rs:
                 continue
             elif m == "dgc":
                 if a is None:
@@ -70,12 +78,7 @@ def main(argv=None) -> None:
     p.add_argument("--methods", default="topk,tgss,hge")
     p.add_argument("--ranks", default="1,2,4", help="PowerSGD ranks (one row each)")
     p.add_argument("--warmup", type=int, default=10, help="dense steps before compressing (every method)")
-    p.add_argument("--dgc-momentum", type=float, default=0.9, help="DGC momentum correction (0: off)")
-    p.add_argument("--dgc-no-masking", action="store_true", help="DGC without momentum factor masking")
-    p.add_argument("--dgc-clip", type=float, default=None, help="DGC local clip (max norm per parameter)")
-    p.add_argument("--dgc-ramp-steps", type=int, default=0, help="DGC sparsity warm-up steps (after --warmup)")
-    p.add_argument("--dgc-ramp-start", type=float, default=2.0, help="ratio at the start of the ramp")
-    p.add_argument("--dgc-beta1", type=float, default=0.0, help="AdamW beta1 of the DGC rows (with momentum)")
+    add_dgc_args(p)
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--out", default="results/compress")
     p.add_argument("--train-args", default="", help="extra launch/train.py flags (every row), e.g. '--seed 1'")

@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from titan_ds.bench import add_dgc_args  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
 from titan_ds.comm.dgc import DGCOptions  # noqa: E402
@@ -355,12 +356,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="do not add the top-k rows whose received bytes match the all-reduce methods' (ratio x W / 2)")
     p.add_argument("--warmup", type=int, default=0, help="dense steps before compressing")
     p.add_argument("--ranks", default="1,2", help="PowerSGD ranks (method powersgd: one row per rank, no ratio)")
-    p.add_argument("--dgc-momentum", type=float, default=0.9, help="DGC momentum correction (0: off)")
-    p.add_argument("--dgc-no-masking", action="store_true", help="DGC without momentum factor masking")
-    p.add_argument("--dgc-clip", type=float, default=None, help="DGC local clip (max norm per parameter)")
-    p.add_argument("--dgc-ramp-steps", type=int, default=0, help="DGC sparsity warm-up steps (after --warmup)")
-    p.add_argument("--dgc-ramp-start", type=float, default=2.0, help="ratio at the start of the ramp")
-    p.add_argument("--dgc-beta1", type=float, default=0.0, help="AdamW beta1 of the dgc rows (with momentum)")
+    add_dgc_args(p)
     p.add_argument("--out", default="results/compress_scale")
     p.add_argument("--label", default="", help="a note printed under the table's title (e.g. why it is partial)")
     a = p.parse_args(argv)
