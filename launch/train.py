@@ -6,7 +6,7 @@
 
 With a ``"titan"`` section the pillars it names are applied by ``titan_ds.initialize``; without one this is plain
 DeepSpeed. When the section has an ``optimizer`` the titan optimizer is built from it; otherwise the client
-optimizer is ``--optimizer`` (default torch AdamW, betas 0.9/0.95) at ``--lr``, with ``--weight-decay`` (default
+optimizer is ``--optimizer`` (default torch AdamW, betas 0.9/0.95, ``--beta1`` to change the first) at ``--lr``, with ``--weight-decay`` (default
 0.1) on matrices and none on vectors; the other choices are the low-memory optimizers a user would pick instead
 of titan (see :data:`CLIENT_OPTIMIZERS`). The learning rate warms up linearly and decays by a cosine to 10%.
 Batches are a pure function of (seed, step, rank), so a resumed run sees exactly the batches the uninterrupted
@@ -39,8 +39,8 @@ log = get_logger("titan_ds.train")
 DEFAULT_WEIGHT_DECAY = 0.1
 
 
-def _adamw(groups: list[dict], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+def _adamw(groups: list[dict], lr: float, beta1: float = 0.9) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=lr, betas=(beta1, 0.95))
 
 
 def _adafactor(groups: list[dict], lr: float) -> torch.optim.Optimizer:
@@ -75,14 +75,18 @@ CLIENT_OPTIMIZERS = {"adamw": _adamw, "adafactor": _adafactor, "lion": _lion,
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, name: str = "adamw",
-                   weight_decay: float = DEFAULT_WEIGHT_DECAY) -> torch.optim.Optimizer:
+                   weight_decay: float = DEFAULT_WEIGHT_DECAY, beta1: "float | None" = None) -> torch.optim.Optimizer:
     """The client optimizer ``name`` over two groups: matrices with ``weight_decay``, vectors without."""
     if name not in CLIENT_OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(CLIENT_OPTIMIZERS)}")
+    if beta1 is not None and name != "adamw":
+        raise ValueError(f"--beta1 sets torch AdamW's beta1; the {name!r} optimizer keeps its own betas")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return CLIENT_OPTIMIZERS[name]([{"params": decay, "weight_decay": weight_decay},
-                                    {"params": no_decay, "weight_decay": 0.0}], lr)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if beta1 is not None:
+        return _adamw(groups, lr, beta1)
+    return CLIENT_OPTIMIZERS[name](groups, lr)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -102,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default adamw)")
     p.add_argument("--weight-decay", type=float, default=None,
                    help=f"client optimizer's decoupled weight decay on matrices (default {DEFAULT_WEIGHT_DECAY})")
+    p.add_argument("--beta1", type=float, default=None,
+                   help="AdamW's beta1 (default 0.9); 0 when titan.compression.momentum (DGC) already applies the momentum")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--val-every", type=int, default=0,
                    help="validate before training and every N steps (0: only at the end)")
@@ -150,13 +156,14 @@ def _client_optimizer(model: torch.nn.Module, args: argparse.Namespace, ds: dict
     owner = "titan.optimizer" if titan is not None and titan.optimizer is not None else \
         "the ds_config's 'optimizer' section" if "optimizer" in ds else None
     if owner is not None:
-        for flag, value in (("--optimizer", args.optimizer), ("--weight-decay", args.weight_decay)):
+        for flag, value in (("--optimizer", args.optimizer), ("--weight-decay", args.weight_decay),
+                            ("--beta1", args.beta1)):
             if value is not None:
                 raise SystemExit(f"{flag} {value} conflicts with {owner} in {args.deepspeed_config}: the optimizer "
                                  f"comes from the config; drop {flag} or the config's optimizer")
         return None
     wd = DEFAULT_WEIGHT_DECAY if args.weight_decay is None else args.weight_decay
-    return make_optimizer(model, args.lr, args.optimizer or "adamw", wd)
+    return make_optimizer(model, args.lr, args.optimizer or "adamw", wd, args.beta1)
 
 
 def _sum_over_ranks(value: int, world: int) -> int:

@@ -18,3 +18,28 @@ def test_compare_passes_row_args_to_their_row_only(tmp_path, monkeypatch):
     assert [r["name"] for r in out] == ["base", "base_lr3e-3"]
     md = (tmp_path / "t.md").read_text()
     assert "| base_lr3e-3 | 2.003 | +0.002 |" in md
+
+
+def test_bench_compress_rows_validate_and_give_dgc_its_beta1():
+    """launch/bench/bench_compress.py: powersgd at each rank, ``name@ratio`` overrides --ratios, the DGC row is topk
+    with the DGC keys and AdamW beta1 0; every row's titan section passes the strict config."""
+    import argparse
+    import importlib.util
+
+    from titan_ds.config import TitanConfig
+    spec = importlib.util.spec_from_file_location("bench_compress", bench.ROOT / "launch/bench/bench_compress.py")
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    p = argparse.ArgumentParser()
+    bench.add_dgc_args(p)
+    a = p.parse_args(["--dgc-ramp-steps", "100", "--dgc-ramp-start", "4", "--dgc-clip", "0.7"])
+    rows = bc.rows(["powersgd", "dgc@300", "topk@120", "hge"], [100.0], 0, 2, [1, 4], a)
+    assert [r[0] for r in rows] == ["dense_allreduce", "powersgd_r1", "powersgd_r4", "hge_100x", "topk_120x",
+                                    "dgc_300x"]
+    dgc = rows[-1]
+    assert dgc[2] == ["--beta1", "0.0"] and dgc[1]["titan"]["compression"] == {
+        "method": "topk", "ratio": 300.0, "error_feedback": True, "warmup_steps": 0, "momentum": 0.9,
+        "momentum_masking": True, "local_clip": 0.7, "ratio_warmup_steps": 100, "ratio_warmup_start": 4.0}
+    for r in rows[1:]:
+        assert TitanConfig.from_ds_config(r[1]).compression is not None, r[0]
+        assert r[1]["zero_optimization"] == {"stage": 2}

@@ -103,16 +103,57 @@ def test_config_reference_is_current():
 
 
 def test_compression_methods_come_from_the_registry():
-    """titan.compression.method's choices and each method's refused keys are the compressor classes' own."""
+    """titan.compression.method's choices and the keys each method accepts are the compressor classes' own: every
+    other key of the section is refused for that method, naming the key (a valid value, so only that check fires)."""
     import typing
 
     from titan_ds.comm import REGISTRY
     from titan_ds.config import CompressionConfig
 
+    valid = {"ratio": 10.0, "error_feedback": False, "sketch_rows": 2, "seed": 1, "ratio_warmup_steps": 5,
+             "momentum": 0.9, "local_clip": 1.0, "rank": 2, "min_compression": 3.0}
+    assert set(valid) | {"method", "warmup_steps", "momentum_masking", "ratio_warmup_start"} == \
+        set(CompressionConfig.model_fields), "a new titan.compression key: add a valid value here"
     assert typing.get_args(CompressionConfig.model_fields["method"].annotation) == tuple(REGISTRY)
     for name, cls in REGISTRY.items():
-        for key in cls.unused_keys:
-            with pytest.raises(TitanConfigError, match=f"titan.compression.*{key}"):
-                TitanConfig(compression={"method": name, key: 1})
+        assert set(cls.config_keys) <= set(CompressionConfig.model_fields), name
+        for key, value in valid.items():
+            if key in cls.config_keys:
+                TitanConfig(compression={"method": name, key: value})
+            else:
+                with pytest.raises(TitanConfigError, match=f"titan.compression has {key}, which method='{name}' does not use"):
+                    TitanConfig(compression={"method": name, key: value})
     with pytest.raises(TitanConfigError, match="titan.compression.method must be one of"):
-        TitanConfig(compression={"method": "powersgd"})
+        TitanConfig(compression={"method": "dgc"})
+
+
+@pytest.mark.parametrize("comp,needle", [
+    ({"method": "topk", "ratio": 100, "ratio_warmup_steps": 10, "ratio_warmup_start": 200},
+     "ratio_warmup_start=200 must be below ratio=100"),
+    ({"method": "topk", "ratio_warmup_start": 4}, "ratio_warmup_steps is 0"),
+    ({"method": "topk", "momentum_masking": False}, "momentum is 0"),
+    ({"method": "topk", "momentum": 1.0}, "titan.compression.momentum must be < 1"),
+    ({"method": "topk", "local_clip": 0}, "titan.compression.local_clip must be > 0"),
+    ({"method": "powersgd", "rank": 0}, "titan.compression.rank must be >= 1"),
+    ({"method": "powersgd", "min_compression": 0.5}, "titan.compression.min_compression must be >= 1"),
+])
+def test_dgc_and_powersgd_keys_are_checked(comp, needle):
+    with pytest.raises(TitanConfigError, match=needle):
+        TitanConfig(compression=comp)
+
+
+def test_dgc_and_powersgd_keys_reach_the_reducer():
+    from titan_ds.comm import hooks
+    from titan_ds.engine import InitContext
+
+    def reducer(**comp):
+        c = InitContext(titan=TitanConfig(compression=comp), ds_config={}, model=None, world_size=2)
+        hooks.before_initialize(c)
+        return c.reports["compression"]
+
+    r = reducer(method="topk", ratio=300, momentum=0.9, momentum_masking=False, local_clip=0.5,
+                ratio_warmup_steps=40, ratio_warmup_start=4, warmup_steps=3)
+    assert (r.dgc.momentum, r.dgc.momentum_masking, r.dgc.local_clip) == (0.9, False, 0.5)
+    assert (r.ratio_warmup_steps, r.ratio_warmup_start, r.warmup_steps) == (40, 4, 3) and "momentum" in r.stores
+    p = reducer(method="powersgd", rank=4, min_compression=3, seed=7)
+    assert (p.compressor.rank, p.compressor.min_compression, p.compressor.seed) == (4, 3, 7) and "q" in p.stores

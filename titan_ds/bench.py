@@ -20,10 +20,21 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "ROOT"]
+__all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "add_dgc_args", "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
+
+
+def add_dgc_args(p: Any) -> None:
+    """The ``--dgc-*`` flags of the compression benchmarks' ``dgc`` rows (topk with DGC's options, issue 14)."""
+    p.add_argument("--dgc-momentum", type=float, default=0.9, help="DGC momentum correction (0: off)")
+    p.add_argument("--dgc-no-masking", action="store_true", help="DGC without momentum factor masking")
+    p.add_argument("--dgc-clip", type=float, default=None, help="DGC local clip (max norm per parameter)")
+    p.add_argument("--dgc-ramp-steps", type=int, default=0, help="DGC sparsity warm-up steps (after the dense ones)")
+    p.add_argument("--dgc-ramp-start", type=float, default=2.0, help="ratio at the start of the ramp")
+    p.add_argument("--dgc-beta1", type=float, default=0.0,
+                   help="AdamW beta1 of the dgc rows with momentum (the compressor's velocity is the momentum)")
 
 
 def baseline_config(stage: int = 0, **overrides: Any) -> dict[str, Any]:

@@ -125,6 +125,8 @@ class PlasticityConfig(_Strict):
 
 # the choices of titan.compression.method: the names in titan_ds/comm/registry.py, nowhere else
 _CompressionMethod = Literal[tuple(_COMPRESSORS)]  # type: ignore[valid-type]
+# titan.compression keys every method takes; each method lists the others it uses in its class's config_keys
+_EVERY_METHOD = {"method", "warmup_steps"}
 
 
 class CompressionConfig(_Strict):
@@ -132,8 +134,14 @@ class CompressionConfig(_Strict):
 
     ``ratio`` is the target of dense bytes / bytes handed to the collective per rank; ``sketch_rows`` is the
     number of count-sketch rows (tgss) or holograms (hge); ``warmup_steps`` optimizer steps run uncompressed;
-    ``seed`` keys the hashes and phases (identical on all ranks). A key that the chosen method does not use
-    is an error, not ignored.
+    ``seed`` keys the hashes and phases (identical on all ranks) and PowerSGD's first ``Q``.
+    ``ratio_warmup_steps`` steps after those ramp the ratio geometrically from ``ratio_warmup_start`` to ``ratio``
+    (DGC's sparsity warm-up; topk, tgss, hge). ``topk`` only: ``momentum`` (DGC's momentum correction factor; the
+    residual accumulates velocity, so give the optimizer no momentum of its own), ``momentum_masking`` (zero the
+    momentum where a value was sent), ``local_clip`` (max L2 norm of each parameter's local gradient before it is
+    accumulated; DGC: the global clipping threshold / sqrt(ranks)). ``powersgd`` only: ``rank`` (of the low-rank
+    approximation) and ``min_compression`` (a matrix is compressed only if it shrinks at least this much, else sent
+    dense). A key that the chosen method does not use is an error, not ignored.
     """
 
     method: _CompressionMethod = "hge"
@@ -142,14 +150,31 @@ class CompressionConfig(_Strict):
     warmup_steps: int = Field(default=0, ge=0)
     sketch_rows: int = Field(default=3, ge=1, le=64)
     seed: int = Field(default=0, ge=0, lt=2**31)
+    ratio_warmup_steps: int = Field(default=0, ge=0)
+    ratio_warmup_start: float = Field(default=2.0, ge=1)
+    momentum: float = Field(default=0.0, ge=0, lt=1)
+    momentum_masking: bool = True
+    local_clip: Optional[float] = Field(default=None, gt=0)
+    rank: int = Field(default=1, ge=1, le=1024)
+    min_compression: float = Field(default=2.0, ge=1)
 
     @model_validator(mode="after")
     def _used_keys(self) -> "CompressionConfig":
-        bad = sorted(set(_COMPRESSORS[self.method].unused_keys) & self.model_fields_set)
+        used = set(_COMPRESSORS[self.method].config_keys) | _EVERY_METHOD
+        bad = sorted(self.model_fields_set - used)
         if bad:
             raise ValueError(f"has {', '.join(bad)}, which method={self.method!r} does not use; remove "
                              f"{'it' if len(bad) == 1 else 'them'} or choose a method that uses "
                              f"{'it' if len(bad) == 1 else 'them'}")
+        if "ratio_warmup_start" in self.model_fields_set and self.ratio_warmup_steps == 0:
+            raise ValueError("has ratio_warmup_start but ratio_warmup_steps is 0 (no ramp); set ratio_warmup_steps "
+                             "or remove ratio_warmup_start")
+        if self.ratio_warmup_steps > 0 and not self.ratio_warmup_start < self.ratio:
+            raise ValueError(f"ratio_warmup_start={self.ratio_warmup_start:g} must be below ratio={self.ratio:g} "
+                             f"(the warm-up ramps up to ratio); lower it or raise ratio")
+        if "momentum_masking" in self.model_fields_set and self.momentum == 0:
+            raise ValueError("has momentum_masking but momentum is 0 (no momentum to mask); set momentum (DGC: 0.9) "
+                             "or remove momentum_masking")
         return self
 
 

@@ -1,14 +1,20 @@
-"""Gradient compression on DeepSpeed's reduce path: uncompressed vs topk vs tgss vs hge, 2 ranks, seed workload.
+"""Gradient compression on DeepSpeed's reduce path: dense all-reduce vs topk, DGC, tgss, hge, PowerSGD; 2 ranks.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python launch/bench/bench_compress.py --steps 200 \
-        --ratios 10,100 --methods topk,tgss,hge --out results/compress
+        --ratios 10,100 --methods topk,dgc,tgss,hge,powersgd --ranks 1,2,4 --out results/compress
 
 Every row trains the reference GPT (6 layers, width 256, context 128, micro-batch 16 per rank) on the same
 data, seed and tokens with 2 data-parallel ranks (`deepspeed --num_gpus 2`), ZeRO stage 0 (the gradient
 all-reduce goes through ``DeepSpeedEngine.allreduce_bucket``). The first row is plain DeepSpeed (dense
-all-reduce). Compressed rows run ``warmup_steps`` dense steps first (default 10), then compress with error
-feedback. Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the
-collective per rank), ``wire_x_run`` (whole run, warm-up included), ``step_time_ratio``.
+all-reduce). Compressed rows run ``warmup_steps`` dense steps first (``--warmup``, default 10), then compress
+with error feedback.
+
+Methods: ``topk``, ``tgss``, ``hge`` at each of ``--ratios`` (or ``name@r1/r2`` for its own ratios); ``dgc`` is ``topk`` with DGC's options
+(``--dgc-momentum``, masking, ``--dgc-clip``, the ratio ramp ``--dgc-ramp-steps`` from ``--dgc-ramp-start``;
+with momentum its rows train with AdamW ``--beta1 --dgc-beta1``, default 0, because the compressor's velocity
+already is the momentum); ``powersgd`` at each of ``--ranks`` (its bytes follow from the rank, not ``--ratios``).
+Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the collective per
+rank), ``wire_x_run`` (whole run, warm-up and ramp included), ``step_time_ratio``, ``peak_rss_ratio``.
 """
 from __future__ import annotations
 
@@ -18,15 +24,50 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import baseline_config, compare  # noqa: E402
+from titan_ds.bench import add_dgc_args, baseline_config, compare  # noqa: E402
 
 
-def rows(methods: list[str], ratios: list[float], warmup: int, stage: int) -> list[tuple[str, dict]]:
-    out = [("dense_allreduce", baseline_config(stage=stage))]
-    for ratio in ratios:
-        for m in methods:
-            comp = {"method": m, "ratio": ratio, "error_feedback": True, "warmup_steps": warmup}
-            out.append((f"{m}_{ratio:g}x", baseline_config(stage=stage, titan={"compression": comp})))
+def dgc_section(ratio: float, warmup: int, a: argparse.Namespace) -> dict:
+    """``titan.compression`` for a DGC row: topk plus the options given (only those that are switched on)."""
+    comp: dict = {"method": "topk", "ratio": ratio, "error_feedback": True, "warmup_steps": warmup}
+    if a.dgc_momentum > 0:
+        comp.update(momentum=a.dgc_momentum, momentum_masking=not a.dgc_no_masking)
+    if a.dgc_clip is not None:
+        comp["local_clip"] = a.dgc_clip
+    if a.dgc_ramp_steps > 0:
+        comp.update(ratio_warmup_steps=a.dgc_ramp_steps, ratio_warmup_start=a.dgc_ramp_start)
+    return comp
+
+
+def rows(methods: list[str], ratios: list[float], warmup: int, stage: int, ranks: list[int] = (1,),
+         a: argparse.Namespace | None = None) -> list[tuple]:
+    """The dense row, then ``powersgd`` at each rank, then every other method at each ratio (ratio-major).
+
+    A method written ``name@r1/r2`` runs at those ratios instead of ``ratios`` (e.g. ``topk@120,dgc@300``: the
+    same whole-run bytes when DGC ramps up from a denser start)."""
+    out: list[tuple] = [("dense_allreduce", baseline_config(stage=stage))]
+    own: dict[str, list[float]] = {}
+    for spec in methods:
+        name, _, at = spec.partition("@")
+        own[name] = [float(x) for x in at.split("/")] if at else list(ratios)
+    if "powersgd" in own:
+        for r in ranks:
+            comp = {"method": "powersgd", "rank": r, "error_feedback": True, "warmup_steps": warmup}
+            out.append((f"powersgd_r{r}", baseline_config(stage=stage, titan={"compression": comp})))
+    every = sorted({x for m, rs in own.items() if m != "powersgd" for x in rs})
+    for ratio in every:
+        for m, rs in own.items():
+            if m == "powersgd" or ratio not in rs:
+                continue
+            elif m == "dgc":
+                if a is None:
+                    raise ValueError("dgc rows need the parsed --dgc-* options")
+                comp = dgc_section(ratio, warmup, a)
+                row_args = ["--beta1", str(a.dgc_beta1)] if a.dgc_momentum > 0 else []
+                out.append((f"dgc_{ratio:g}x", baseline_config(stage=stage, titan={"compression": comp}), row_args))
+            else:
+                comp = {"method": m, "ratio": ratio, "error_feedback": True, "warmup_steps": warmup}
+                out.append((f"{m}_{ratio:g}x", baseline_config(stage=stage, titan={"compression": comp})))
     return out
 
 
@@ -35,12 +76,15 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ratios", default="10,100")
     p.add_argument("--methods", default="topk,tgss,hge")
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--ranks", default="1,2,4", help="PowerSGD ranks (one row each)")
+    p.add_argument("--warmup", type=int, default=10, help="dense steps before compressing (every method)")
+    add_dgc_args(p)
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--out", default="results/compress")
-    p.add_argument("--train-args", default="", help="extra launch/train.py flags")
+    p.add_argument("--train-args", default="", help="extra launch/train.py flags (every row), e.g. '--seed 1'")
     a = p.parse_args(argv)
-    r = rows(a.methods.split(","), [float(x) for x in a.ratios.split(",")], a.warmup, a.stage)
+    r = rows(a.methods.split(","), [float(x) for x in a.ratios.split(",")], a.warmup, a.stage,
+             [int(x) for x in a.ranks.split(",")], a)
     results = compare(r, steps=a.steps, out=a.out, num_ranks=2, extra_args=a.train_args.split(),
             title=f"gradient compression, 2 ranks, ZeRO-{a.stage}, {a.steps} steps",
             command="python launch/bench/bench_compress.py " + " ".join(argv if argv is not None else sys.argv[1:]))
@@ -49,19 +93,20 @@ def main(argv=None) -> None:
 
 
 def append_step_time(results: list[dict], out: Path) -> None:
-    """Add the step-time ratio (mean seconds per step after the first 3, vs the dense row) to the markdown."""
-    base = results[0].get("step_s")
-    lines = ["", "| config | step_time_ratio | val_loss | delta_vs_dense | wire_x (last step) | wire_x (whole run) |",
-             "|---|---|---|---|---|---|"]
+    """Add the step-time and peak-RSS ratios (vs the dense row) and both wire ratios to the markdown."""
+    base, base_rss = results[0].get("step_s"), results[0].get("peak_rss")
+    lines = ["", "| config | step_time_ratio | peak_rss_ratio | val_loss | delta_vs_dense | wire_x (last step) "
+             "| wire_x (whole run) |", "|---|---|---|---|---|---|---|"]
     for r in results:
         if r.get("status") != "ok":
-            lines.append(f"| {r['name']} | {r.get('status')} | | | | |")
+            lines.append(f"| {r['name']} | {r.get('status')} | | | | | |")
             continue
         tm = r.get("titan_metrics", {})
         ratio = r["step_s"] / base if base else float("nan")
+        rss = r["peak_rss"] / base_rss if base_rss and r.get("peak_rss") else float("nan")
         wire = tm.get("wire_compression_ratio") or 1.0
         total = tm.get("wire_compression_ratio_run") or 1.0
-        lines.append(f"| {r['name']} | {ratio:.2f} | {r['val_loss']:.3f} | "
+        lines.append(f"| {r['name']} | {ratio:.2f} | {rss:.2f} | {r['val_loss']:.3f} | "
                      f"{r['val_loss'] - results[0].get('val_loss', float('nan')):+.3f} | {wire:.1f} | {total:.1f} |")
     md = out.with_suffix(".md")
     md.write_text(md.read_text() + "\n".join(lines) + "\n")

@@ -4,7 +4,7 @@ The full table (resumable: every finished (method, ratio, W) row is appended to 
 rerun skips it; run it on a quiet machine, it is CPU-bound)::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python launch/bench/compress_scale.py --workers 2,8,32,128 \\
-        --methods none,topk,tgss,hge --ratios 30,100 --steps 200 --out results/compress_scale
+        --methods none,topk,tgss,hge,dgc,powersgd --ratios 30,100 --ranks 1,2 --steps 200 --out results/compress_scale
 
 Why: HGE's and TGSS's messages are fixed-length vectors that a ring **all-reduce** sums in the network, while
 top-k's (index, value) pairs differ per rank and must be **all-gathered**, so top-k's received bytes grow with
@@ -15,7 +15,10 @@ micro-batch (``Batcher(rank=w)``: its own stream of windows), then each worker's
 ratio)`` (its own residuals, the package's code unchanged) reduces it through :class:`SimCollective`. The
 summed gradient every worker decodes is checked to be bit-identical across workers (so one model copy is
 exact data parallelism), divided by ``W`` and applied once with AdamW. ``none`` is the dense all-reduce
-through the same path, the row each method is compared with at the same ``W``.
+through the same path, the row each method is compared with at the same ``W``. ``dgc`` is ``topk`` with DGC's
+options (``--dgc-*``; with momentum correction its AdamW runs at ``beta1 = --dgc-beta1``, default 0, since the
+compressor's velocity is the momentum); ``powersgd`` runs at each of ``--ranks`` instead of ``--ratios`` (two
+all-reduces, of ``P`` with the dense tensors and of ``Q``).
 
 Bytes per worker come from the collective each call uses (:class:`SimCollective`'s formulas), both rounds of
 the sketch methods included. ``wire_x_recv`` is the dense ring all-reduce's received bytes over the method's,
@@ -42,8 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from titan_ds.bench import add_dgc_args  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
+from titan_ds.comm.dgc import DGCOptions  # noqa: E402
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
 from titan_ds.models import GPT  # noqa: E402
 
@@ -196,7 +201,7 @@ class _SimWorker:
 def _layout(model: torch.nn.Module) -> tuple[list[Segment], list[torch.nn.Parameter]]:
     segs, params, off = [], [], 0
     for name, p in model.named_parameters():
-        segs.append(Segment(name, 0, off, p.numel(), p.numel()))
+        segs.append(Segment(name, 0, off, p.numel(), p.numel(), tuple(p.shape)))
         params.append(p)
         off += p.numel()
     return segs, params
@@ -210,17 +215,39 @@ def _val_loss(model: torch.nn.Module, tokens, n: int, micro_batch: int, context:
     return sum(losses) / len(losses)
 
 
+def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Optional[int] = None,
+                 dgc: Optional[dict] = None) -> GradientReducer:
+    """The worker's reducer: ``dgc`` is ``topk`` with DGC's options (``dgc``: momentum, masking, clip, ramp_steps,
+    ramp_start), ``powersgd`` needs ``rank``; the others are built from ``ratio``."""
+    if method == "dgc":
+        if dgc is None:
+            raise ValueError("method 'dgc' needs its options (momentum, masking, clip, ramp_steps, ramp_start)")
+        opts = DGCOptions(momentum=dgc["momentum"], momentum_masking=dgc["masking"], local_clip=dgc["clip"])
+        return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, dgc=opts,
+                               ratio_warmup_steps=dgc["ramp_steps"], ratio_warmup_start=dgc["ramp_start"])
+    elif method == "powersgd":
+        if rank is None:
+            raise ValueError("method 'powersgd' needs a rank")
+        return GradientReducer("powersgd", 1.0, warmup_steps=warmup, seed=seed, rank=rank)
+    else:
+        return GradientReducer(method, ratio, warmup_steps=warmup, seed=seed)
+
+
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,
               context: int = 64, n_layer: int = 2, n_embd: int = 64, lr: float = 1e-3, seed: int = 0,
-              warmup: int = 0, val_batches_n: int = 8) -> dict[str, Any]:
-    """Train the tiny GPT data-parallel over ``world`` virtual workers with ``method``; one result row."""
+              warmup: int = 0, val_batches_n: int = 8, rank: Optional[int] = None,
+              dgc: Optional[dict] = None) -> dict[str, Any]:
+    """Train the tiny GPT data-parallel over ``world`` virtual workers with ``method``; one result row.
+
+    ``rank``: PowerSGD's; ``dgc``: DGC's options plus ``beta1``, the AdamW beta1 of this row."""
     torch.manual_seed(seed)
     model = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)
     layout, params = _layout(model)
     n = sum(p.numel() for p in params)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    beta1 = dgc["beta1"] if dgc is not None and dgc["momentum"] > 0 else 0.9
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(beta1, 0.999))
     batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
-    reducers = [GradientReducer(method, ratio, warmup_steps=warmup, seed=seed) for _ in range(world)]
+    reducers = [make_reducer(method, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc) for _ in range(world)]
     sim = SimCollective(world)
     t0 = time.perf_counter()
     for step in range(steps):
@@ -245,6 +272,7 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     sent, recv = sum(sim.sent) / world, sum(sim.received) / world
     return {"method": method, "ratio": ratio, "world": world, "steps": steps, "micro_batch": micro_batch,
             "context": context, "n_layer": n_layer, "n_embd": n_embd, "lr": lr, "seed": seed, "warmup": warmup,
+            "rank": rank, "dgc": _dgc_label(dgc),
             "params": n, "val_loss": _val_loss(model, corpus.val, val_batches_n, micro_batch * 4, context),
             "sent_per_worker_step": sent / steps, "recv_per_worker_step": recv / steps,
             "dense_ring_per_worker_step": dense / steps,
@@ -254,11 +282,21 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
 
 
 # ----------------------------------------------------------------------------------------- table
-_KEY = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "lr", "seed", "warmup")
+_KEY = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "lr", "seed", "warmup",
+        "rank", "dgc")
 
 
 def _key(row: dict) -> tuple:
-    return tuple(row[k] for k in _KEY)
+    return tuple(row.get(k) for k in _KEY)  # rows written before rank/dgc existed have neither: None
+
+
+def _dgc_label(dgc: Optional[dict]) -> Optional[str]:
+    """DGC's settings as one string (part of a row's key): momentum, masking, clip, ramp, AdamW beta1."""
+    if dgc is None:
+        return None
+    return (f"m{dgc['momentum']:g}{'+mask' if dgc['masking'] and dgc['momentum'] > 0 else ''}"
+            f"/clip{dgc['clip'] if dgc['clip'] is not None else '-'}/ramp{dgc['ramp_steps']}@{dgc['ramp_start']:g}"
+            f"/b1={dgc['beta1'] if dgc['momentum'] > 0 else 0.9:g}")
 
 
 def load_rows(path: Path) -> list[dict]:
@@ -271,7 +309,8 @@ def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "")
     """The markdown table: every row next to ``none`` at the same W and settings."""
     done = {_key(r) for r in rows}
     missing = [k for k in wanted if k not in done]
-    dense = {_key({**r, "method": "none", "ratio": 1.0}): r for r in rows if r["method"] == "none"}
+    dense = {_key({**r, "method": "none", "ratio": 1.0, "rank": None, "dgc": None}): r
+             for r in rows if r["method"] == "none"}
     status = f"PARTIAL: {len(missing)} of {len(wanted)} rows missing" if missing else "all rows asked for"
     lines = [f"# Gradient compression at W virtual workers ({status})", "", f"`{command}`", ""]
     if label:
@@ -282,20 +321,23 @@ def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "")
               "| method | ratio | W | steps | val_loss | delta_vs_dense | sent KiB/step | recv KiB/step | wire_x_recv "
               "| handed_x | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["steps"], r["world"], r["method"] != "none", r["ratio"], r["method"])):
-        base = dense.get(_key({**r, "method": "none", "ratio": 1.0}))
+        base = dense.get(_key({**r, "method": "none", "ratio": 1.0, "rank": None, "dgc": None}))
         delta = f"{r['val_loss'] - base['val_loss']:+.4f}" if base else "n/a"
-        lines.append(f"| {r['method']} | {r['ratio']:g} | {r['world']} | {r['steps']} | {r['val_loss']:.4f} | {delta} "
+        label = r["method"] + (f" r={r['rank']}" if r.get("rank") else "") + (f" ({r['dgc']})" if r.get("dgc") else "")
+        ratio = "-" if r["method"] == "powersgd" else f"{r['ratio']:g}"
+        lines.append(f"| {label} | {ratio} | {r['world']} | {r['steps']} | {r['val_loss']:.4f} | {delta} "
                      f"| {r['sent_per_worker_step'] / 1024:.1f} | {r['recv_per_worker_step'] / 1024:.1f} "
                      f"| {r['wire_x_recv']:.1f} | {r['handed_x']:.1f} | {r['seconds']:.0f} |")
     if missing:
-        lines += ["", "Missing rows (method, ratio, W): " + ", ".join(f"({k[0]}, {k[1]:g}, {k[2]})" for k in missing)]
+        lines += ["", "Missing rows (method, ratio, W): " + ", ".join(
+            f"({k[0]}{f' r={r}' if (r := dict(zip(_KEY, k)).get('rank')) else ''}, {k[1]:g}, {k[2]})" for k in missing)]
     return "\n".join(lines) + "\n"
 
 
 def _ratios(method: str, ratios: list[float], world: int, match_recv: bool) -> list[float]:
-    """The ratios to run ``method`` at: top-k also at ``ratio * W / 2`` (with ``match_recv``), where each worker
+    """The ratios to run ``method`` at: top-k (and dgc) also at ``ratio * W / 2`` (with ``match_recv``), where each worker
     receives ``(W - 1) * 8 k = 2 (W - 1) / W * 4 n / ratio`` bytes, as much as an all-reduce method at ``ratio``."""
-    if method != "topk" or not match_recv or world <= 2:
+    if method not in ("topk", "dgc") or not match_recv or world <= 2:
         return ratios
     return ratios + [r * world / 2 for r in ratios if r * world / 2 not in ratios]
 
@@ -313,6 +355,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-match-recv", dest="match_recv", action="store_false",
                    help="do not add the top-k rows whose received bytes match the all-reduce methods' (ratio x W / 2)")
     p.add_argument("--warmup", type=int, default=0, help="dense steps before compressing")
+    p.add_argument("--ranks", default="1,2", help="PowerSGD ranks (method powersgd: one row per rank, no ratio)")
+    add_dgc_args(p)
     p.add_argument("--out", default="results/compress_scale")
     p.add_argument("--label", default="", help="a note printed under the table's title (e.g. why it is partial)")
     a = p.parse_args(argv)
@@ -325,20 +369,32 @@ def main(argv: Optional[list[str]] = None) -> None:
     settings = dict(steps=a.steps, micro_batch=a.micro_batch, context=a.context, n_layer=2, n_embd=64, lr=a.lr,
                     seed=a.seed, warmup=a.warmup)
     ratios = [float(x) for x in a.ratios.split(",")]
-    wanted = []
+    dgc = dict(momentum=a.dgc_momentum, masking=not a.dgc_no_masking, clip=a.dgc_clip, ramp_steps=a.dgc_ramp_steps,
+               ramp_start=a.dgc_ramp_start, beta1=a.dgc_beta1)
+    wanted, specs = [], {}
     for world in (int(x) for x in a.workers.split(",")):
         for m in a.methods.split(","):
-            for ratio in ([1.0] if m == "none" else _ratios(m, ratios, world, a.match_recv)):
-                wanted.append(_key({"method": m, "ratio": ratio, "world": world, **settings}))
+            if m == "powersgd":
+                variants = [(0.0, int(r), None) for r in a.ranks.split(",")]
+            else:
+                variants = [(ratio, None, dgc if m == "dgc" else None)
+                            for ratio in ([1.0] if m == "none" else _ratios(m, ratios, world, a.match_recv))]
+            for ratio, rank, opts in variants:
+                key = _key({"method": m, "ratio": ratio, "world": world, "rank": rank, "dgc": _dgc_label(opts),
+                            **settings})
+                wanted.append(key)
+                specs[key] = (rank, opts)
     for key in wanted:
         if key in {_key(r) for r in load_rows(jsonl)}:
             log.info("skip %s (done)", key[:3])
             continue
-        row = train_row(key[0], key[1], key[2], corpus=corpus, **settings)
+        rank, opts = specs[key]
+        row = train_row(key[0], key[1], key[2], corpus=corpus, rank=rank, dgc=opts, **settings)
         with jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")  # at once: a rerun skips it
-        log.info("%s %gx W=%d: val %.4f, recv %.1f KiB/step/worker, %.0fs", key[0], key[1], key[2],
-                 row["val_loss"], row["recv_per_worker_step"] / 1024, row["seconds"])
+        log.info("%s W=%d: val %.4f, recv %.1f KiB/step/worker, %.0fs",
+                 f"{key[0]} r={rank}" if rank else f"{key[0]} {key[1]:g}x", key[2], row["val_loss"],
+                 row["recv_per_worker_step"] / 1024, row["seconds"])
         out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
     out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
     print(out.with_suffix(".md").read_text())

@@ -30,6 +30,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--local_rank", type=int, default=0)
 args = p.parse_args()
 
+RESUMED = 3  # steps run after the checkpoint, then again after loading it: the two must agree bit for bit
 COUNTED = ("all_reduce", "reduce", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
 
 
@@ -62,9 +63,9 @@ def model_and_data(seed: int):
                                 torch.nn.Tanh(), torch.nn.Linear(128, 8))
     teacher = torch.nn.Linear(32, 8)
     g = torch.Generator().manual_seed(seed)
-    xs = torch.randn(args.steps, 32, 32, generator=g)
+    xs = torch.randn(args.steps + RESUMED, 32, 32, generator=g)
     with torch.no_grad():
-        ys = teacher(xs) + 0.01 * torch.randn(args.steps, 32, 8, generator=g)
+        ys = teacher(xs) + 0.01 * torch.randn(args.steps + RESUMED, 32, 8, generator=g)
     return model, xs, ys
 
 
@@ -76,19 +77,33 @@ def config(method: str) -> dict:
         zero.update({"reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0})
     elif args.stage in (1, 2):
         zero.update({"reduce_bucket_size": 5000, "allgather_bucket_size": 50000})  # several buckets
-    comp = {"method": method, "ratio": args.ratio}
-    if method != "none":
-        comp["warmup_steps"] = 2
-    else:
+    if method == "none":
         comp = {"method": "none"}
+    elif method == "powersgd":  # rank 1: the MLP's three matrices go as P and Q, its biases dense
+        comp = {"method": "powersgd", "rank": 1, "warmup_steps": 2}
+    elif method == "dgc":  # topk with DGC's momentum correction, masking and local clipping (ramp: unit tests)
+        comp = {"method": "topk", "ratio": args.ratio, "warmup_steps": 2, "momentum": 0.9, "local_clip": 1.0}
+    else:
+        comp = {"method": method, "ratio": args.ratio, "warmup_steps": 2}
     return {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-            "optimizer": {"type": "Adam", "params": {"lr": 3e-3}}, "titan": {"compression": comp}}
+            "titan": {"compression": comp}}
+
+
+def step(engine, xs, ys, s: int) -> float:
+    loss = torch.nn.functional.mse_loss(engine(xs[s]), ys[s])
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
 
 
 def train(method: str, rank: int) -> dict:
     model, xs, ys = model_and_data(100 + rank)
-    engine, _, _, _ = titan_engine.initialize(model=model, model_parameters=model.parameters(), config=config(method))
+    # torch's Adam as the client optimizer: after an in-process load_checkpoint, DeepSpeed's FusedAdam (CPU) gave
+    # different updates from bit-identical params, grads, param_groups and state tensors (measured with topk at
+    # ZeRO-0; torch Adam repeats bit for bit), which would hide what the resume check below is for
+    engine, _, _, _ = titan_engine.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=3e-3),
+                                              config=config(method))
     hooks = engine.titan.reports["compression"]
     counts = count_backend()
     losses, metrics = [], []
@@ -109,18 +124,27 @@ def train(method: str, rank: int) -> dict:
         losses.append(float(lt) / dist.get_world_size())
     out = {"losses": losses, "seam_calls": dict(hooks.seam_calls), "steps": metrics,
            "dense_total": dense_total, "wire_total": wire_total}
-    # checkpoint round trip: residuals of every rank come back
+    # checkpoint round trip: residuals and every other store (DGC's momentum, PowerSGD's Q) of every rank come back
     if method != "none":
-        before = {k: v.clone() for k, v in hooks.reducer.residuals.residuals.items()}
+        stores = hooks.reducer.stores
+        before = {name: {k: v.clone() for k, v in st.residuals.items()} for name, st in stores.items()}
         ckdir = os.environ.get("TITAN_TEST_CKPT") or tempfile.mkdtemp()
         engine.save_checkpoint(ckdir, tag=f"{method}")
-        for v in hooks.reducer.residuals.residuals.values():
-            v.zero_()
+        for st in stores.values():
+            for v in st.residuals.values():
+                v.zero_()
         engine.load_checkpoint(ckdir, tag=f"{method}")
-        after = hooks.reducer.residuals.residuals
-        out["residuals_restored"] = (set(before) == set(after)
-                                     and all(torch.equal(before[k], after[k]) for k in before))
+        after = {name: {k: v.clone() for k, v in st.residuals.items()} for name, st in stores.items()}
+        out["stores"] = {name: len(v) for name, v in before.items()}
+        out["residuals_restored"] = all(set(before[n]) == set(after[n])
+                                        and all(torch.equal(before[n][k], after[n][k]) for k in before[n])
+                                        for n in before)
         out["residual_norm"] = hooks.reducer.residuals.norm()
+        # bit-exact resume: RESUMED more steps, then load the checkpoint and run them again
+        first = [step(engine, xs, ys, s) for s in range(args.steps, args.steps + RESUMED)]
+        engine.load_checkpoint(ckdir, tag=f"{method}")
+        again = [step(engine, xs, ys, s) for s in range(args.steps, args.steps + RESUMED)]
+        out["resume_bit_exact"] = first == again and len(set(first)) > 1
     hooks.uninstall()
     return out
 
@@ -134,9 +158,11 @@ def main():
         results[method] = train(method, rank)
     # rank 1's restore check travels to rank 0 for the report
     flags = [None, None]
-    dist.all_gather_object(flags, {m: r.get("residuals_restored") for m, r in results.items()})
+    dist.all_gather_object(flags, {m: (r.get("residuals_restored"), r.get("resume_bit_exact"))
+                                   for m, r in results.items()})
     for m in results:
-        results[m]["restored_by_rank"] = [f[m] for f in flags]
+        results[m]["restored_by_rank"] = [f[m][0] for f in flags]
+        results[m]["resumed_by_rank"] = [f[m][1] for f in flags]
     from deepspeed.runtime.zero import stage3
     results["stage3_global_restored"] = stage3.reduce_scatter_coalesced.__module__ != "titan_ds.comm.hooks"
     if rank == 0:

@@ -125,3 +125,25 @@ def test_topk_at_ratio_times_w_over_2_receives_what_an_all_reduce_method_does():
     sketch = recv("hge", ratio)
     assert abs(recv("topk", ratio * W / 2) / sketch - 1) < 0.05
     assert abs(recv("topk", ratio) / sketch - W / 2) < 0.2
+
+
+def test_dgc_and_powersgd_rows_end_to_end_and_old_rows_still_match():
+    """The issue-14 peers in the harness: a dgc row (topk + momentum correction, AdamW beta1 0) and powersgd rows
+    at two ranks (two all-reduces per step: P with the dense tensors, then Q); rows written before rank/dgc were
+    part of the key still match their keys (rank and dgc None)."""
+    rng = np.random.default_rng(1)
+    corpus = Corpus(train=rng.integers(0, 256, 50_000, dtype=np.uint8),
+                    val=rng.integers(0, 256, 5_000, dtype=np.uint8), source="random")
+    small = dict(corpus=corpus, micro_batch=2, context=16, val_batches_n=2)
+    dgc = dict(momentum=0.9, masking=True, clip=None, ramp_steps=2, ramp_start=2.0, beta1=0.0)
+    d = cs.train_row("dgc", 50.0, 2, 3, dgc=dgc, **small)
+    p1, p2 = (cs.train_row("powersgd", 0.0, 2, 2, rank=r, **small) for r in (1, 2))
+    assert d["dgc"] == "m0.9+mask/clip-/ramp2@2/b1=0" and d["collectives_per_step"] == 2
+    # the ramp's 2x and 2 * 25^(1/2) = 10x steps count, then 50x: 3 / (1/2 + 1/10 + 1/50) = 4.8x over the run
+    assert d["handed_x"] == pytest.approx(3 / (1 / 2 + 1 / 10 + 1 / 50), rel=0.01)
+    assert p1["rank"] == 1 and p1["collectives_per_step"] == 2
+    assert p1["handed_x"] > p2["handed_x"] > 1.5 and p1["val_loss"] != p2["val_loss"]
+    old = {k: v for k, v in p1.items() if k not in ("rank", "dgc")}
+    assert cs._key(old) == cs._key({**p1, "method": "powersgd", "rank": None, "dgc": None})
+    md = cs.render([d, p1, p2], [cs._key(r) for r in (d, p1, p2)], "cmd")
+    assert "| powersgd r=2 | - | 2 | 2 |" in md and "| dgc (m0.9+mask/clip-/ramp2@2/b1=0) | 50 | 2 | 3 |" in md

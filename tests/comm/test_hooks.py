@@ -78,7 +78,7 @@ def test_unused_keys_are_errors():
     with pytest.raises(TitanConfigError, match="sketch_rows, which method='topk' does not use"):
         TitanConfig(compression={"method": "topk", "sketch_rows": 2})
     with pytest.raises(TitanConfigError, match="must be one of"):
-        TitanConfig(compression={"method": "powersgd"})
+        TitanConfig(compression={"method": "dgc"})
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("compress*.json")), ids=lambda p: p.name)
@@ -106,10 +106,16 @@ def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: f
     return json.loads(out.read_text())
 
 
+# the smallest steady-state ratio per method (at --ratio 20): PowerSGD's follows from rank 1 on the MLP's matrices
+# (its biases go dense; under ZeRO 1-3 buckets also cut matrices mid-row, whose ragged ends go dense too)
+MIN_RATIO = {"powersgd": 8.0}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,reduce_scatter,methods", [
     (0, 1, "none,topk,hge"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge"), (2, 0, "hge,topk"), (3, 1, "tgss,hge,topk"),
-], ids=["zero0", "zero1", "zero2", "zero2-allreduce", "zero3"])
+    (0, 1, "powersgd,dgc"), (2, 1, "powersgd,dgc"), (3, 1, "powersgd,dgc"),
+], ids=["zero0", "zero1", "zero2", "zero2-allreduce", "zero3", "zero0-peers", "zero2-peers", "zero3-peers"])
 def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, reduce_scatter, methods):
     ratio = 20.0
     res = launch(tmp_path, stage, methods, reduce_scatter, ratio)
@@ -125,9 +131,12 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
             # what reached the backend is what the reducer sent, plus the grad-norm / loss scalars
             assert step["wire"] <= grad_bytes <= step["wire"] + 64, (method, s, step)
             if method != "none" and s >= 2:  # past warm-up
-                assert step["dense"] / step["wire"] >= 0.9 * ratio, (method, s, step)
+                assert step["dense"] / step["wire"] >= MIN_RATIO.get(method, 0.9 * ratio), (method, s, step)
         if method == "none":
             assert r["wire_total"] == r["dense_total"]
         else:
             assert r["restored_by_rank"] == [True, True]
+            assert r["resumed_by_rank"] == [True, True], "the steps after a load must repeat bit for bit"
             assert r["residual_norm"] > 0
+            want = {"powersgd": {"residuals", "q"}, "dgc": {"residuals", "momentum"}}.get(method, {"residuals"})
+            assert set(r["stores"]) == want and all(r["stores"].values()), (method, r["stores"])

@@ -66,17 +66,26 @@ class CountingCollective:
 # ----------------------------------------------------------------------------------------- residuals
 @dataclass(frozen=True)
 class Segment:
-    """``numel`` elements of parameter ``key`` starting at ``param_offset`` sit at ``flat_offset`` in a bucket."""
+    """``numel`` elements of parameter ``key`` starting at ``param_offset`` sit at ``flat_offset`` in a bucket.
+
+    ``shape`` is the parameter's shape (``None`` when the caller does not know it). Only ``powersgd`` needs
+    it: it views each parameter as the matrix ``(shape[0], prod(shape[1:]))``, as the paper and torch's hook do.
+    """
 
     key: str
     param_offset: int
     flat_offset: int
     numel: int
     param_numel: int
+    shape: Optional[tuple[int, ...]] = None
 
 
 class ResidualStore:
     """Error-feedback residuals, one fp32 tensor per parameter (created on first use), addressed by offset.
+
+    The same journaled store keeps the other per-parameter state of a compressor (DGC's momentum, PowerSGD's
+    warm-start ``Q``): :meth:`get` / :meth:`put` read and replace a whole tensor by key, journaled like
+    :meth:`write`.
 
     Writes are journaled per optimizer step (:meth:`begin`): the first write to a parameter's residual in a
     step keeps its previous value, so that :meth:`rollback` can put back exactly what the step started from
@@ -110,6 +119,17 @@ class ResidualStore:
                 self._journal[s.key] = r.clone()
             r[s.param_offset:s.param_offset + s.numel] = new[s.flat_offset:s.flat_offset + s.numel]
 
+    def get(self, key: str) -> Optional[torch.Tensor]:
+        """The tensor kept under ``key`` (``None`` if there is none yet); do not modify it in place."""
+        return self.residuals.get(key)
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        """Replace (or create) the whole tensor under ``key``, journaled like :meth:`write`."""
+        old = self.residuals.get(key)
+        if key not in self._journal:
+            self._journal[key] = None if old is None else old  # replaced, never modified in place: no copy
+        self.residuals[key] = value.detach().float().clone()
+
     def commit(self) -> None:
         """The step was applied: its residual writes stand."""
         self._journal.clear()
@@ -120,7 +140,7 @@ class ResidualStore:
             if old is None:
                 self.residuals.pop(key, None)
             else:
-                self.residuals[key].copy_(old)
+                self.residuals[key] = old  # the journal's own copy (or, after put, the replaced tensor)
         self._journal.clear()
 
     def nbytes(self) -> int:
@@ -158,14 +178,21 @@ class Compressor(Protocol):
 
     ``reduce`` returns ``(summed, sent)``: ``summed`` is the sum over ranks of every rank's ``sent`` (the
     same on all ranks), ``sent`` is the part of ``acc`` this rank transmitted (``acc - sent`` is its new
-    residual). ``seed`` is identical on all ranks for the same call, so hashes and phases agree.
+    residual). ``seed`` is identical on all ranks for the same call, so hashes and phases agree. ``layout``
+    maps ``acc`` to parameters (``powersgd`` needs the matrices); ``ratio`` is this call's target ratio (the
+    reducer's sparsity warm-up ramps it), ``None`` for the compressor's own.
+
+    A compressor that keeps per-parameter state across steps (``powersgd``'s warm-start ``Q``) exposes it as
+    ``stores: dict[str, ResidualStore]``: the reducer rolls it back with the residuals when a step is
+    skipped, checkpoints it and counts its bytes.
     """
 
     name: str                      # the key in ``registry.REGISTRY`` and in ``titan.compression.method``
-    unused_keys: tuple[str, ...]   # ``titan.compression`` keys this method does not use: an error if given
+    # ``titan.compression`` keys this method uses besides ``method`` and ``warmup_steps``; any other is an error
+    config_keys: tuple[str, ...]
 
-    def reduce(self, acc: torch.Tensor, comm: Collective, seed: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
+    def reduce(self, acc: torch.Tensor, comm: Collective, seed: int, *, layout: list[Segment],
+               ratio: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def topk_budget(n: int, ratio: float) -> int:
@@ -198,7 +225,8 @@ class SketchCompressor:
     Exact case: if the summed gradient has at most ``k`` candidates it is recovered exactly.
     """
 
-    unused_keys: tuple[str, ...] = ()
+    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "sketch_rows", "seed", "ratio_warmup_steps",
+                                    "ratio_warmup_start")
 
     def __init__(self, ratio: float, rows: int):
         self.ratio, self.rows = ratio, rows
@@ -223,9 +251,10 @@ class SketchCompressor:
         score = torch.where(cand, est.abs(), torch.full_like(est, -1.0))
         return torch.topk(score, k, sorted=False).indices
 
-    def reduce(self, acc, comm, seed):
+    def reduce(self, acc, comm, seed, *, layout, ratio=None):
+        del layout  # the sketch hashes flat coordinates; residuals are the reducer's
         n = acc.numel()
-        k, cols = sketch_budget(n, self.ratio, self.rows)
+        k, cols = sketch_budget(n, self.ratio if ratio is None else ratio, self.rows)
         keys = self.keys(n, cols, seed, acc.device)
         sketch = self.encode(acc, keys, cols, seed)
         comm.all_reduce_sum(sketch)

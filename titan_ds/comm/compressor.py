@@ -6,17 +6,25 @@ compressor with the pieces every method shares:
 
 1. ``acc = flat + residual``: residuals are kept **per parameter and offset** (``Segment.key`` /
    ``Segment.param_offset``), never per bucket, because DeepSpeed's bucket composition depends on hook
-   order and ``reduce_bucket_size``.
-2. ``summed, sent = compressor.reduce(acc, comm, seed)``: ``summed`` is the sum over ranks of what each
-   rank sent, identical on all ranks; ``sent`` is this rank's own contribution (dense, mostly zeros).
+   order and ``reduce_bucket_size``. With DGC's options (``topk`` only, ``dgc.py``) ``flat`` is first clipped
+   per parameter and turned into velocity, ``acc = residual + (m u + flat)``.
+2. ``summed, sent = compressor.reduce(acc, comm, seed, layout=, ratio=)``: ``summed`` is the sum over ranks
+   of what each rank sent, identical on all ranks; ``sent`` is this rank's own contribution (dense, mostly
+   zeros). ``ratio`` is the target, or during the sparsity warm-up (``ratio_warmup_steps``) the ramped one.
 3. ``residual = acc - sent`` (error feedback) or zero (``error_feedback=False``).
-   Invariant (tested): ``sent + new_residual == flat + old_residual``; with one rank ``summed == sent``.
+   Invariant (tested): ``sent + new_residual == flat + old_residual``; with one rank ``summed == sent``
+   (bit for bit for the sparse methods, whose ``sent`` is a copy of ``acc`` on the selected coordinates).
 4. Bytes handed to collectives are counted (``CountingCollective``) next to the dense bytes an
    uncompressed all-reduce of ``flat`` would have handed over.
 
+Every per-parameter state (residuals, DGC's momentum, a compressor's ``stores`` such as PowerSGD's ``Q``) is
+a journaled :class:`~titan_ds.comm.base.ResidualStore`: rolled back together when a step is skipped, saved
+together in checkpoints.
+
 ``none`` sends the dense bucket (the uncompressed path through the same code, for byte accounting).
 The pieces live in ``base.py`` (collectives, residuals, the ``Compressor`` protocol, byte budgets), the
-methods in ``dense.py``, ``topk.py``, ``tgss.py`` and ``hge.py``, and their one list in ``registry.py``.
+methods in ``dense.py``, ``topk.py`` (+ ``dgc.py``), ``tgss.py``, ``hge.py`` and ``powersgd.py``, and their
+one list in ``registry.py``.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from .base import CountingCollective, ResidualStore, Segment, check_layout
+from .dgc import DGCOptions, clip_segments_, ratio_at
 from .registry import build_compressor
 
 __all__ = ["GradientReducer"]
@@ -37,20 +46,40 @@ class GradientReducer:
     """One compressor plus residuals, warm-up and byte accounting: what the DeepSpeed seams call.
 
     ``reduce(flat, layout, comm, step)`` returns the **sum over ranks** of the (compressed) gradient, in
-    ``flat``'s dtype; the seams divide where DeepSpeed would. Steps ``< warmup_steps`` go dense.
+    ``flat``'s dtype; the seams divide where DeepSpeed would. Steps ``< warmup_steps`` go dense; the next
+    ``ratio_warmup_steps`` ramp the ratio from ``ratio_warmup_start`` to ``ratio`` (:func:`~titan_ds.comm.dgc.ratio_at`).
+    ``rank``, ``min_compression`` (and ``seed``) configure ``powersgd``; ``dgc`` holds DGC's momentum
+    correction, masking and local clipping (``topk``).
 
     Non-finite gradients: every compressor returns a non-finite sum on **every** rank when any rank's gradient
-    holds NaN/Inf (dense and sketch sums carry it; top-k sends NaN/Inf first). DeepSpeed then skips the step on
-    all ranks, and the reducer rolls its residuals back to the step's start, so a skipped step leaves them
-    unchanged (and later steps are not poisoned by a NaN kept in a residual).
+    holds NaN/Inf (dense and sketch sums carry it; top-k sends NaN/Inf first; PowerSGD's summed ``P`` carries
+    it). DeepSpeed then skips the step on all ranks, and the reducer rolls every store (residuals, momentum, a
+    compressor's state) back to the step's start, so a skipped step leaves them unchanged (and later steps are
+    not poisoned by a NaN kept in a residual).
     """
 
     def __init__(self, method: str, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0,
-                 rows: int = 3, seed: int = 0):
-        self.compressor = build_compressor(method, ratio, rows)
+                 rows: int = 3, seed: int = 0, rank: int = 1, min_compression: float = 2.0,
+                 dgc: Optional[DGCOptions] = None, ratio_warmup_steps: int = 0, ratio_warmup_start: float = 2.0):
+        self.compressor = build_compressor(method, ratio, rows, rank=rank, min_compression=min_compression,
+                                           seed=seed)
         self.method, self.ratio = method, ratio
         self.error_feedback, self.warmup_steps, self.seed = error_feedback, warmup_steps, seed
+        if ratio_warmup_steps > 0 and not 1.0 <= ratio_warmup_start < ratio:
+            raise ValueError(f"ratio_warmup_start must be in [1, ratio={ratio}) to ramp up to ratio, "
+                             f"got {ratio_warmup_start}")
+        self.ratio_warmup_steps, self.ratio_warmup_start = ratio_warmup_steps, ratio_warmup_start
+        self.dgc = dgc if dgc is not None else DGCOptions()
         self.residuals = ResidualStore()
+        self.momentum = ResidualStore() if self.dgc.momentum > 0 else None
+        # every journaled per-parameter state: rolled back, committed and checkpointed together
+        self.stores: dict[str, ResidualStore] = {"residuals": self.residuals}
+        if self.momentum is not None:
+            self.stores["momentum"] = self.momentum
+        for name, store in getattr(self.compressor, "stores", {}).items():
+            if name in self.stores:
+                raise RuntimeError(f"compressor {method!r} names a store {name!r} that the reducer already has")
+            self.stores[name] = store
         self.dense_bytes = 0    # bytes an uncompressed all-reduce would have handed over, since last take
         self.wire_bytes = 0     # bytes actually handed to collectives, since last take
         self.total_dense = 0
@@ -58,21 +87,30 @@ class GradientReducer:
         self.calls = 0
         self.nonfinite_steps = 0
         self._step, self._call_in_step = -1, 0
-        self._skipped_step: Optional[int] = None  # the step whose sum was non-finite (its residuals rolled back)
+        self._skipped_step: Optional[int] = None  # the step whose sum was non-finite (its stores rolled back)
 
     def end_step(self) -> None:
-        """After the optimizer step: keep this step's residual writes (a skipped step's were rolled back)."""
-        self.residuals.commit()
+        """After the optimizer step: keep this step's writes (a skipped step's were rolled back)."""
+        for store in self.stores.values():
+            store.commit()
+
+    def ratio_now(self, step: int) -> float:
+        """This step's target ratio: ``ratio``, or the sparsity warm-up's ramp towards it."""
+        return ratio_at(step, ratio=self.ratio, warmup_steps=self.warmup_steps, ramp_steps=self.ratio_warmup_steps,
+                        start=self.ratio_warmup_start)
 
     def _call_seed(self, step: int) -> int:
         if step != self._step:
-            self.residuals.commit()  # a new step: the previous one's writes stand (no end_step was called)
+            self.end_step()  # a new step: the previous one's writes stand (no end_step was called)
             self._step, self._call_in_step = step, 0
         self._call_in_step += 1
         # identical on all ranks: same config seed, same step, same call order (collectives are ordered)
         return (self.seed * 1_000_003 + step * 7_919 + self._call_in_step) & 0x7FFFFFFF
 
-    def reduce(self, flat: torch.Tensor, layout: list[Segment], comm: Any, step: int) -> torch.Tensor:
+    def reduce(self, flat: torch.Tensor, layout: list[Segment], comm: Any, step: int, *,
+               prescale: float = 1.0) -> torch.Tensor:
+        """``prescale``: ``flat`` is this rank's gradient times ``prescale`` (ZeRO 1-3 pre-divide by the number of
+        ranks); only ``local_clip`` needs it, so that its threshold bounds the rank's own gradient at every stage."""
         check_layout(layout, flat.numel())
         counting = CountingCollective(comm)
         dense = flat.numel() * flat.element_size()
@@ -81,26 +119,44 @@ class GradientReducer:
             summed = flat.clone()
             counting.all_reduce_sum(summed)
         else:
-            acc = flat.detach().float().clone()
-            if self.error_feedback:
-                self.residuals.add_into(acc, layout)
-            summed, sent = self.compressor.reduce(acc, counting, seed)
-            if not bool(torch.isfinite(summed).all()):  # the same verdict on every rank (see the class doc)
-                if self._skipped_step != step:
-                    self._skipped_step = step
-                    self.nonfinite_steps += 1
-                    log.warning("titan compression: non-finite gradients at step %d; residuals rolled back to the "
-                                "step's start (DeepSpeed skips the step on every rank)", step + 1)
-                self.residuals.rollback()
-            elif self.error_feedback and self._skipped_step != step:
-                self.residuals.write(acc - sent, layout)
-            summed = summed.to(flat.dtype)
+            summed = self._compressed(flat, layout, counting, seed, step, prescale)
         self.calls += 1
         self.dense_bytes += dense
         self.wire_bytes += counting.bytes
         self.total_dense += dense
         self.total_wire += counting.bytes
         return summed
+
+    def _compressed(self, flat: torch.Tensor, layout: list[Segment], comm: Any, seed: int, step: int,
+                    prescale: float) -> torch.Tensor:
+        acc = flat.detach().float().clone()
+        if self.dgc.local_clip is not None:
+            clip_segments_(acc, layout, self.dgc.local_clip * prescale)
+        velocity = None
+        if self.momentum is not None:  # DGC momentum correction: u <- m u + g; the residual accumulates u
+            velocity = torch.zeros_like(acc)
+            self.momentum.add_into(velocity, layout)
+            velocity.mul_(self.dgc.momentum).add_(acc)
+            acc.copy_(velocity)
+        if self.error_feedback:
+            self.residuals.add_into(acc, layout)
+        summed, sent = self.compressor.reduce(acc, comm, seed, layout=layout, ratio=self.ratio_now(step))
+        if not bool(torch.isfinite(summed).all()) and self._skipped_step != step:  # same verdict on every rank
+            self._skipped_step = step
+            self.nonfinite_steps += 1
+            log.warning("titan compression: non-finite gradients at step %d; compression state rolled back to "
+                        "the step's start (DeepSpeed skips the step on every rank)", step + 1)
+        if self._skipped_step == step:
+            for store in self.stores.values():  # this call's writes too (a compressor's state, after the skip)
+                store.rollback()
+        else:
+            if self.error_feedback:
+                self.residuals.write(acc - sent, layout)
+            if velocity is not None:
+                if self.dgc.momentum_masking:  # DGC momentum factor masking: no stale push after a send
+                    velocity.masked_fill_(sent != 0, 0.0)
+                self.momentum.write(velocity, layout)  # type: ignore[union-attr]
+        return summed.to(flat.dtype)
 
     def take_metrics(self) -> dict[str, Any]:
         """Bytes since the previous call (one optimizer step when called per step), then reset the window.
@@ -114,19 +170,28 @@ class GradientReducer:
                "wire_bytes": self.wire_bytes, "dense_grad_bytes": self.dense_bytes,
                "wire_bytes_run": self.total_wire, "dense_grad_bytes_run": self.total_dense,
                "compression_method": self.method,
-               "compression_state_bytes": self.residuals.nbytes(), "compression_nonfinite_steps": self.nonfinite_steps}
+               "compression_state_bytes": sum(st.nbytes() for st in self.stores.values()),
+               "compression_nonfinite_steps": self.nonfinite_steps}
         self.dense_bytes = self.wire_bytes = 0
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": self.residuals.state_dict(), "total_dense": self.total_dense,
+        """Residuals, the other stores (DGC's momentum, PowerSGD's ``Q``), byte totals."""
+        extra = {name: st.state_dict() for name, st in self.stores.items() if name != "residuals"}
+        return {"residuals": self.residuals.state_dict(), "stores": extra, "total_dense": self.total_dense,
                 "total_wire": self.total_wire, "calls": self.calls, "method": self.method}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("method") != self.method:
             raise RuntimeError(f"checkpoint holds residuals of compressor {state.get('method')!r} but "
                                f"titan.compression.method is {self.method!r}; resume with the same method")
+        saved, wanted = set(state.get("stores", {})), set(self.stores) - {"residuals"}
+        if saved != wanted:
+            raise RuntimeError(f"checkpoint holds compression state {sorted(saved)} but this titan.compression "
+                               f"needs {sorted(wanted)} (momentum is there only with momentum > 0); resume with "
+                               f"the same titan.compression settings")
         self.residuals.load_state_dict(state["residuals"])
+        for name in wanted:
+            self.stores[name].load_state_dict(state["stores"][name])
         self.total_dense, self.total_wire = int(state["total_dense"]), int(state["total_wire"])
         self.calls = int(state["calls"])
-

@@ -32,6 +32,7 @@ import torch
 from ..config import TitanConfigError
 from .base import Segment
 from .compressor import GradientReducer
+from .dgc import DGCOptions
 
 __all__ = ["before_initialize", "after_initialize", "CompressionHooks", "DistCollective"]
 
@@ -169,14 +170,19 @@ class CompressionHooks:
                                "module; residuals could not be keyed")
         return f"ds_id:{ds_id}"
 
-    def _grad_owners(self) -> dict[int, tuple[str, int]]:
-        return {p.grad.data_ptr(): (self._key(p), p.numel()) for p in self.engine.module.parameters()
+    @staticmethod
+    def _shape(p: Any) -> tuple[int, ...]:
+        """The parameter's own shape (ZeRO-3 keeps it in ``ds_shape``; ``p.shape`` is the empty partition's)."""
+        return tuple(getattr(p, "ds_shape", None) or p.shape)
+
+    def _grad_owners(self) -> dict[int, tuple[str, int, tuple[int, ...]]]:
+        return {p.grad.data_ptr(): (self._key(p), p.numel(), self._shape(p)) for p in self.engine.module.parameters()
                 if p.grad is not None}
 
     def _layout(self, tensors: list[torch.Tensor]) -> list[Segment]:
         """Segments of the flat concatenation of ``tensors``, each mapped to (parameter, offset)."""
         out: list[Segment] = []
-        owners: Optional[dict[int, tuple[str, int]]] = None
+        owners: Optional[dict[int, tuple[str, int, tuple[int, ...]]]] = None
         flat_off = 0
         for t in tensors:
             n = t.numel()
@@ -189,14 +195,14 @@ class CompressionHooks:
                     a, b = max(lo, s.flat_offset), min(hi, s.flat_offset + s.numel)
                     if a < b:
                         out.append(Segment(s.key, s.param_offset + a - s.flat_offset, flat_off + a - lo, b - a,
-                                           s.param_numel))
+                                           s.param_numel, s.shape))
             else:
                 owners = owners if owners is not None else self._grad_owners()
                 if ptr not in owners or owners[ptr][1] != n:
                     raise RuntimeError(f"titan compression: a bucket element of {n} elements is neither in the "
                                        f"recorded gradient buffer nor a parameter's .grad; cannot key residuals")
-                key, numel = owners[ptr]
-                out.append(Segment(key, 0, flat_off, n, numel))
+                key, numel, shape = owners[ptr]
+                out.append(Segment(key, 0, flat_off, n, numel, shape))
             flat_off += n
         return out
 
@@ -225,7 +231,7 @@ class CompressionHooks:
             segs, off = [], 0
             for group_idx, idx_in_group, _ in bucket.params:
                 p = opt.bit16_groups[group_idx][idx_in_group]
-                segs.append(Segment(self._key(p), 0, off, p.numel(), p.numel()))
+                segs.append(Segment(self._key(p), 0, off, p.numel(), p.numel(), self._shape(p)))
                 off += p.numel()
             if off != tensor.numel():
                 raise RuntimeError(f"titan compression: IPG bucket holds {tensor.numel()} elements but its "
@@ -245,9 +251,12 @@ class CompressionHooks:
         group = opt.dp_process_group if process_group is None else process_group
         comm = self._comm(group)
         flat = opt.flatten(bucket)
+        prescale = 1.0
         if divide and opt.gradient_average:
+            prescale = float(getattr(opt, "sequence_parallel_size", 1)) / comm.world_size
             flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
-        return self.reducer.reduce(flat, self._layout(list(bucket)), comm, self.engine.global_steps)
+        return self.reducer.reduce(flat, self._layout(list(bucket)), comm, self.engine.global_steps,
+                                   prescale=prescale)
 
     def _z12_predivide(self, tensor, communication_data_type):
         opt = self.engine.optimizer
@@ -256,9 +265,12 @@ class CompressionHooks:
         self._count("zero.gradient_reduction_w_predivide")
         comm = self._comm(opt.dp_process_group)
         flat = tensor.detach().clone()
+        prescale = 1.0
         if opt.gradient_average:
+            prescale = float(getattr(opt, "sequence_parallel_size", 1)) / comm.world_size
             flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
-        summed = self.reducer.reduce(flat, self._layout([tensor]), comm, self.engine.global_steps)
+        summed = self.reducer.reduce(flat, self._layout([tensor]), comm, self.engine.global_steps,
+                                     prescale=prescale)
         tensor.copy_(summed)
         return tensor
 
@@ -285,10 +297,12 @@ class CompressionHooks:
         rank = comm.dist.get_rank(group=group)
         segs, off = [], 0
         for t, p in zip(tensors, params):
-            segs.append(Segment(self._key(p), 0, off, t.numel(), t.numel()))
+            shape = self._shape(p)
+            segs.append(Segment(self._key(p), 0, off, t.numel(), t.numel(),
+                                shape if math.prod(shape) == t.numel() else None))
             off += t.numel()
         flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)  # DeepSpeed pre-divides here too
-        summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps)
+        summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps, prescale=1.0 / world)
         out, off = [], 0
         for t in tensors:
             n = t.numel()
@@ -349,8 +363,11 @@ def before_initialize(ctx: Any) -> None:
     """Check the combination before any work starts; build the reducer (installed after initialize)."""
     _check(ctx)
     cfg = ctx.titan.compression
-    ctx.reports[_REPORT_KEY] = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
-                                               warmup_steps=cfg.warmup_steps, rows=cfg.sketch_rows, seed=cfg.seed)
+    ctx.reports[_REPORT_KEY] = GradientReducer(
+        cfg.method, cfg.ratio, error_feedback=cfg.error_feedback, warmup_steps=cfg.warmup_steps, rows=cfg.sketch_rows,
+        seed=cfg.seed, rank=cfg.rank, min_compression=cfg.min_compression,
+        dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
+        ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start)
 
 
 def after_initialize(ctx: Any) -> None:

@@ -1,9 +1,16 @@
-"""``topk``: each rank sends its own largest-magnitude entries as (index, value) pairs through an all-gather."""
+"""``topk``: each rank sends its own largest-magnitude entries as (index, value) pairs through an all-gather.
+
+With ``momentum`` (and ``momentum_masking``, ``local_clip``, ``ratio_warmup_*``) set in ``titan.compression``,
+the same selection is Deep Gradient Compression (Lin et al. 2018): the reducer accumulates velocity instead of
+the raw gradient (``titan_ds/comm/dgc.py``); this class only selects and exchanges.
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
-from .base import Collective, topk_budget
+from .base import Collective, Segment, topk_budget
 
 __all__ = ["TopKCompressor"]
 
@@ -18,15 +25,18 @@ class TopKCompressor:
     """
 
     name = "topk"
-    unused_keys = ("sketch_rows", "seed")
+    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "momentum", "momentum_masking", "local_clip",
+                                    "ratio_warmup_steps", "ratio_warmup_start")
 
     def __init__(self, ratio: float, rows: int = 1):
-        del rows  # CompressionConfig refuses sketch_rows for "topk" (unused_keys)
+        del rows  # CompressionConfig refuses sketch_rows for "topk" (not in config_keys)
         self.ratio = ratio
 
-    def reduce(self, acc: torch.Tensor, comm: Collective, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce(self, acc: torch.Tensor, comm: Collective, seed: int, *, layout: list[Segment],
+               ratio: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        del seed, layout  # the selection is this rank's own; residuals and momentum are the reducer's
         n = acc.numel()
-        k = topk_budget(n, self.ratio)
+        k = topk_budget(n, self.ratio if ratio is None else ratio)
         idx = torch.topk(acc.abs(), k, sorted=False).indices
         val = acc[idx]
         idx_all = comm.all_gather(idx.to(torch.int32))
