@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
-__all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "add_dgc_args", "ROOT"]
+__all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "add_dgc_args", "ResultLog",
+           "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -59,6 +60,31 @@ def localise_paths(obj: Any, folder: Path) -> Any:
     if isinstance(obj, list):
         return [localise_paths(v, folder) for v in obj]
     return obj
+
+
+class ResultLog:
+    """Finished benchmark results, one JSON object per line of ``path``, each under ``key(result)``; a rerun of a
+    resumable benchmark reuses them and runs only what is missing."""
+
+    def __init__(self, path: Path, key: Callable[[dict], tuple], load: Optional[Callable[[dict], dict]] = None):
+        self.path, self._key = Path(path), key
+        self.rows: dict[tuple, dict] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    r = load(r) if load else r
+                    self.rows[key(r)] = r
+
+    def get(self, k: tuple, run: Callable[[], dict], describe: Callable[[dict], str]) -> dict:
+        """The result under ``k``: the saved one, or ``run()`` saved at once (and ``describe``d on stdout)."""
+        if k not in self.rows:
+            r = run()
+            self.rows[k] = r
+            with open(self.path, "a") as f:
+                f.write(json.dumps(r) + "\n")
+            print(f"  {describe(r)}", flush=True)
+        return self.rows[k]
 
 
 def _launcher(num_ranks: int, port: int) -> list[str]:

@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from titan_ds.bench import ResultLog  # noqa: E402
 from titan_ds.hms.install import ZERO3_BOUNDS  # noqa: E402
 from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available, run_capped  # noqa: E402
@@ -95,33 +96,23 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     return out
 
 
-class Trials:
+class Trials(ResultLog):
     """The trial log: every finished trial, keyed by (mode, cap, layers, width); a rerun reuses them."""
 
     def __init__(self, path: Path):
-        self.path = path
-        self.rows: dict[tuple, dict] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    r["params"] = gpt_params(r["layers"], r["width"])  # counted on the meta device
-                    self.rows[self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"])] = r
+        def load(r: dict) -> dict:
+            r["params"] = gpt_params(r["layers"], r["width"])  # counted on the meta device
+            return r
+        super().__init__(path, lambda r: self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"]), load)
 
     @staticmethod
     def key(mode, cap, layers, width) -> tuple:
         return (mode, float(cap), int(layers), int(width))
 
     def run(self, mode, cap, layers, width, **kw) -> dict:
-        k = self.key(mode, cap, layers, width)
-        if k not in self.rows:
-            r = trial(mode, layers, width, cap, **kw)
-            self.rows[k] = r
-            with open(self.path, "a") as f:
-                f.write(json.dumps(r) + "\n")
-            print(f"  {mode} cap {cap:g} GiB {layers}x{width} ({r['params'] / 1e6:.0f}M): {r['status']}, "
-                  f"peak anon {r['peak_anon_GiB']:.2f} GiB, {r['wall_s']:.0f} s", flush=True)
-        return self.rows[k]
+        return self.get(self.key(mode, cap, layers, width), lambda: trial(mode, layers, width, cap, **kw),
+                        lambda r: f"{mode} cap {cap:g} GiB {layers}x{width} ({r['params'] / 1e6:.0f}M): "
+                                  f"{r['status']}, peak anon {r['peak_anon_GiB']:.2f} GiB, {r['wall_s']:.0f} s")
 
 
 def largest(trials: Trials, mode: str, cap: float, width: int, start: int, max_layers: int, rel: float,

@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from titan_ds.bench import ResultLog  # noqa: E402
 from titan_ds.memcap import cgroup_available, run_capped  # noqa: E402
 from titan_ds.plan import (CALIBRATION_FILE, MODES, _structure, candidate_config, model_spec,  # noqa: E402
                            predict)
@@ -75,25 +76,16 @@ def measure(mode: str, spec: str, ranks: int, *, path: str, cap_gib: float, logs
             "status": "ok" if ok else ("OOM-killed" if r.oom_killed else f"failed (exit {r.returncode})")}
 
 
-class Runs:
-    def __init__(self, path: Path):
-        self.path, self.rows = path, {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    self.rows[(r["mode"], r["model"], r["ranks"])] = r
+class Runs(ResultLog):
+    """Every finished run, keyed by (mode, model, ranks); a rerun reuses them."""
 
-    def get(self, mode, spec, ranks, **kw) -> dict:
-        k = (mode, spec, ranks)
-        if k not in self.rows:
-            r = measure(mode, spec, ranks, **kw)
-            self.rows[k] = r
-            with open(self.path, "a") as f:
-                f.write(json.dumps(r) + "\n")
-            print(f"  {mode} {spec} x{ranks}: {r['status']}, peak anon {r['measured_GiB']:.3f} GiB, "
-                  f"{r['wall_s']:.0f} s", flush=True)
-        return self.rows[k]
+    def __init__(self, path: Path):
+        super().__init__(path, lambda r: (r["mode"], r["model"], r["ranks"]))
+
+    def get(self, mode, spec, ranks, **kw) -> dict:  # type: ignore[override]
+        return super().get((mode, spec, ranks), lambda: measure(mode, spec, ranks, **kw),
+                           lambda r: f"{mode} {spec} x{ranks}: {r['status']}, peak anon "
+                                     f"{r['measured_GiB']:.3f} GiB, {r['wall_s']:.0f} s")
 
 
 def calibrate(runs: Runs, shapes: list[str], kw: dict) -> dict:
