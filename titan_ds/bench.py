@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 __all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "add_dgc_args", "ResultLog",
-           "ROOT"]
+           "shm_op_stamp", "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -60,6 +60,17 @@ def localise_paths(obj: Any, folder: Path) -> Any:
     if isinstance(obj, list):
         return [localise_paths(v, folder) for v in obj]
     return obj
+
+
+def shm_op_stamp() -> float:
+    """Modification time of DeepSpeed's JIT-built CPU shared-memory op (0 if absent). A measured run during which
+    it changed paid for a rebuild: g++ inside the run's memory cgroup (~1-2 GiB, ~1 min), seen here as runs up
+    to 3x their usual peak. Benchmarks that measure peaks compare it before and after and run again."""
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    try:
+        return os.path.getmtime(os.path.join(ext, "deepspeed_shm_comm", "deepspeed_shm_comm.so"))
+    except OSError:
+        return 0.0
 
 
 class ResultLog:

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from titan_ds.bench import ResultLog  # noqa: E402
+from titan_ds.bench import ResultLog, shm_op_stamp  # noqa: E402
 from titan_ds.hms.install import ZERO3_BOUNDS  # noqa: E402
 from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available, run_capped  # noqa: E402
@@ -72,9 +72,14 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     env.setdefault("OMP_NUM_THREADS", "2")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     logs.mkdir(parents=True, exist_ok=True)
-    with open(logs / f"{name}.log", "w") as f:
-        r = run_capped(cmd, int(cap_gib * GiB), env=env, cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT,
-                       timeout=timeout)
+    for attempt in range(3):
+        stamp = shm_op_stamp()
+        with open(logs / f"{name}.log", "w") as f:
+            r = run_capped(cmd, int(cap_gib * GiB), env=env, cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT,
+                           timeout=timeout)
+        if shm_op_stamp() == stamp:
+            break
+        print(f"  {name}: DeepSpeed's shm op was rebuilt during the run (g++ in the cgroup); trying again")
     out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width),
            "peak_anon_GiB": r.peak_anon_bytes / GiB, "max_usage_GiB": r.max_usage_bytes / GiB, "wall_s": r.wall_s,
            "returncode": r.returncode, "oom_killed": r.oom_killed, "timed_out": r.timed_out}
