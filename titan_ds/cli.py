@@ -90,6 +90,45 @@ def _size(path: str) -> int:
         return 0
 
 
+def _plan_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="gpt:LAYERSxWIDTH or hf:PATH_OR_CONFIG")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--gpu-mem", default=None, help="device memory per rank (e.g. 80G); omit on a CPU-only machine")
+    p.add_argument("--cpu-mem", required=True, help="DRAM for the job (e.g. 24G)")
+    p.add_argument("--disk", default="0", help="free disk for HMS (e.g. 60G)")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--nvme-path", default="./titan_storage", help="titan.hms.nvme_path written into an HMS config")
+    p.add_argument("--out", default=None, help="write the best fitting config here (ds_config json)")
+    p.add_argument("--json", action="store_true", help="print the candidates as JSON")
+
+
+def _plan(a) -> int:
+    """``titan-ds plan``: the candidates' table (titan_ds.plan), and the best fitting config written."""
+    from pathlib import Path
+
+    from .plan import candidate_config, format_table, model_spec, parse_size, plan
+    m = model_spec(a.model, a.seq)
+    cands, best = plan(m, seq=a.seq, micro=a.micro_batch, cpu_mem=parse_size(a.cpu_mem), disk=parse_size(a.disk),
+                       gpu_mem=None if a.gpu_mem is None else parse_size(a.gpu_mem), ranks=a.ranks)
+    if a.json:
+        print(json.dumps([{"mode": c.mode, "fits": c.fits, "why": c.why, "device": c.device, "dram": c.dram,
+                           "disk": c.disk, "calibrated": c.calibrated} for c in cands], indent=1))
+    else:
+        print(format_table(m, cands, a.ranks))
+    if best is None:
+        print("\nnothing fits: more DRAM or disk, a smaller model, or a shorter sequence")
+        return 1
+    print(f"\nbest fitting: {best.mode} ({best.description})")
+    if a.out:
+        cfg = candidate_config(best.mode, nvme_path=a.nvme_path, micro_batch=a.micro_batch)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(cfg, indent=1) + "\n")
+        extra = f" (launch/train.py {' '.join(m.gpt_args)})" if m.gpt_args else ""
+        print(f"wrote {a.out}{extra}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="titan-ds")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -98,14 +137,12 @@ def main(argv=None) -> int:
     r.add_argument("--probe-mb", type=int, default=64)
     r.add_argument("--json", action="store_true")
     pl = sub.add_parser("plan", help="predicted bytes per tier of each candidate config; writes the best that fits")
-    from .plan import add_arguments as _plan_args
-    _plan_args(pl)
+    _plan_arguments(pl)
     c = sub.add_parser("clean-shm", help="remove /dev/shm files that earlier DeepSpeed CPU runs leaked "
                                          "(deepspeed_allreduce_buffer_*, 66 MB per rank and run; only unused ones)")
     c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     a = p.parse_args(argv)
     if a.cmd == "plan":
-        from .plan import run as _plan
         try:
             return _plan(a)
         except (ValueError, FileNotFoundError) as e:

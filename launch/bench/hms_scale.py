@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,10 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from titan_ds.bench import ResultLog, shm_op_stamp  # noqa: E402
+from titan_ds.bench import ResultLog, run_capped_clean  # noqa: E402
 from titan_ds.hms.install import ZERO3_BOUNDS  # noqa: E402
 from titan_ds.plan import candidate_config, model_spec  # noqa: E402
-from titan_ds.memcap import cgroup_available, run_capped  # noqa: E402
+from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
 MODES = ("zero3_cpu", "hms", "hms_asdt")  # titan_ds.plan.MODES that stream or offload
@@ -72,14 +72,7 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     env.setdefault("OMP_NUM_THREADS", "2")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     logs.mkdir(parents=True, exist_ok=True)
-    for attempt in range(3):
-        stamp = shm_op_stamp()
-        with open(logs / f"{name}.log", "w") as f:
-            r = run_capped(cmd, int(cap_gib * GiB), env=env, cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT,
-                           timeout=timeout)
-        if shm_op_stamp() == stamp:
-            break
-        print(f"  {name}: DeepSpeed's shm op was rebuilt during the run (g++ in the cgroup); trying again")
+    r = run_capped_clean(cmd, int(cap_gib * GiB), logs / f"{name}.log", env=env, cwd=str(ROOT), timeout=timeout)
     out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width),
            "peak_anon_GiB": r.peak_anon_bytes / GiB, "max_usage_GiB": r.max_usage_bytes / GiB, "wall_s": r.wall_s,
            "returncode": r.returncode, "oom_killed": r.oom_killed, "timed_out": r.timed_out}
@@ -182,6 +175,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per trial")
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="  %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_capped's cleanup then removes the cgroup
     if not cgroup_available():
         raise SystemExit("hms_scale.py needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory")

@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from titan_ds.bench import ResultLog, shm_op_stamp  # noqa: E402
-from titan_ds.memcap import cgroup_available, run_capped  # noqa: E402
+from titan_ds.bench import ResultLog, run_capped_clean  # noqa: E402
+from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.plan import (CALIBRATION_FILE, MODES, _structure, candidate_config, model_spec,  # noqa: E402
                            predict)
 from titan_ds.utils import free_port  # noqa: E402
@@ -66,15 +66,8 @@ def measure(mode: str, spec: str, ranks: int, *, path: str, cap_gib: float, logs
     else:
         cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", str(ranks), "--master_port", port] + args
     logs.mkdir(parents=True, exist_ok=True)
-    for attempt in range(3):
-        stamp = shm_op_stamp()
-        with open(logs / f"{name}.log", "w") as f:
-            r = run_capped(cmd, int(cap_gib * GiB), env=env, cwd=str(ROOT), stdout=f, stderr=subprocess.STDOUT,
-                           timeout=timeout)
-        shutil.rmtree(nvme, ignore_errors=True)
-        if shm_op_stamp() == stamp:
-            break
-        print(f"  {name}: DeepSpeed's shm op was rebuilt during the run (g++ in the cgroup); measuring again")
+    r = run_capped_clean(cmd, int(cap_gib * GiB), logs / f"{name}.log", env=env, cwd=str(ROOT), timeout=timeout)
+    shutil.rmtree(nvme, ignore_errors=True)
     ok = r.ok and summary.exists() and math.isfinite(json.loads(summary.read_text())["val_loss"])
     return {"mode": mode, "model": spec, "ranks": ranks, "params": m.params, "ok": ok,
             "measured_GiB": r.peak_anon_bytes / GiB, "max_usage_GiB": r.max_usage_bytes / GiB, "wall_s": r.wall_s,
@@ -129,6 +122,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(ROOT / "results" / "plan_accuracy"))
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="  %(message)s")
     if not cgroup_available():
         raise SystemExit("plan_accuracy.py needs root and a cgroup v1 memory controller")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_capped's cleanup removes the cgroup
