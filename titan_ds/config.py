@@ -94,8 +94,10 @@ class OptimizerConfig(_Strict):
     weight_decay: float = Field(default=0.0, ge=0)
     importance: Literal["momentum", "grad_weight", "sketch"] = "momentum"
     state_dtype: Literal["fp32", "bf16"] = "fp32"
-    granularity: Literal["tensor", "block"] = "tensor"
+    granularity: Literal["tensor", "block", "row"] = "tensor"  # a unit: a parameter, a block, a matrix row
     block_size: int = Field(default=4096, ge=1)          # elements per unit when granularity="block"
+    update: Literal["sign", "adaptive"] = "sign"         # sign of momentum, or Adam with one 2nd moment per unit
+    eps: float = Field(default=1e-8, ge=0)               # update="adaptive": Adam's epsilon
     sketch_width: int = Field(default=1 << 16, ge=16)    # TGSS table (importance="sketch"): width x depth fp32
     sketch_depth: int = Field(default=3, ge=1, le=16)
 

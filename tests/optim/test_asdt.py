@@ -161,10 +161,11 @@ def test_sketch_importance_selects_density_and_differs_from_momentum():
     assert o1.state_bytes() == sum(4 * p.numel() for p in ps) + o1.sketch.nbytes
 
 
-def test_resume_is_bit_exact():
+def _resume(hp):
+    """Train 6 steps; restore the state saved after step 3 into a fresh optimizer and train 3 more: the same
+    weights (returned: the resumed optimizer, for dtype checks)."""
     ps = _params()
     q = [p.detach().clone().requires_grad_() for p in ps]
-    hp = dict(lr=1e-2, density=0.2, weight_decay=0.1, state_dtype="bf16", importance="sketch", sketch_width=256)
     opt = ASDT([(f"p{i}", p) for i, p in enumerate(ps)], **hp)
     for t in range(6):
         for p, g in zip(ps, _grads(ps, t)):
@@ -177,13 +178,20 @@ def test_resume_is_bit_exact():
     for p, v in zip(q, qs):
         p.data.copy_(v)
     opt2.load_state_dict(saved)
-    assert all(st["momentum"].dtype == torch.bfloat16 for st in opt2.state.values())
+    dtypes = {k: v.dtype for st in opt2.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
     for t in range(3, 6):
         for p, g in zip(q, _grads(q, t)):
             p.grad = g
         opt2.step()
     for a, b in zip(ps, q):
         assert torch.equal(a.data, b.data)
+    return dtypes
+
+
+def test_resume_is_bit_exact():
+    dtypes = _resume(dict(lr=1e-2, density=0.2, weight_decay=0.1, state_dtype="bf16", importance="sketch",
+                          sketch_width=256))
+    assert dtypes["momentum"] == torch.bfloat16
 
 
 def test_delta_round_trip(tmp_path):
@@ -205,3 +213,79 @@ def test_bad_arguments_raise():
         ASDT([torch.zeros(2, requires_grad=True)], density=1.5)
     with pytest.raises(ValueError, match="importance"):
         ASDT([torch.zeros(2, requires_grad=True)], importance="magic")
+
+
+# ---------------------------------------------------------------------------------------------- update="adaptive"
+def _row_units(p):
+    """granularity="row": one unit per row of the first dimension of a matrix, per element of a vector."""
+    n = p.numel()
+    step = n // p.shape[0] if p.dim() >= 2 else 1
+    return [(s, step) for s in range(0, n, step)]
+
+
+@pytest.mark.parametrize("importance", ["momentum", "grad_weight"])
+@pytest.mark.parametrize("density", [1.0, 0.3])
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_adaptive_flat_path_matches_reference_bit_exactly(importance, density, state_dtype):
+    a = _params()
+    b = [p.detach().clone() for p in a]
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), density=density, weight_decay=0.1, importance=importance)
+    opt = ASDT([(f"p{i}", p) for i, p in enumerate(a)], update="adaptive", granularity="row",
+               state_dtype=state_dtype, **hp)
+    states = {}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+    for t in range(6):
+        for p, g in zip(a, _grads(a, t)):
+            p.grad = g
+        opt.step()
+        units = [(p.data.view(-1)[s:s + n], g.view(-1)[s:s + n], states.setdefault((i, s), {}))
+                 for i, (p, g) in enumerate(zip(b, _grads(b, t))) for s, n in _row_units(p)]
+        reference_step(units, state_dtype=dtype, update="adaptive", **hp)
+        for pa, pb in zip(a, b):
+            assert torch.equal(pa.data, pb), f"step {t}"
+    for i, p in enumerate(a):  # the (v, t) of each unit and the momentum
+        keys = sorted(s for (j, s) in states if j == i)
+        second = opt.state[p]["second"].view(-1, 2)
+        assert torch.equal(second[:, 0], torch.stack([states[(i, s)]["v"] for s in keys]))
+        assert second[:, 1].tolist() == [6.0] * len(keys)
+        assert torch.equal(opt.state[p]["momentum"], torch.cat([states[(i, s)]["momentum"] for s in keys]))
+
+
+def test_adaptive_one_unit_per_coordinate_is_adam():
+    """Units of one element (block_size 1): v_u is the coordinate's own second moment, so the step is Adam's
+    (torch.optim.Adam, bias corrections and eps included) up to rounding."""
+    w = torch.randn(40, requires_grad=True)
+    ref = w.detach().clone().requires_grad_()
+    opt = ASDT([("w", w)], lr=1e-2, betas=(0.9, 0.95), density=1.0, update="adaptive", granularity="block",
+               block_size=1)
+    adam = torch.optim.Adam([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for t in range(8):
+        g = torch.randn(40)
+        w.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        adam.step()
+    torch.testing.assert_close(w.data, ref.data, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(w.data, ref.data.new_zeros(40))
+
+
+def test_adaptive_state_is_the_momentum_and_two_numbers_per_unit():
+    ps = _params()
+    opt = _run_flat(ps, 2, lr=1e-2, density=1.0, update="adaptive", granularity="row", state_dtype="bf16")
+    units = sum(len(_row_units(p)) for p in ps)
+    assert opt.state_bytes() == sum(2 * p.numel() for p in ps) + 8 * units
+    assert all(st["second"].dtype == torch.float32 for st in opt.state.values())
+
+
+def test_adaptive_resume_is_bit_exact():
+    dtypes = _resume(dict(lr=1e-2, density=0.5, weight_decay=0.1, state_dtype="bf16", update="adaptive",
+                          granularity="row"))
+    assert dtypes["momentum"] == torch.bfloat16 and dtypes["second"] == torch.float32
+
+
+def test_adaptive_bad_arguments_raise():
+    with pytest.raises(ValueError, match="update"):
+        ASDT([torch.zeros(2, requires_grad=True)], update="adam")
+    with pytest.raises(ValueError, match="eps"):
+        ASDT([torch.zeros(2, requires_grad=True)], update="adaptive", eps=-1.0)
+    with pytest.raises(ValueError, match="granularity"):
+        ASDT([torch.zeros(2, requires_grad=True)], granularity="column")

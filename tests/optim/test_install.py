@@ -130,6 +130,9 @@ def test_conflicts_and_nonsense_raise(dist_env):
     with pytest.raises(TitanConfigError, match="Lion is the dense"):
         install.before_initialize(InitContext(titan=TitanConfig(optimizer={"name": "lion", "density": 0.1}),
                                               ds_config={}, model=model))
+    with pytest.raises(TitanConfigError, match="Lion is the sign"):
+        install.before_initialize(InitContext(titan=TitanConfig(optimizer={"name": "lion", "update": "adaptive"}),
+                                              ds_config={}, model=model))
     with pytest.raises(TitanConfigError) as e:
         TitanConfig(optimizer={"density": 1.5, "betas": [0.9, 1.2], "state_dtype": "fp8"},
                     plasticity={"max_active_fraction": 0})

@@ -21,7 +21,7 @@ def dist1():
 
 @pytest.fixture(scope="module")
 def stage0_runs(dist1):
-    return {case: h.run(0, case) for case in ("sparse", "block_bf16", "bsps")}
+    return {case: h.run(0, case) for case in ("sparse", "block_bf16", "bsps", "adaptive")}
 
 
 def _assert_same(ref, got):
@@ -31,7 +31,7 @@ def _assert_same(ref, got):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("case", ["sparse", "block_bf16", "bsps"])
+@pytest.mark.parametrize("case", ["sparse", "block_bf16", "bsps", "adaptive"])
 def test_zero_stage_matches_stage0_step_by_step(stage0_runs, stage, case):
     ref = stage0_runs[case]
     first, last = ref[0], ref[-1]
@@ -85,7 +85,7 @@ def test_two_ranks_all_stages_match_stage0(tmp_path):
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     r = run_group(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for case in ("sparse", "block_bf16", "bsps"):
+    for case in ("sparse", "block_bf16", "bsps", "adaptive"):
         for rank in (0, 1):
             ref = torch.load(tmp_path / f"rank{rank}_stage0_{case}.pt")
             for stage in (1, 2, 3):

@@ -19,6 +19,7 @@ CASES = {
     "block_bf16": dict(density=0.1, granularity="block", block_size=50, state_dtype="bf16"),
     "grad_weight": dict(density=0.3, importance="grad_weight"),
     "bsps": dict(density=0.5),
+    "adaptive": dict(density=0.5, update="adaptive", granularity="row", state_dtype="bf16", weight_decay=0.1),
 }
 
 
@@ -110,7 +111,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
-    ap.add_argument("--cases", default="sparse,block_bf16,bsps")
+    ap.add_argument("--cases", default="sparse,block_bf16,bsps,adaptive")
     a = ap.parse_args()
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")

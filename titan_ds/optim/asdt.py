@@ -15,7 +15,20 @@ gradient, ``w`` the weight, ``m`` the momentum, all fp32 in the arithmetic; ``m`
    ``state_dtype``).
 
 ``density=1`` is Lion (Chen et al. 2023) with decoupled weight decay; ``optimizer.name="lion"`` in the titan
-config builds exactly that. With BSPS (``plasticity``) each unit also has a mode from its block:
+config builds exactly that.
+
+``update="adaptive"`` (issue 13: the sign step costs quality; docs/asdt.md has the measurements) replaces steps 1,
+4 and 5 of a Growth unit by an Adam step whose second moment is *one number per unit* (Adam-mini's idea; with
+``granularity="row"`` a unit is one output channel of a linear layer or one token of an embedding):
+
+1'. ``m = beta1 * m + (1 - beta1) * g``;  ``v_u = beta2 * v_u + (1 - beta2) * mean_u(g^2)``;  ``t_u += 1``
+    (``v_u`` and ``t_u``, the unit's own step count for the bias corrections, are two fp32 numbers per unit,
+    in the ``second`` buffer; ``mean_u`` is over the whole unit, summed across ranks when it is split);
+    ``c = (m / (1 - beta1^t_u)) / (sqrt(v_u / (1 - beta2^t_u)) + eps)``; the score of ``importance="momentum"``
+    is ``|c|``.
+4'. ``w[M] -= lr * lr_scale * (c[M] + weight_decay * w[M])``;  ``m`` is stored rounded to ``state_dtype``.
+
+State: ``state_dtype`` bytes per element (the momentum) plus 8 bytes per unit. With BSPS (``plasticity``) each unit also has a mode from its block:
 Growth (the steps above, ``lr_scale`` 1), Elastic (no momentum: ``c = g``, ``lr_scale = elastic_lr_scale``,
 then ``w[M] += elastic_pull * (a[M] - w[M])`` toward the block's weights ``a`` at entry, kept in one
 ``state_dtype`` buffer instead of the momentum), Frozen and Sleeping (nothing: no update, no state).
@@ -46,7 +59,7 @@ from ..utils import get_logger
 from ..comm.tgss import CountMinSketch
 from .bsps import ELASTIC, FROZEN, GROWTH, SLEEPING
 from .layout import (Layout, LayoutMap, Piece, Unit, UnitState, build_units, kth_largest, param_layout, place_units,
-                     views)
+                     unit_sums, views)
 
 __all__ = ["ASDT", "asdt_update", "local_kth_largest", "reference_step", "GROWTH", "ELASTIC", "FROZEN", "SLEEPING"]
 
@@ -54,6 +67,7 @@ log = get_logger("titan_ds.optim")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _IMPORTANCE = ("momentum", "grad_weight", "sketch")
+_UPDATES = ("sign", "adaptive")
 
 
 # ---------------------------------------------------------------------------------------------- math
@@ -75,16 +89,32 @@ def _k(density: float, numel: int) -> int:
 def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: float, betas: tuple[float, float],
                    density: float, weight_decay: float, importance: str, state_dtype: torch.dtype,
                    modes: Optional[list[int]] = None, lr_scales: Optional[list[float]] = None,
-                   elastic_pull: float = 0.0, sketch_est: Optional[list[torch.Tensor]] = None) -> None:
+                   elastic_pull: float = 0.0, sketch_est: Optional[list[torch.Tensor]] = None,
+                   update: str = "sign", eps: float = 1e-8) -> None:
     """The docstring's steps, one unit at a time: ``units`` is ``[(w_view, g, state)]`` (1-D fp32 views).
 
-    ``state`` holds ``momentum`` (Growth) or ``anchor`` (Elastic), created here on first use.
+    ``state`` holds ``momentum`` (Growth) or ``anchor`` (Elastic), created here on first use, and with
+    ``update="adaptive"`` a Growth unit's ``v`` and ``t`` (Python floats).
     """
     b1, b2 = betas
     for i, (w, g, st) in enumerate(units):
         mode = GROWTH if modes is None else modes[i]
         scale = 1.0 if lr_scales is None else lr_scales[i]
         if mode in (FROZEN, SLEEPING):
+            continue
+        if mode == GROWTH and update == "adaptive":
+            f32 = torch.float32
+            m = st.setdefault("momentum", torch.zeros_like(w, dtype=state_dtype)).float() * b1 + g * (1 - b1)
+            mean = torch.tensor(float((g.double() ** 2).sum()) / g.numel(), dtype=f32)
+            st["v"] = st.get("v", torch.zeros((), dtype=f32)) * b2 + (1 - b2) * mean
+            st["t"] = st.get("t", 0) + 1
+            bc1, bc2 = 1 - b1 ** st["t"], 1 - b2 ** st["t"]
+            c = m / torch.tensor((math.sqrt(float(st["v"]) / bc2) + eps) * bc1, dtype=f32)
+            s = _scores(importance, c, g, w, None if sketch_est is None else sketch_est[i])
+            tau = torch.topk(s, _k(density, s.numel())).values[-1]
+            mask = (s >= tau) & (s > 0)
+            w[mask] = w[mask] - (c[mask] + weight_decay * w[mask]) * (lr * scale)
+            st["momentum"] = m.to(state_dtype)
             continue
         if mode == GROWTH:
             m = st.setdefault("momentum", torch.zeros_like(w, dtype=state_dtype)).float()
@@ -115,7 +145,10 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
                 density: float, weight_decay: float, unit_numels: list[int], importance: str = "momentum",
                 momenta: Optional[list[torch.Tensor]] = None, anchors: Optional[list[torch.Tensor]] = None,
                 lr_scales: Optional[list[float]] = None, elastic_pull: float = 0.0,
-                scores: Optional[list[torch.Tensor]] = None, kth_largest: KthLargest = local_kth_largest) -> int:
+                scores: Optional[list[torch.Tensor]] = None, kth_largest: KthLargest = local_kth_largest,
+                seconds: Optional[torch.Tensor] = None, eps: float = 1e-8,
+                unit_sums: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                lengths: Optional[list[int]] = None) -> int:
     """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed.
 
     ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
@@ -124,7 +157,20 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
     toward the anchors), not both. ``scores``: the ``importance="sketch"`` estimates (given with it only).
     ``kth_largest(scores, ks)`` gives each unit's threshold; a collective one (units split across ranks) must
     be called on every rank, so it is called even when there are no slices here.
+
+    ``seconds`` (with ``momenta``): ``update="adaptive"``, a ``[len(weights), 2]`` fp32 tensor of each unit's
+    ``(v, t)``, updated in place; ``unit_sums(partial)`` turns per-slice sums into whole-unit sums (a collective
+    when units are split across ranks: it too is called even when there are no slices here). ``lengths``
+    (adaptive only): the slices' lengths when ``weights``/``grads``/``momenta`` are each given as *runs* of
+    consecutive slices (fewer, longer tensors: the same arithmetic without a loop over units).
     """
+    if seconds is not None:
+        if momenta is None:
+            raise ValueError("asdt_update: seconds (update='adaptive') go with momenta (Growth units)")
+        return _adaptive_update(weights, grads, momenta, seconds, lr=lr, betas=betas, density=density,
+                                weight_decay=weight_decay, unit_numels=unit_numels, importance=importance, eps=eps,
+                                lr_scales=lr_scales, scores=scores, kth_largest=kth_largest, unit_sums=unit_sums,
+                                lengths=lengths)
     if (momenta is None) == (anchors is None):
         raise ValueError("asdt_update needs momenta (Growth) or anchors (Elastic), exactly one of them")
     if (importance == "sketch") != (scores is not None):
@@ -136,10 +182,12 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
         [g.clone() for g in gs]
     est = scores if importance == "sketch" else [None] * len(gs)
     ss = [_scores(importance, c, g, w, e) for c, g, w, e in zip(cs, gs, weights, est)]
-    taus = kth_largest(ss, [_k(density, n) for n in unit_numels])
+    # density 1: every unit's k is its size, its k-th largest score its minimum, so the mask is ``s > 0`` (the
+    # same decision on every rank: density is a group setting, so no collective is skipped on one rank only)
+    taus = kth_largest(ss, [_k(density, n) for n in unit_numels]) if density < 1.0 else None
     selected = 0
     for i, w in enumerate(weights):
-        mask = (ss[i] >= taus[i]) & (ss[i] > 0)
+        mask = (ss[i] >= taus[i]) & (ss[i] > 0) if taus is not None else ss[i] > 0
         selected += int(mask.sum())
         new = w - (torch.sign(cs[i]) + weight_decay * w) * (lr * (1.0 if lr_scales is None else lr_scales[i]))
         if anchors is not None:
@@ -152,8 +200,55 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
     return selected
 
 
+def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],
+                     seconds: torch.Tensor, *, lr: float, betas: tuple[float, float], density: float,
+                     weight_decay: float, unit_numels: list[int], importance: str, eps: float,
+                     lr_scales: Optional[list[float]], scores: Optional[list[torch.Tensor]], kth_largest: KthLargest,
+                     unit_sums: Callable[[torch.Tensor], torch.Tensor], lengths: Optional[list[int]] = None) -> int:
+    """Steps 1' and 4' of the module docstring, vectorised over the slices (one concatenation, no per-unit loop
+    except the top-k of ``density < 1`` and the write-back)."""
+    b1, b2 = betas
+    n = len(unit_numels)
+    if n == 0:  # the collectives still run (units split across ranks)
+        unit_sums(torch.zeros(0, dtype=torch.float64))
+        if density < 1.0:
+            kth_largest([], [])
+        return 0
+    lens = torch.tensor(lengths if lengths is not None else [w.numel() for w in weights])
+    g = torch.cat([x.float() for x in grads])
+    w = torch.cat([x.float() for x in weights])
+    m = torch.cat([x.float() for x in momenta]) * b1 + g * (1 - b1)
+    sq = unit_sums(torch.segment_reduce(g.double() ** 2, "sum", lengths=lens))
+    v, t = seconds[:, 0], seconds[:, 1]
+    v.copy_(v * b2 + (1 - b2) * (sq / torch.tensor(unit_numels, dtype=torch.float64)).float())
+    t.add_(1)
+    bc1, bc2 = 1 - b1 ** t.double(), 1 - b2 ** t.double()
+    denom = ((v.double() / bc2).sqrt() + eps) * bc1
+    c = m / denom.float().repeat_interleave(lens)
+    if importance == "sketch":
+        s = torch.cat(scores)
+    else:
+        s = _scores(importance, c, g, w, None)
+    if density >= 1.0:  # every unit's k is its size: the k-th largest is its minimum (the same on every rank)
+        mask = s > 0
+    else:
+        s_parts = list(torch.split(s, lens.tolist()))
+        taus = kth_largest(s_parts, [_k(density, u) for u in unit_numels])
+        mask = s >= torch.stack(taus).repeat_interleave(lens)
+        mask &= s > 0
+    scale = lr if lr_scales is None else \
+        torch.tensor([lr * x for x in lr_scales], dtype=torch.float32).repeat_interleave(lens)
+    new = torch.where(mask, w - (c + weight_decay * w) * scale, w)
+    for dsts, src in ((weights, new), (momenta, m)):
+        for dst, part in zip(dsts, torch.split(src, [x.numel() for x in dsts])):
+            dst.copy_(part)
+    return int(mask.sum())
+
+
 # ---------------------------------------------------------------------------------------------- state format
 _BUFFER = {GROWTH: "momentum", ELASTIC: "anchor"}
+_SECOND = "second"  # update="adaptive": (v, t) of each Growth unit, fp32
+_SAVED = (*_BUFFER.values(), _SECOND)
 
 
 def _to_saved(st: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +256,7 @@ def _to_saved(st: dict[str, Any]) -> dict[str, Any]:
     if "units" not in st:  # already in this form (restored by HMS and not stepped since)
         return dict(st)
     out = {k: v for k, v in st.items() if k != "units"}
-    for buffer in _BUFFER.values():
+    for buffer in _SAVED:
         records = [r for r in st.get("units", []) if r.buffer == buffer]
         out[f"{buffer}_units"] = [r.unit for r in records]
         out[f"{buffer}_lens"] = {r.unit: r.length for r in records}
@@ -171,7 +266,7 @@ def _to_saved(st: dict[str, Any]) -> dict[str, Any]:
 def _from_saved(st: dict[str, Any]) -> None:
     """Inverse of :func:`_to_saved`, in place (the units of a buffer lie in it end to end, in order)."""
     records = []
-    for buffer in _BUFFER.values():
+    for buffer in _SAVED:
         lens, cursor = st.pop(f"{buffer}_lens", {}), 0
         for u in st.pop(f"{buffer}_units", []):
             records.append(UnitState(int(u), buffer, cursor, int(lens[u])))
@@ -181,8 +276,12 @@ def _from_saved(st: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------- optimizer
 def _check(lr: float, betas: tuple[float, float], density: float, weight_decay: float, importance: str,
-           state_dtype: str, block_size: int) -> None:
+           state_dtype: str, block_size: int, update: str = "sign", eps: float = 1e-8) -> None:
     errors = []
+    if update not in _UPDATES:
+        errors.append(f"unknown update {update!r}; choose one of {list(_UPDATES)}")
+    if not eps >= 0:
+        errors.append(f"eps must be >= 0, got {eps}")
     if not lr > 0:
         errors.append(f"lr must be > 0, got {lr}")
     if not all(0.0 <= b < 1.0 for b in betas):
@@ -212,10 +311,13 @@ class ASDT(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  density: float = 0.1, weight_decay: float = 0.0, importance: str = "momentum",
                  state_dtype: str = "fp32", granularity: str = "tensor", block_size: int = 4096,
-                 sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0):
+                 sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0, update: str = "sign",
+                 eps: float = 1e-8):
         groups = self._groups(params)
         named = [np for g in groups for np in g["params"]]
-        _check(lr, betas, density, weight_decay, importance, state_dtype, block_size)
+        _check(lr, betas, density, weight_decay, importance, state_dtype, block_size, update, eps)
+        self.update, self.eps = update, eps
+        self._runs: dict[Any, Any] = {}  # update="adaptive": the runs of consecutive units of each tensor
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
         self.importance, self.state_dtype = importance, _DTYPES[state_dtype]
@@ -355,6 +457,8 @@ class ASDT(torch.optim.Optimizer):
                 p.grad = None  # a frozen/sleeping block holds no gradient
 
     def _pieces_by_mode(self, layout: Layout) -> dict[int, list[Piece]]:
+        if self.plasticity is None:  # every unit is in Growth, always
+            return {GROWTH: layout.pieces, ELASTIC: []}
         out: dict[int, list[Piece]] = {GROWTH: [], ELASTIC: []}
         for pc in layout.pieces:
             mode = self.unit_mode(pc.unit)
@@ -370,6 +474,9 @@ class ASDT(torch.optim.Optimizer):
         place_units(st, "momentum", by_mode[GROWTH],
                     lambda pc: torch.zeros(pc.length, dtype=dtype, device=w_flat.device), empty)
         place_units(st, "anchor", by_mode[ELASTIC], lambda pc: views(w_flat, [pc])[0].to(dtype), empty)
+        if self.update == "adaptive":
+            place_units(st, _SECOND, by_mode[GROWTH], lambda pc: torch.zeros(2, device=w_flat.device),
+                        torch.zeros(0, device=w_flat.device), per_unit=2)
         return by_mode
 
     def _update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
@@ -392,21 +499,53 @@ class ASDT(torch.optim.Optimizer):
     def _apply(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, pieces: list[Piece], mode: int,
                group: dict[str, Any]) -> None:
         """Bookkeeping around :func:`asdt_update` for the units of one mode held in ``t``."""
+        # split units in this mode: BSPS modes are the same on every rank, so every rank gets the same list
+        split = Layout(layout.pieces, [u for u in layout.split_units if self.unit_mode(u) == mode], layout.group)
+        if self.update == "adaptive" and mode == GROWTH and self.sketch is None:
+            self._apply_adaptive(t, st, pieces, split, group)
+            return
         buffer = _BUFFER[mode]
         records = [r for r in st["units"] if r.buffer == buffer]  # in the order of ``pieces`` (place_units)
         bufs = views(st[buffer], records)
         gs = [g.float() for g in views(t.grad.view(-1), pieces)]
         b2 = group["betas"][1]
         scores = self._sketch_scores(pieces, gs, layout, b2) if self.sketch is not None else None
-        # split units in this mode: BSPS modes are the same on every rank, so every rank gets the same list
-        split = Layout(layout.pieces, [u for u in layout.split_units if self.unit_mode(u) == mode], layout.group)
+        adaptive = self.update == "adaptive" and mode == GROWTH
         self._selected_acc += asdt_update(
             views(t.data.view(-1), pieces), gs, lr=group["lr"], betas=group["betas"], density=group["density"],
             weight_decay=group["weight_decay"], unit_numels=[self.units[pc.unit].numel for pc in pieces],
             importance=self.importance, momenta=bufs if mode == GROWTH else None,
             anchors=bufs if mode == ELASTIC else None, lr_scales=[self.unit_lr_scale(pc.unit) for pc in pieces],
             elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
-            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split))
+            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split),
+            seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
+            unit_sums=lambda x: unit_sums(x, pieces, split))
+
+    def _apply_adaptive(self, t: torch.Tensor, st: dict[str, Any], pieces: list[Piece], split: Layout,
+                        group: dict[str, Any]) -> None:
+        """``update="adaptive"`` on the Growth units of ``t``: the same :func:`asdt_update`, handed runs of
+        consecutive units as single slices (a whole parameter at stage 0) so that nothing loops over units."""
+        key = (id(t), tuple(pc.unit for pc in pieces[:1]), len(pieces))
+        plan = self._runs.get(key) if self.plasticity is None else None
+        if plan is None:
+            runs: list[list[int]] = []
+            for pc in pieces:
+                if runs and runs[-1][1] == pc.start:
+                    runs[-1][1] += pc.length
+                else:
+                    runs.append([pc.start, pc.start + pc.length])
+            plan = (runs, [pc.length for pc in pieces], [self.units[pc.unit].numel for pc in pieces])
+            if self.plasticity is None:
+                self._runs[key] = plan
+        runs, lengths, numels = plan
+        w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
+        scales = None if self.plasticity is None else [self.unit_lr_scale(pc.unit) for pc in pieces]
+        self._selected_acc += asdt_update(
+            [w_flat[a:b] for a, b in runs], [g_flat[a:b] for a, b in runs], lr=group["lr"], betas=group["betas"],
+            density=group["density"], weight_decay=group["weight_decay"], unit_numels=numels,
+            importance=self.importance, momenta=[st["momentum"]], lr_scales=scales,
+            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split), seconds=st[_SECOND].view(-1, 2),
+            eps=self.eps, unit_sums=lambda x: unit_sums(x, pieces, split), lengths=lengths)
 
     def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
         """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it."""
@@ -450,6 +589,8 @@ class ASDT(torch.optim.Optimizer):
             for key in _BUFFER.values():  # torch casts floating state to the param dtype: restore state_dtype
                 if key in st:
                     st[key] = st[key].to(self.state_dtype)
+            if _SECOND in st:
+                st[_SECOND] = st[_SECOND].float()
         self.load_extra_state(state_dict)
 
     def load_extra_state(self, state_dict: dict[str, Any]) -> None:

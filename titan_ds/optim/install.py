@@ -59,13 +59,16 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> ASDT:
 
 
 def _asdt_kwargs(cfg: Any) -> dict[str, Any]:
+    if cfg.name == "lion" and cfg.update != "sign":
+        raise TitanConfigError([f"titan.optimizer.update=\"{cfg.update}\" with name \"lion\": Lion is the sign "
+                                f"update; use name \"asdt\" for update \"adaptive\""])
     if cfg.name == "lion" and "density" in cfg.model_fields_set and cfg.density != 1.0:
         raise TitanConfigError([f"titan.optimizer.density={cfg.density} with name \"lion\": Lion is the dense "
                                 f"(density 1) sign-momentum optimizer; use name \"asdt\" for a sparse one"])
     return dict(lr=cfg.lr, betas=tuple(cfg.betas), density=1.0 if cfg.name == "lion" else cfg.density,
                 weight_decay=cfg.weight_decay, importance=cfg.importance, state_dtype=cfg.state_dtype,
                 granularity=cfg.granularity, block_size=cfg.block_size, sketch_width=cfg.sketch_width,
-                sketch_depth=cfg.sketch_depth)
+                sketch_depth=cfg.sketch_depth, update=cfg.update, eps=cfg.eps)
 
 
 def replace_optimizer(model: torch.nn.Module, cfg: Any, passed: torch.optim.Optimizer) -> ASDT:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 __all__ = ["Unit", "Piece", "Layout", "LayoutMap", "UnitState", "build_units", "param_layout", "zero_layouts",
-           "views", "place_units", "kth_largest"]
+           "views", "place_units", "kth_largest", "unit_sums", "GRANULARITIES"]
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,12 @@ class LayoutMap:
 
 
 def place_units(st: dict[str, Any], buffer: str, pieces: list[Piece], init: Callable[[Piece], torch.Tensor],
-                empty: torch.Tensor) -> None:
+                empty: torch.Tensor, per_unit: Optional[int] = None) -> None:
     """Make ``st[buffer]`` hold exactly the units of ``pieces``, in their order, and ``st["units"]`` say so.
 
-    Units already held keep their values; a new unit starts at ``init(piece)``; no pieces: ``empty``.
+    Units already held keep their values; a new unit starts at ``init(piece)``; no pieces: ``empty``. Each unit
+    takes its piece's length in the buffer, or ``per_unit`` elements (a per-unit statistic, e.g. ASDT's second
+    moment and its step count) when given.
     """
     held = [r for r in st["units"] if r.buffer == buffer]
     if buffer in st and [r.unit for r in held] == [pc.unit for pc in pieces]:
@@ -118,21 +120,30 @@ def place_units(st: dict[str, Any], buffer: str, pieces: list[Piece], init: Call
     for pc in pieces:
         r = where.get(pc.unit)
         parts.append(old[r.start:r.start + r.length] if r is not None else init(pc))
-        records.append(UnitState(pc.unit, buffer, cursor, pc.length))
-        cursor += pc.length
+        length = pc.length if per_unit is None else per_unit
+        records.append(UnitState(pc.unit, buffer, cursor, length))
+        cursor += length
     st[buffer] = torch.cat(parts) if parts else empty  # the old buffer is needed until here (kept slices)
     st["units"] = [r for r in st["units"] if r.buffer != buffer] + records
 
 
+GRANULARITIES = ("tensor", "block", "row")
+
+
 def build_units(named: list[tuple[str, torch.Tensor]], granularity: str, block_size: int) -> list[Unit]:
-    """Units of every parameter in order: one per parameter (``tensor``) or per ``block_size`` elements."""
-    if granularity not in ("tensor", "block"):
-        raise ValueError(f"unknown granularity {granularity!r}; choose one of ['block', 'tensor']")
+    """Units of every parameter in order: one per parameter (``tensor``), per ``block_size`` elements
+    (``block``), or per row of the first dimension of a matrix (``row``: a linear layer's output channel, an
+    embedding's token) and per element of a vector (biases and norms keep a statistic of their own: ASDT's
+    ``update="adaptive"`` is then Adam on them)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; choose one of {sorted(GRANULARITIES)}")
     units: list[Unit] = []
     offset = 0
     for name, p in named:
         n = _numel(p)
-        step = n if granularity == "tensor" else block_size
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        step = n if granularity == "tensor" else block_size if granularity == "block" else \
+            (n // shape[0] if len(shape) >= 2 and shape[0] > 0 else 1)
         for s in range(0, max(n, 1), max(step, 1)):
             length = min(step, n - s)
             units.append(Unit(len(units), name, s, length, offset + s))
@@ -289,3 +300,27 @@ def _bisect_split(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece]
         lo = torch.where(ok, mid, lo)
         hi = torch.where(ok, hi, mid - 1)
     return lo.to(torch.int32).view(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- per-unit sums
+def unit_sums(partial: torch.Tensor, pieces: list[Piece], layout: Layout) -> torch.Tensor:
+    """Whole-unit sums from the per-piece ``partial`` sums of this rank: a piece of a unit split across ranks gets
+    the sum over every rank's piece of it (one all-reduce); the others are already whole.
+
+    ``layout.split_units`` must be the same list on every rank (the collective runs when it is not empty, also on
+    a rank that holds no piece of it).
+    """
+    if not layout.split_units:
+        return partial
+    import deepspeed.comm as dist
+
+    split_pos = {u: j for j, u in enumerate(layout.split_units)}
+    acc = torch.zeros(len(layout.split_units), dtype=torch.float64)
+    where = [(i, split_pos[pc.unit]) for i, pc in enumerate(pieces) if pc.unit in split_pos]
+    for i, j in where:
+        acc[j] += partial[i].double()
+    dist.all_reduce(acc, group=layout.group)
+    out = partial.clone()
+    for i, j in where:
+        out[i] = acc[j].to(out.dtype)
+    return out
