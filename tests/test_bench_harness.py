@@ -43,3 +43,25 @@ def test_bench_compress_rows_validate_and_give_dgc_its_beta1():
     for r in rows[1:]:
         assert TitanConfig.from_ds_config(r[1]).compression is not None, r[0]
         assert r[1]["zero_optimization"] == {"stage": 2}
+
+
+def test_compare_resume_reuses_finished_rows_and_reruns_failed_or_changed_ones(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_row(name, cfg, *, steps, num_ranks, extra_args, workdir, timeout, log_dir):
+        calls.append(name)
+        ok = not (name == "b" and calls.count("b") == 1)  # b fails the first time
+        return {"name": name, "status": "ok" if ok else "failed (exit 1)", "val_loss": 2.0 + len(calls),
+                "tokens_per_s": 100.0, "memory": {}, "titan_metrics": {}, "model": {}, "micro_batch": 16}
+
+    monkeypatch.setattr(bench, "run_row", fake_run_row)
+    rows = [("a", {"x": 1}), ("b", {"x": 2})]
+    first = bench.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    assert calls == ["a", "b"] and first[1]["status"] != "ok"
+    again = bench.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    assert calls == ["a", "b", "b"]  # a reused with its figures, the failed b run again
+    assert again[0]["val_loss"] == first[0]["val_loss"] and again[1]["status"] == "ok"
+    bench.compare([("a", {"x": 1}), ("b", {"x": 3})], steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    assert calls == ["a", "b", "b", "b"]  # b's config changed: run; a kept
+    bench.compare(rows, steps=4, out=tmp_path / "t", command="cmd", resume=True)
+    assert calls[-2:] == ["a", "b"]  # other steps: everything again

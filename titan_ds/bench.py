@@ -230,22 +230,36 @@ def _ds_version() -> str:
 
 def compare(rows: Iterable[tuple[Any, ...]], *, steps: int, out: str | os.PathLike, num_ranks: int = 1,
             extra_args: Sequence[str] = (), title: str = "", columns: Sequence[str] = (),
-            command: str = "", timeout: Optional[float] = None) -> list[dict[str, Any]]:
+            command: str = "", timeout: Optional[float] = None, resume: bool = False) -> list[dict[str, Any]]:
     """Run every ``(name, ds_config)`` row with the same model/data/seed/tokens; write ``<out>.csv``/``.md``.
 
     A row may be ``(name, ds_config, row_args)``: ``row_args`` are appended to ``extra_args`` for that row only
-    (e.g. ``["--lr", "3e-3"]`` to give the baseline its own learning rate)."""
+    (e.g. ``["--lr", "3e-3"]`` to give the baseline its own learning rate). ``resume``: each finished row is
+    appended to ``<out>.jsonl`` at once, keyed by its name, config, arguments, steps and ranks; a rerun reuses
+    the rows saved there and runs only the others (long benchmarks that outlive a session)."""
     from tqdm import tqdm
     out = Path(out)
     rows = list(rows)
     log_dir = out.parent / "logs" / out.stem  # one folder per table: row names repeat across tables
     log_dir.mkdir(parents=True, exist_ok=True)
+    store = ResultLog(out.with_suffix(".jsonl"), key=lambda r: (r["name"], r["row_key"])) if resume else None
     results = []
     with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
         for name, cfg, *row_args in tqdm(rows, desc=title or "bench", unit="config"):
             args = [*extra_args, *(row_args[0] if row_args else ())]
-            results.append(run_row(name, cfg, steps=steps, num_ranks=num_ranks, extra_args=args,
-                                   workdir=Path(tmp), timeout=timeout, log_dir=log_dir))
+
+            def run(name=name, cfg=cfg, args=args) -> dict[str, Any]:
+                return run_row(name, cfg, steps=steps, num_ranks=num_ranks, extra_args=args, workdir=Path(tmp),
+                               timeout=timeout, log_dir=log_dir)
+            if store is None:
+                results.append(run())
+                continue
+            key = json.dumps([cfg, args, steps, num_ranks], sort_keys=True)
+            done = store.rows.get((name, key))
+            if done is not None and done.get("status") != "ok":  # a failed row is run again
+                del store.rows[(name, key)]
+            results.append(store.get((name, key), lambda run=run, key=key: {**run(), "row_key": key},
+                                     lambda r: f"{r['name']}: {r.get('status')}"))
     (out.parent).mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
     write_table(results, out, title=title or out.stem, steps=steps, num_ranks=num_ranks, columns=columns,

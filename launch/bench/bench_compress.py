@@ -15,6 +15,7 @@ with momentum its rows train with AdamW ``--beta1 --dgc-beta1``, default 0, beca
 already is the momentum); ``powersgd`` at each of ``--ranks`` (its bytes follow from the rank, not ``--ratios``).
 Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the collective per
 rank), ``wire_x_run`` (whole run, warm-up and ramp included), ``step_time_ratio``, ``peak_rss_ratio``.
+Resumable: each finished row is saved in ``<out>.jsonl`` at once; a rerun with the same settings reuses it.
 """
 from __future__ import annotations
 
@@ -82,12 +83,15 @@ def main(argv=None) -> None:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--out", default="results/compress")
     p.add_argument("--train-args", default="", help="extra launch/train.py flags (every row), e.g. '--seed 1'")
+    p.add_argument("--no-resume", action="store_true",
+                   help="run every row again (default: rows saved in <out>.jsonl by an earlier run are reused)")
     a = p.parse_args(argv)
     r = rows(a.methods.split(","), [float(x) for x in a.ratios.split(",")], a.warmup, a.stage,
              [int(x) for x in a.ranks.split(",")], a)
     results = compare(r, steps=a.steps, out=a.out, num_ranks=2, extra_args=a.train_args.split(),
             title=f"gradient compression, 2 ranks, ZeRO-{a.stage}, {a.steps} steps",
-            command="python launch/bench/bench_compress.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+            command="python launch/bench/bench_compress.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            resume=not a.no_resume)
     append_step_time(results, Path(a.out))
     print(Path(a.out).with_suffix(".md").read_text())
 
