@@ -137,8 +137,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
              f"300 steps is 0.014, results/frontier_300_2seeds.md). optim_B_per_param measured from the state.", "",
              "| row | second moment | val_loss | delta vs AdamW | optim_B_per_param |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['row']} | {DESCRIBE[r['row']]} | {r['val_loss']:.4f} | "
+        mark = " (*)" if r.get("note") else ""
+        lines.append(f"| {r['row']}{mark} | {DESCRIBE[r['row']]} | {r['val_loss']:.4f} | "
                      f"{r['val_loss'] - ref['val_loss']:+.4f} | {r['optimizer_bytes_per_param']:.2f} |")
+    notes = sorted({r["note"] for r in rows if r.get("note")})
+    lines += ["", *[f"(*) {n}." for n in notes]] if notes else []
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return rows
