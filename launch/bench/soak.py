@@ -17,8 +17,9 @@ What it asserts (exit status 1 and the failing checks printed otherwise):
    The same bound holds for the anonymous part (``RssAnon``): RSS also counts mapped library pages, which the
    kernel drops under another job's memory pressure, so RSS alone can fall without anything being freed.
 2. **File descriptors, threads, mapped /dev/shm files, temporary files and HMS store files do not grow**: the
-   maximum over the last window is at most the maximum over the reference window (``.tmp`` files, writes in
-   flight, are not counted). HMS holds one file per optimizer-state tensor, so a state tensor created after the
+   minimum over the last window is at most the maximum over the reference window: a leak holds what it took
+   in every later sample, while a file open for one checkpoint write is caught by a sample or two at most
+   (``.tmp`` files, writes in flight, are not counted either). HMS holds one file per optimizer-state tensor, so a state tensor created after the
    reference window (ASDT's ``anchor`` when a BSPS block first turns Elastic) shows up here as growth.
 3. **Resume is bit-exact**: a second job resumes from the last checkpoint before the end (``latest`` pointed
    at it) and trains to the end; its per-step losses equal the first job's, bit for bit (JSON floats are
@@ -217,12 +218,14 @@ def analyse(samples: list[dict[str, Any]], *, steps: int, save_every: int, ranks
         checks.append({"check": f"rank {r} RSS growth <= {rss_growth:.0%}", "ok": g <= rss_growth,
                        "detail": f"{a / MiB:.1f} -> {b / MiB:.1f} MiB ({g:+.2%})"})
         for key in ("fds", "threads", "shm_maps"):
+            # a leak persists: every sample of the end window sits above the reference window's highest; a file
+            # open for the length of one checkpoint write, caught by one sample, is not a leak (CI caught 18 -> 19)
             a = max(s["ranks"][r][key] for s in ref if r in s["ranks"])
-            b = max(s["ranks"][r][key] for s in end if r in s["ranks"])
+            b = min(s["ranks"][r][key] for s in end if r in s["ranks"])
             figures[f"rank{r}_{key}"] = [a, b]
             checks.append({"check": f"rank {r} {key} do not grow", "ok": b <= a, "detail": f"{a} -> {b}"})
     for key in ("tmp_files", "hms_files"):
-        a, b = max(s[key] for s in ref), max(s[key] for s in end)
+        a, b = max(s[key] for s in ref), min(s[key] for s in end)
         figures[key] = [a, b]
         checks.append({"check": f"{key} do not grow", "ok": b <= a, "detail": f"{a} -> {b}"})
     figures["dev_shm_files"] = [max(s["dev_shm_files"] for s in ref), max(s["dev_shm_files"] for s in end)]
