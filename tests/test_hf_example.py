@@ -60,6 +60,20 @@ def test_example_trains_with_titan(dist_env, tmp_path, ce_calls, config, model, 
     _assert_trained(res)
 
 
+def test_example_steps_in_backward_without_clipping(dist_env, tmp_path, ce_calls):
+    """hf_asdt_backward.json: the example turns the Trainer's clipping off (max_grad_norm 0, logged), titan's
+    ASDT updates in the gradient hooks, and no gradient is left in .grad after a step."""
+    res = _run(tmp_path, "hf_asdt_backward.json", "tiny-llama")
+    engine = res["trainer"].model_wrapped
+    opt = engine.basic_optimizer
+    assert isinstance(opt, ASDT) and opt.step_in_backward and not engine.enable_backward_allreduce
+    assert res["trainer"].args.max_grad_norm == 0 and engine.gradient_clipping() == 0
+    assert all(p.grad is None for p in engine.module.parameters())
+    assert 0 < opt.grad_bytes == max(p.numel() * p.element_size() for p in engine.module.parameters())
+    assert len(ce_calls) == STEPS
+    _assert_trained(res)
+
+
 def test_example_plain_config_is_plain_deepspeed(dist_env, tmp_path, ce_calls):
     res = _run(tmp_path, "hf_plain.json", "tiny-llama")
     engine = res["trainer"].model_wrapped

@@ -98,6 +98,9 @@ class OptimizerConfig(_Strict):
     block_size: int = Field(default=4096, ge=1)          # elements per unit when granularity="block"
     update: Literal["sign", "adaptive"] = "sign"         # sign of momentum, or Adam with one 2nd moment per unit
     eps: float = Field(default=1e-8, ge=0)               # update="adaptive": Adam's epsilon
+    # update each parameter in its gradient hook during backward and free the gradient at once: the gradients
+    # of the whole model never exist together (ZeRO 0, no gradient clipping, no accumulation, no BSPS)
+    step_in_backward: bool = False
     sketch_width: int = Field(default=1 << 16, ge=16)    # TGSS table (importance="sketch"): width x depth fp32
     sketch_depth: int = Field(default=3, ge=1, le=16)
 

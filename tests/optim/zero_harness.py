@@ -1,7 +1,8 @@
 """Train a tiny model with ASDT through deepspeed.initialize at a given ZeRO stage; return per-step weights.
 
 Used in-process by test_zero_parity.py (1 rank) and as a script under ``deepspeed --num_gpus 2`` (slow test):
-``deepspeed --num_gpus 2 tests/optim/zero_harness.py --out DIR`` writes DIR/rank{r}_stage{s}_{case}.pt.
+``deepspeed --num_gpus 2 tests/optim/zero_harness.py --out DIR`` writes DIR/rank{r}_stage{s}_{case}.pt and, for
+stage 0 with ASDT's step in backward, DIR/rank{r}_backward_{case}.pt.
 """
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ def full_weights(engine, stage: int) -> dict[str, torch.Tensor]:
 
 
 def run(stage: int, case: str, world: int = 1, rank: int = 0, plasticity: Any = None,
-        offload: bool = False) -> list[dict[str, torch.Tensor]]:
-    """Per-step full weights after each of STEPS steps."""
+        offload: bool = False, step_in_backward: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Per-step full weights after each of STEPS steps (``step_in_backward``: stage 0, ASDT updating in the
+    gradient hooks, gradients averaged across ranks there)."""
     import deepspeed
 
     from titan_ds.config import OptimizerConfig
@@ -79,6 +81,9 @@ def run(stage: int, case: str, world: int = 1, rank: int = 0, plasticity: Any = 
         build_plasticity(opt, model, plasticity or _bsps_cfg())
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, world, offload=offload))
     attach_zero_layout(engine, opt)
+    if step_in_backward:
+        from titan_ds.optim.install import attach_backward_steps
+        attach_backward_steps(engine, opt)
     out = []
     for t in range(STEPS):
         x, y = batch(t, rank)
@@ -121,3 +126,6 @@ if __name__ == "__main__":
     for case in a.cases.split(","):
         for stage in (0, 1, 2, 3):
             torch.save(run(stage, case, world, rank), os.path.join(a.out, f"rank{rank}_stage{stage}_{case}.pt"))
+        if case != "bsps":  # BSPS needs the whole step's gradients: refused with step in backward
+            torch.save(run(0, case, world, rank, step_in_backward=True),
+                       os.path.join(a.out, f"rank{rank}_backward_{case}.pt"))

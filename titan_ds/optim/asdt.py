@@ -42,6 +42,13 @@ lazily in ``step()`` and only covers units that are active: ``self.state[t]`` ho
 ``momentum`` and ``anchor`` buffers, and ``units``, one :class:`~titan_ds.optim.layout.UnitState` record per
 active unit saying where its slice of a buffer lies.
 
+**Step in backward** (:meth:`ASDT.attach_backward_steps`, ``titan.optimizer.step_in_backward``; stage 0 only): each
+parameter is updated in its post-accumulate-grad hook, as soon as autograd has its whole gradient, and the
+gradient is freed at once, so at most one parameter's gradient exists at a time instead of all of them. The
+per-tensor update is the one ``step()`` runs, so the steps are bit-identical to ``step()``'s when nothing
+needs every gradient first: no gradient clipping, no accumulation over micro-batches, no BSPS, no sketch.
+``step()`` then only closes the engine step.
+
 The math is :func:`asdt_update` (steps 1-5 on a list of unit slices: tensors in, updated in place, no
 optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
 what DeepSpeed hands over, BSPS modes and signals, the sketch, ``requires_grad`` at stage 0, metrics).
@@ -336,6 +343,9 @@ class ASDT(torch.optim.Optimizer):
         self.grad_bytes_peak = 0
         self._grad_acc = 0
         self._selected_acc = 0
+        self.step_in_backward = False          # attach_backward_steps: update each tensor in its grad hook
+        self._hooks: list[Any] = []
+        self._stepped: set[int] = set()        # tensors updated by a hook in the engine step under way
 
     @staticmethod
     def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -384,6 +394,56 @@ class ASDT(torch.optim.Optimizer):
     def _params(self) -> list[tuple[str, torch.Tensor]]:
         return list(zip(self.names, [p for g in self.param_groups for p in g["params"]]))
 
+    # ------------------------------------------------------------------ step in backward
+    def attach_backward_steps(self, all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """Update each parameter in its post-accumulate-grad hook and free its gradient (see the module
+        docstring). ``all_reduce``, when given, averages a gradient across data-parallel ranks in place before
+        its update (every rank's backward fires the hooks in the same order). Stage 0 only; refuses BSPS and
+        the sketch, which need every gradient of the step before the first update."""
+        if self._zero:
+            raise ValueError("step in backward needs the parameters themselves (ZeRO stage 0); under ZeRO 1-3 "
+                             "the optimizer steps on flat partitions after the reduction")
+        if self.plasticity is not None or self.sketch is not None:
+            raise ValueError("step in backward cannot run with BSPS or importance=\"sketch\": both need every "
+                             "gradient of the step before the first update")
+        if self.step_in_backward:
+            return
+        for group in self.param_groups:
+            for t in group["params"]:
+                self._hooks.append(t.register_post_accumulate_grad_hook(
+                    lambda t, group=group: self._backward_step(t, group, all_reduce)))
+        self.step_in_backward = True
+
+    def detach_backward_steps(self) -> None:
+        """Remove the hooks of :meth:`attach_backward_steps`; ``step()`` updates from ``.grad`` again."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.step_in_backward = [], False
+
+    @torch.no_grad()
+    def _backward_step(self, t: torch.Tensor, group: dict[str, Any],
+                       all_reduce: Optional[Callable[[torch.Tensor], None]]) -> None:
+        if t.grad is None:
+            return
+        if id(t) in self._stepped:
+            raise RuntimeError("titan.optimizer.step_in_backward: a parameter got its gradient twice in one step "
+                               "(gradient accumulation, a second backward, or a weight shared across reentrant "
+                               "recompute segments); set step_in_backward=false for this model")
+        self._stepped.add(id(t))
+        if all_reduce is not None:
+            all_reduce(t.grad)
+        st = self._tensor_state(t)
+        st["step"] = self._engine_step + 1
+        # gradient bytes held at once: one tensor's, freed below before the next hook runs
+        self._grad_acc = max(self._grad_acc, t.grad.numel() * t.grad.element_size())
+        self._update(t, st, self._layouts.of(t), group)
+        t.grad = None
+
+    def held_grad_bytes(self) -> int:
+        """Step in backward: the largest gradient held at once in the current (or, after ``step()``, the last)
+        engine step; the gradients are gone by the time ``step()`` runs. 0 otherwise."""
+        return max(self._grad_acc, self.grad_bytes) if self.step_in_backward else 0
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -408,6 +468,7 @@ class ASDT(torch.optim.Optimizer):
         if not self._zero:
             self._begin_engine_step(self._engine_step + 1)
             self._end_engine_step()
+        self._stepped.clear()
         return loss
 
     def _tensor_state(self, t: torch.Tensor) -> dict[str, Any]:

@@ -140,10 +140,50 @@ def _offload_device(ds_config: dict) -> str:
     return str(off.get("device", "none")).lower()
 
 
+def _enabled(section: Any) -> bool:
+    return section is not None and getattr(section, "enabled", True)
+
+
+def _step_in_backward_problems(ctx: Any) -> list[str]:
+    """What in the configs rules out ``titan.optimizer.step_in_backward``, each with its fix."""
+    cfg, ds = ctx.titan.optimizer, ctx.ds_config
+    head = "titan.optimizer.step_in_backward=true"
+    out = []
+    if ctx.zero_stage() != 0:
+        out.append(f"{head} needs ZeRO stage 0 (stage {ctx.zero_stage()} steps on flat partitions after the "
+                   f"reduction); set zero_optimization.stage to 0 or step_in_backward to false")
+    clip = ds.get("gradient_clipping", 0.0)
+    if clip == "auto" or float(clip) > 0:
+        out.append(f"{head} with gradient_clipping={clip!r}: clipping needs the norm of every gradient before "
+                   f"the first update; set \"gradient_clipping\": 0 (HF Trainer: TrainingArguments(max_grad_norm=0))")
+    gas = ds.get("gradient_accumulation_steps", 1)
+    if gas != 1:
+        out.append(f"{head} with gradient_accumulation_steps={gas!r}: each backward updates the weights; set "
+                   f"it to 1 (HF Trainer: gradient_accumulation_steps=1)")
+    for key in ("fp16", "bf16"):
+        if (ds.get(key) or {}).get("enabled") in (True, "auto"):
+            out.append(f"{head} with {key}.enabled: DeepSpeed's {key} optimizer keeps its own gradient buffers; "
+                       f"train in fp32 or set step_in_backward to false")
+    if _enabled(ctx.titan.plasticity):
+        out.append(f"{head} with titan.plasticity: BSPS needs the whole step's gradients; disable one of them")
+    if cfg.importance == "sketch":
+        out.append(f"{head} with importance=\"sketch\": the sketch needs the whole step's gradients; use "
+                   f"importance \"momentum\"")
+    if ctx.titan.compression is not None:
+        out.append(f"{head} with titan.compression: the update happens before any reduction; remove one of them")
+    if ctx.titan.hms is not None:
+        out.append(f"{head} with titan.hms: HMS streams state around engine.step; remove one of them")
+    return out
+
+
 def before_initialize(ctx: Any) -> None:
     """Build ASDT (+BSPS) from ``titan.optimizer`` / ``titan.plasticity``, in place of an optimizer passed to
     initialize (:func:`replace_optimizer`); set the ZeRO flags it needs."""
     cfg = ctx.titan.optimizer
+    if cfg.step_in_backward:
+        problems = _step_in_backward_problems(ctx)
+        if problems:
+            raise TitanConfigError(problems)
     if "optimizer" in ctx.ds_config:
         raise TitanConfigError(["titan.optimizer is set and the ds_config has an \"optimizer\" section too; "
                                 "remove one (titan builds ASDT itself)"])
@@ -189,5 +229,33 @@ def before_initialize(ctx: Any) -> None:
 
 
 def after_initialize(ctx: Any) -> None:
-    """Hand ASDT the ZeRO optimizer's flat-offset -> parameter mapping (nothing to do at stage 0)."""
+    """Hand ASDT the ZeRO optimizer's flat-offset -> parameter mapping (nothing to do at stage 0); with
+    ``step_in_backward``, hook the updates into backward and turn off the engine's own gradient all-reduce."""
     attach_zero_layout(ctx.engine, ctx.optimizer)
+    if ctx.titan.optimizer.step_in_backward:
+        attach_backward_steps(ctx.engine, ctx.optimizer)
+
+
+def attach_backward_steps(engine: Any, optimizer: ASDT) -> None:
+    """Stage 0: ASDT updates each parameter in its gradient hook (:meth:`ASDT.attach_backward_steps`). DeepSpeed's
+    backward epilogue all-reduces ``.grad`` after backward and fills a missing one with zeros, which would hand
+    ``step()`` a full set of zero gradients; it is turned off, and with more than one data-parallel rank each
+    gradient is averaged in its hook instead (every rank fires the hooks in the same order)."""
+    gas = engine.gradient_accumulation_steps()
+    if gas != 1:
+        raise TitanConfigError([f"titan.optimizer.step_in_backward=true with gradient_accumulation_steps={gas}: "
+                                f"each backward updates the weights; set it to 1"])
+    world = engine.dp_world_size if hasattr(engine, "dp_world_size") else 1
+    all_reduce = None
+    if world > 1:
+        import deepspeed.comm as dist
+        group = engine.seq_data_parallel_group if hasattr(engine, "seq_data_parallel_group") else None
+
+        def all_reduce(g: torch.Tensor) -> None:
+            dist.all_reduce(g, group=group)
+            g.mul_(1.0 / world)  # as DeepSpeed's allreduce_bucket scales (sum, then * 1/world)
+
+    engine.enable_backward_allreduce = False
+    optimizer.attach_backward_steps(all_reduce)
+    log.info("titan.optimizer.step_in_backward: each parameter is updated in its gradient hook and its gradient "
+             "freed%s", f"; gradients averaged over {world} ranks in the hook" if world > 1 else "")
