@@ -252,6 +252,39 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
     return int(mask.sum())
 
 
+# Elements per asdt_update call of update="adaptive" at stage 0. The call makes fp32 and fp64 temporaries of
+# about 40 bytes an element (gradient, weight, momentum, squares, step, scores, mask, result); chunking a large
+# tensor (an embedding) at unit boundaries bounds them to ~40 MiB. Every unit's arithmetic is its own, so the
+# steps are the same bit for bit. Under ZeRO a call's collectives (units split across ranks) must match on every
+# rank, so a flat partition stays one call.
+_CHUNK = 1 << 20
+
+
+def _chunk_plans(pieces: list[Piece], numels: list[int], whole: bool) -> list[tuple]:
+    """``(lo, hi, offset, runs, lengths, numels)`` per chunk of ``pieces[lo:hi]`` (at most ``_CHUNK`` elements
+    unless one piece is larger; one chunk when ``whole``): ``offset`` into the Growth buffers, ``runs`` the
+    ``[start, stop)`` of consecutive pieces merged into single slices."""
+    bounds, acc = [0], 0
+    for i, pc in enumerate(pieces):
+        if not whole and acc and acc + pc.length > _CHUNK:
+            bounds.append(i)
+            acc = 0
+        acc += pc.length
+    bounds.append(len(pieces))
+    plans, off = [], 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        runs: list[list[int]] = []
+        for pc in pieces[lo:hi]:
+            if runs and runs[-1][1] == pc.start:
+                runs[-1][1] += pc.length
+            else:
+                runs.append([pc.start, pc.start + pc.length])
+        lengths = [pc.length for pc in pieces[lo:hi]]
+        plans.append((lo, hi, off, runs, lengths, numels[lo:hi]))
+        off += sum(lengths)
+    return plans
+
+
 # ---------------------------------------------------------------------------------------------- state format
 _BUFFER = {GROWTH: "momentum", ELASTIC: "anchor"}
 _SECOND = "second"  # update="adaptive": (v, t) of each Growth unit, fp32
@@ -587,26 +620,23 @@ class ASDT(torch.optim.Optimizer):
         """``update="adaptive"`` on the Growth units of ``t``: the same :func:`asdt_update`, handed runs of
         consecutive units as single slices (a whole parameter at stage 0) so that nothing loops over units."""
         key = (id(t), tuple(pc.unit for pc in pieces[:1]), len(pieces))
-        plan = self._runs.get(key) if self.plasticity is None else None
-        if plan is None:
-            runs: list[list[int]] = []
-            for pc in pieces:
-                if runs and runs[-1][1] == pc.start:
-                    runs[-1][1] += pc.length
-                else:
-                    runs.append([pc.start, pc.start + pc.length])
-            plan = (runs, [pc.length for pc in pieces], [self.units[pc.unit].numel for pc in pieces])
+        plans = self._runs.get(key) if self.plasticity is None else None
+        if plans is None:
+            plans = _chunk_plans(pieces, [self.units[pc.unit].numel for pc in pieces], whole=self._zero)
             if self.plasticity is None:
-                self._runs[key] = plan
-        runs, lengths, numels = plan
+                self._runs[key] = plans
         w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
         scales = None if self.plasticity is None else [self.unit_lr_scale(pc.unit) for pc in pieces]
-        self._selected_acc += asdt_update(
-            [w_flat[a:b] for a, b in runs], [g_flat[a:b] for a, b in runs], lr=group["lr"], betas=group["betas"],
-            density=group["density"], weight_decay=group["weight_decay"], unit_numels=numels,
-            importance=self.importance, momenta=[st["momentum"]], lr_scales=scales,
-            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split), seconds=st[_SECOND].view(-1, 2),
-            eps=self.eps, unit_sums=lambda x: unit_sums(x, pieces, split), lengths=lengths)
+        seconds = st[_SECOND].view(-1, 2)
+        for lo, hi, off, runs, lengths, numels in plans:
+            part = pieces[lo:hi]
+            self._selected_acc += asdt_update(
+                [w_flat[a:b] for a, b in runs], [g_flat[a:b] for a, b in runs], lr=group["lr"],
+                betas=group["betas"], density=group["density"], weight_decay=group["weight_decay"],
+                unit_numels=numels, importance=self.importance, lengths=lengths,
+                momenta=[st["momentum"][off:off + sum(lengths)]], lr_scales=None if scales is None else scales[lo:hi],
+                kth_largest=lambda s, ks, part=part: kth_largest(s, ks, part, split), seconds=seconds[lo:hi],
+                eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split))
 
     def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
         """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it."""
