@@ -3,7 +3,7 @@ import torch
 
 import titan_ds
 from titan_ds.engine import PILLARS, Pillar, _import_pillar
-from tests.helpers.equal_run import compare, train
+from tests.helpers.equal_run import compare
 from tests.helpers.launch import run_deepspeed
 
 

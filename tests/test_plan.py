@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from titan_ds.config import TitanConfig
 from titan_ds.memcap import cgroup_available, run_capped

@@ -79,7 +79,7 @@ def main(argv=None) -> None:
         err = float((est - exact).norm() / exact.norm())
         ov = topk_overlap(est.abs(), exact.abs(), shapes)
         lines.append(f"| {name} | {s.nbytes / (4 * n):.3f} | {err:.3f} | {ov:.3f} |")
-    lines.append(f"| (random selection) | - | - | 0.250 |")
+    lines.append("| (random selection) | - | - | 0.250 |")
     md = "\n".join(lines) + "\n"
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).with_suffix(".md").write_text(md)

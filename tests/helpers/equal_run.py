@@ -2,7 +2,6 @@
 losses and final parameters; also runnable under the deepspeed launcher for the 2-rank comparison."""
 from __future__ import annotations
 
-import copy
 import sys
 
 import torch

@@ -3,7 +3,6 @@ stable state-dict names, the report, the pillar hook and the shipped configs."""
 import copy
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch

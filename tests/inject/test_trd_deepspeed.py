@@ -5,7 +5,6 @@ One process, world size 1, gloo on the CPU (a few seconds per engine). The two-r
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

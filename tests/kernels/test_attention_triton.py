@@ -2,7 +2,6 @@
 
 conftest.py sets TRITON_INTERPRET=1 before anything compiles a kernel when there is no GPU.
 """
-import os
 
 import pytest
 import torch

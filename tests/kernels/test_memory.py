@@ -2,7 +2,6 @@
 at L=2048 on the seed model's shapes (8 heads of 32, width 256), are at most 1/8 of eager attention's."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_ds.kernels.attention import eager_attention, tiled_attention_reference

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan_ds.optim.asdt import ASDT, ELASTIC, GROWTH, asdt_update, reference_step
-from titan_ds.optim.delta import apply_delta, save_delta
+from titan_ds.optim.delta import apply_delta
 
 
 @pytest.fixture(autouse=True)
@@ -295,7 +295,7 @@ def test_adaptive_bad_arguments_raise():
 def test_adaptive_chunked_calls_step_bit_exactly_as_one_call(monkeypatch, chunk):
     """update="adaptive" at stage 0 splits a tensor into calls of at most ``_CHUNK`` elements at unit boundaries
     (bounding the temporaries of a large embedding): the steps and the state are those of one call per tensor."""
-    from titan_ds.optim import asdt as mod
+    from titan_ds.optim import asdt_math as mod
     a = _params()
     b = [p.detach().clone() for p in a]
     hp = dict(lr=1e-2, betas=(0.9, 0.95), density=0.5, weight_decay=0.1, update="adaptive", granularity="row",

@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 import titan_ds
 from titan_ds.config import TitanConfig, TitanConfigError
-from titan_ds.models import GPT, GPTConfig
+from titan_ds.models import GPT
 from titan_ds.optim.asdt import ASDT
 
 from tests.optim.test_install import TINY, _steps

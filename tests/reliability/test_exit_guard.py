@@ -5,7 +5,6 @@ main thread has begun finalizing and the process dies in ``std::terminate`` (exi
 ``titan_ds.utils.guard_interpreter_exit``. The job below is plain ``torch.distributed``: the race is torch's, and
 it shows without DeepSpeed. ``titan_ds.initialize`` (and every harness here) installs the guard.
 """
-import os
 import subprocess
 import sys
 

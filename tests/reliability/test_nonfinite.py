@@ -1,6 +1,5 @@
 """NaN/Inf gradients on one step: skipped on every rank, parameters and optimizer state unchanged, reported in
 StepMetrics, training continues."""
-import copy
 
 import pytest
 import torch

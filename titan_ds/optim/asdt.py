@@ -49,14 +49,13 @@ per-tensor update is the one ``step()`` runs, so the steps are bit-identical to 
 needs every gradient first: no gradient clipping, no accumulation over micro-batches, no BSPS, no sketch.
 ``step()`` then only closes the engine step.
 
-The math is :func:`asdt_update` (steps 1-5 on a list of unit slices: tensors in, updated in place, no
-optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
+The math is :func:`~titan_ds.optim.asdt_math.asdt_update` in ``asdt_math.py`` (steps 1-5 on a list of unit
+slices: tensors in, updated in place, no optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
 what DeepSpeed hands over, BSPS modes and signals, the sketch, ``requires_grad`` at stage 0, metrics).
 :func:`reference_step` is an independent plain per-unit loop of the same steps, the oracle for both.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -65,6 +64,7 @@ from ..utils import get_logger
 
 from ..comm.tgss import CountMinSketch
 from .bsps import ELASTIC, FROZEN, GROWTH, SLEEPING
+from .asdt_math import IMPORTANCE, _chunk_plans, asdt_update, local_kth_largest, reference_step
 from .layout import (Layout, LayoutMap, Piece, Unit, UnitState, build_units, kth_largest, param_layout, place_units,
                      unit_sums, views)
 
@@ -73,216 +73,7 @@ __all__ = ["ASDT", "asdt_update", "local_kth_largest", "reference_step", "GROWTH
 log = get_logger("titan_ds.optim")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_IMPORTANCE = ("momentum", "grad_weight", "sketch")
 _UPDATES = ("sign", "adaptive")
-
-
-# ---------------------------------------------------------------------------------------------- math
-def _scores(importance: str, c: torch.Tensor, g: torch.Tensor, w: torch.Tensor,
-            sketch_est: Optional[torch.Tensor]) -> torch.Tensor:
-    if importance == "momentum":
-        return c.abs()
-    if importance == "grad_weight":
-        return (g * w).abs()
-    if importance == "sketch":
-        return sketch_est
-    raise ValueError(f"unknown importance {importance!r}; choose one of {list(_IMPORTANCE)}")
-
-
-def _k(density: float, numel: int) -> int:
-    return max(1, min(numel, math.ceil(density * numel)))
-
-
-def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: float, betas: tuple[float, float],
-                   density: float, weight_decay: float, importance: str, state_dtype: torch.dtype,
-                   modes: Optional[list[int]] = None, lr_scales: Optional[list[float]] = None,
-                   elastic_pull: float = 0.0, sketch_est: Optional[list[torch.Tensor]] = None,
-                   update: str = "sign", eps: float = 1e-8) -> None:
-    """The docstring's steps, one unit at a time: ``units`` is ``[(w_view, g, state)]`` (1-D fp32 views).
-
-    ``state`` holds ``momentum`` (Growth) or ``anchor`` (Elastic), created here on first use, and with
-    ``update="adaptive"`` a Growth unit's ``v`` and ``t`` (Python floats).
-    """
-    b1, b2 = betas
-    for i, (w, g, st) in enumerate(units):
-        mode = GROWTH if modes is None else modes[i]
-        scale = 1.0 if lr_scales is None else lr_scales[i]
-        if mode in (FROZEN, SLEEPING):
-            continue
-        if mode == GROWTH and update == "adaptive":
-            f32 = torch.float32
-            m = st.setdefault("momentum", torch.zeros_like(w, dtype=state_dtype)).float() * b1 + g * (1 - b1)
-            mean = torch.tensor(float((g.double() ** 2).sum()) / g.numel(), dtype=f32)
-            st["v"] = st.get("v", torch.zeros((), dtype=f32)) * b2 + (1 - b2) * mean
-            st["t"] = st.get("t", 0) + 1
-            bc1, bc2 = 1 - b1 ** st["t"], 1 - b2 ** st["t"]
-            c = m / torch.tensor((math.sqrt(float(st["v"]) / bc2) + eps) * bc1, dtype=f32)
-            s = _scores(importance, c, g, w, None if sketch_est is None else sketch_est[i])
-            tau = torch.topk(s, _k(density, s.numel())).values[-1]
-            mask = (s >= tau) & (s > 0)
-            w[mask] = w[mask] - (c[mask] + weight_decay * w[mask]) * (lr * scale)
-            st["momentum"] = m.to(state_dtype)
-            continue
-        if mode == GROWTH:
-            m = st.setdefault("momentum", torch.zeros_like(w, dtype=state_dtype)).float()
-            c = m * b1 + g * (1 - b1)
-        else:
-            st.setdefault("anchor", w.detach().clone().to(state_dtype))
-            c = g.clone()
-        s = _scores(importance, c, g, w, None if sketch_est is None else sketch_est[i])
-        tau = torch.topk(s, _k(density, s.numel())).values[-1]
-        mask = (s >= tau) & (s > 0)
-        w[mask] = w[mask] - (torch.sign(c[mask]) + weight_decay * w[mask]) * (lr * scale)
-        if mode == GROWTH:
-            st["momentum"] = (m * b2 + g * (1 - b2)).to(state_dtype)
-        else:
-            a = st["anchor"].float()
-            w[mask] = w[mask] + (a[mask] - w[mask]) * elastic_pull
-
-
-KthLargest = Callable[[list[torch.Tensor], list[int]], list[torch.Tensor]]
-
-
-def local_kth_largest(scores: list[torch.Tensor], ks: list[int]) -> list[torch.Tensor]:
-    """The k-th largest value of each whole unit's scores (``torch.topk``)."""
-    return [torch.topk(s, k).values[-1] for s, k in zip(scores, ks)]
-
-
-def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: float, betas: tuple[float, float],
-                density: float, weight_decay: float, unit_numels: list[int], importance: str = "momentum",
-                momenta: Optional[list[torch.Tensor]] = None, anchors: Optional[list[torch.Tensor]] = None,
-                lr_scales: Optional[list[float]] = None, elastic_pull: float = 0.0,
-                scores: Optional[list[torch.Tensor]] = None, kth_largest: KthLargest = local_kth_largest,
-                seconds: Optional[torch.Tensor] = None, eps: float = 1e-8,
-                unit_sums: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                lengths: Optional[list[int]] = None) -> int:
-    """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed.
-
-    ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
-    across ranks; ``unit_numels[i]`` is the whole unit's size, for ``k``). Give ``momenta`` (Growth: steps
-    1-5, the momenta updated in place in their own dtype) or ``anchors`` (Elastic: ``c = g``, then the pull
-    toward the anchors), not both. ``scores``: the ``importance="sketch"`` estimates (given with it only).
-    ``kth_largest(scores, ks)`` gives each unit's threshold; a collective one (units split across ranks) must
-    be called on every rank, so it is called even when there are no slices here.
-
-    ``seconds`` (with ``momenta``): ``update="adaptive"``, a ``[len(weights), 2]`` fp32 tensor of each unit's
-    ``(v, t)``, updated in place; ``unit_sums(partial)`` turns per-slice sums into whole-unit sums (a collective
-    when units are split across ranks: it too is called even when there are no slices here). ``lengths``
-    (adaptive only): the slices' lengths when ``weights``/``grads``/``momenta`` are each given as *runs* of
-    consecutive slices (fewer, longer tensors: the same arithmetic without a loop over units).
-    """
-    if seconds is not None:
-        if momenta is None:
-            raise ValueError("asdt_update: seconds (update='adaptive') go with momenta (Growth units)")
-        return _adaptive_update(weights, grads, momenta, seconds, lr=lr, betas=betas, density=density,
-                                weight_decay=weight_decay, unit_numels=unit_numels, importance=importance, eps=eps,
-                                lr_scales=lr_scales, scores=scores, kth_largest=kth_largest, unit_sums=unit_sums,
-                                lengths=lengths)
-    if (momenta is None) == (anchors is None):
-        raise ValueError("asdt_update needs momenta (Growth) or anchors (Elastic), exactly one of them")
-    if (importance == "sketch") != (scores is not None):
-        raise ValueError(f"asdt_update takes scores with importance='sketch' only, got importance={importance!r} "
-                         f"and scores={'given' if scores is not None else None}")
-    b1, b2 = betas
-    gs = [g.float() for g in grads]
-    cs = [m.float() * b1 + g * (1 - b1) for m, g in zip(momenta, gs)] if momenta is not None else \
-        [g.clone() for g in gs]
-    est = scores if importance == "sketch" else [None] * len(gs)
-    ss = [_scores(importance, c, g, w, e) for c, g, w, e in zip(cs, gs, weights, est)]
-    # density 1: every unit's k is its size, its k-th largest score its minimum, so the mask is ``s > 0`` (the
-    # same decision on every rank: density is a group setting, so no collective is skipped on one rank only)
-    taus = kth_largest(ss, [_k(density, n) for n in unit_numels]) if density < 1.0 else None
-    selected = 0
-    for i, w in enumerate(weights):
-        mask = (ss[i] >= taus[i]) & (ss[i] > 0) if taus is not None else ss[i] > 0
-        selected += int(mask.sum())
-        new = w - (torch.sign(cs[i]) + weight_decay * w) * (lr * (1.0 if lr_scales is None else lr_scales[i]))
-        if anchors is not None:
-            a = anchors[i].float()
-            new = new + (a - new) * elastic_pull
-        w.copy_(torch.where(mask, new, w))
-        if momenta is not None:
-            m = momenta[i]
-            m.copy_((m.float() * b2 + gs[i] * (1 - b2)).to(m.dtype))
-    return selected
-
-
-def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], momenta: list[torch.Tensor],
-                     seconds: torch.Tensor, *, lr: float, betas: tuple[float, float], density: float,
-                     weight_decay: float, unit_numels: list[int], importance: str, eps: float,
-                     lr_scales: Optional[list[float]], scores: Optional[list[torch.Tensor]], kth_largest: KthLargest,
-                     unit_sums: Callable[[torch.Tensor], torch.Tensor], lengths: Optional[list[int]] = None) -> int:
-    """Steps 1' and 4' of the module docstring, vectorised over the slices (one concatenation, no per-unit loop
-    except the top-k of ``density < 1`` and the write-back)."""
-    b1, b2 = betas
-    n = len(unit_numels)
-    if n == 0:  # the collectives still run (units split across ranks)
-        unit_sums(torch.zeros(0, dtype=torch.float64))
-        if density < 1.0:
-            kth_largest([], [])
-        return 0
-    lens = torch.tensor(lengths if lengths is not None else [w.numel() for w in weights])
-    g = torch.cat([x.float() for x in grads])
-    w = torch.cat([x.float() for x in weights])
-    m = torch.cat([x.float() for x in momenta]) * b1 + g * (1 - b1)
-    sq = unit_sums(torch.segment_reduce(g.double() ** 2, "sum", lengths=lens))
-    v, t = seconds[:, 0], seconds[:, 1]
-    v.copy_(v * b2 + (1 - b2) * (sq / torch.tensor(unit_numels, dtype=torch.float64)).float())
-    t.add_(1)
-    bc1, bc2 = 1 - b1 ** t.double(), 1 - b2 ** t.double()
-    denom = ((v.double() / bc2).sqrt() + eps) * bc1
-    c = m / denom.float().repeat_interleave(lens)
-    if importance == "sketch":
-        s = torch.cat(scores)
-    else:
-        s = _scores(importance, c, g, w, None)
-    if density >= 1.0:  # every unit's k is its size: the k-th largest is its minimum (the same on every rank)
-        mask = s > 0
-    else:
-        s_parts = list(torch.split(s, lens.tolist()))
-        taus = kth_largest(s_parts, [_k(density, u) for u in unit_numels])
-        mask = s >= torch.stack(taus).repeat_interleave(lens)
-        mask &= s > 0
-    scale = lr if lr_scales is None else \
-        torch.tensor([lr * x for x in lr_scales], dtype=torch.float32).repeat_interleave(lens)
-    new = torch.where(mask, w - (c + weight_decay * w) * scale, w)
-    for dsts, src in ((weights, new), (momenta, m)):
-        for dst, part in zip(dsts, torch.split(src, [x.numel() for x in dsts])):
-            dst.copy_(part)
-    return int(mask.sum())
-
-
-# Elements per asdt_update call of update="adaptive" at stage 0. The call makes fp32 and fp64 temporaries of
-# about 40 bytes an element (gradient, weight, momentum, squares, step, scores, mask, result); chunking a large
-# tensor (an embedding) at unit boundaries bounds them to ~40 MiB. Every unit's arithmetic is its own, so the
-# steps are the same bit for bit. Under ZeRO a call's collectives (units split across ranks) must match on every
-# rank, so a flat partition stays one call.
-_CHUNK = 1 << 20
-
-
-def _chunk_plans(pieces: list[Piece], numels: list[int], whole: bool) -> list[tuple]:
-    """``(lo, hi, offset, runs, lengths, numels)`` per chunk of ``pieces[lo:hi]`` (at most ``_CHUNK`` elements
-    unless one piece is larger; one chunk when ``whole``): ``offset`` into the Growth buffers, ``runs`` the
-    ``[start, stop)`` of consecutive pieces merged into single slices."""
-    bounds, acc = [0], 0
-    for i, pc in enumerate(pieces):
-        if not whole and acc and acc + pc.length > _CHUNK:
-            bounds.append(i)
-            acc = 0
-        acc += pc.length
-    bounds.append(len(pieces))
-    plans, off = [], 0
-    for lo, hi in zip(bounds, bounds[1:]):
-        runs: list[list[int]] = []
-        for pc in pieces[lo:hi]:
-            if runs and runs[-1][1] == pc.start:
-                runs[-1][1] += pc.length
-            else:
-                runs.append([pc.start, pc.start + pc.length])
-        lengths = [pc.length for pc in pieces[lo:hi]]
-        plans.append((lo, hi, off, runs, lengths, numels[lo:hi]))
-        off += sum(lengths)
-    return plans
 
 
 # ---------------------------------------------------------------------------------------------- state format
@@ -330,8 +121,8 @@ def _check(lr: float, betas: tuple[float, float], density: float, weight_decay: 
         errors.append(f"density must be in (0, 1], got {density}")
     if weight_decay < 0:
         errors.append(f"weight_decay must be >= 0, got {weight_decay}")
-    if importance not in _IMPORTANCE:
-        errors.append(f"unknown importance {importance!r}; choose one of {list(_IMPORTANCE)}")
+    if importance not in IMPORTANCE:
+        errors.append(f"unknown importance {importance!r}; choose one of {list(IMPORTANCE)}")
     if state_dtype not in _DTYPES:
         errors.append(f"unknown state_dtype {state_dtype!r}; choose one of {sorted(_DTYPES)}")
     if block_size < 1:

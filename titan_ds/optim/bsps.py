@@ -28,7 +28,7 @@ identically (signals of blocks split across ranks are all-reduced first).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -246,16 +246,12 @@ def attach_backward_steps(engine: Any, optimizer: ASDT) -> None:
         raise TitanConfigError([f"titan.optimizer.step_in_backward=true with gradient_accumulation_steps={gas}: "
                                 f"each backward updates the weights; set it to 1"])
     world = engine.dp_world_size if hasattr(engine, "dp_world_size") else 1
-    all_reduce = None
-    if world > 1:
+    def average(g: torch.Tensor) -> None:
         import deepspeed.comm as dist
-        group = engine.seq_data_parallel_group if hasattr(engine, "seq_data_parallel_group") else None
-
-        def all_reduce(g: torch.Tensor) -> None:
-            dist.all_reduce(g, group=group)
-            g.mul_(1.0 / world)  # as DeepSpeed's allreduce_bucket scales (sum, then * 1/world)
+        dist.all_reduce(g, group=getattr(engine, "seq_data_parallel_group", None))
+        g.mul_(1.0 / world)  # as DeepSpeed's allreduce_bucket scales (sum, then * 1/world)
 
     engine.enable_backward_allreduce = False
-    optimizer.attach_backward_steps(all_reduce)
+    optimizer.attach_backward_steps(average if world > 1 else None)
     log.info("titan.optimizer.step_in_backward: each parameter is updated in its gradient hook and its gradient "
              "freed%s", f"; gradients averaged over {world} ranks in the hook" if world > 1 else "")
