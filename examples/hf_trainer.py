@@ -59,9 +59,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-grad-norm", type=float, default=None,
-                   help="the Trainer's max_grad_norm; default 1.0 (HF's), or 0 when the ds_config sets "
-                        "titan.optimizer.step_in_backward (clipping needs every gradient before the first update)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's max_grad_norm (HF's default)")
     p.add_argument("--eval-blocks", type=int, default=32, help="held-out sequences for the eval loss")
     p.add_argument("--output-dir", default=None, help="Trainer output (default: $TITAN_CACHE/hf_trainer_out)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -171,18 +169,6 @@ def _callbacks(eval_blocks: torch.Tensor, batch: int, result: dict) -> list:
     return [Record()]
 
 
-def max_grad_norm(args: argparse.Namespace) -> float:
-    """``--max-grad-norm``, or its default for the ds_config (see parse_args)."""
-    if args.max_grad_norm is not None:
-        return args.max_grad_norm
-    with open(args.deepspeed) as f:
-        titan = json.load(f).get("titan") or {}
-    if (titan.get("optimizer") or {}).get("step_in_backward"):
-        log.info("titan.optimizer.step_in_backward: max_grad_norm=0 (no gradient clipping)")
-        return 0.0
-    return 1.0
-
-
 def main(argv: Optional[Sequence[str]] = None, trainer_cls: Any = None, callbacks: Sequence[Any] = ()) -> dict:
     """Train; returns ``{"eval_before", "eval_at_start", "eval_after", "train_losses", "titan", "trainer", ...}``.
     ``trainer_cls`` (a ``Trainer`` subclass) and ``callbacks`` let a benchmark measure more."""
@@ -203,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None, trainer_cls: Any = None, callback
         output_dir=args.output_dir or str(_cache() / "hf_trainer_out"), deepspeed=args.deepspeed,
         per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=args.lr,
         warmup_steps=args.warmup, lr_scheduler_type="linear", weight_decay=args.weight_decay, seed=args.seed,
-        max_grad_norm=max_grad_norm(args), logging_strategy="steps", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
+        max_grad_norm=args.max_grad_norm, logging_strategy="steps", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
     trainer = (trainer_cls or transformers.Trainer)(
         model=model, args=targs, train_dataset=Blocks(train),
         callbacks=_callbacks(held_out, args.batch, result) + list(callbacks))

@@ -60,14 +60,16 @@ def test_example_trains_with_titan(dist_env, tmp_path, ce_calls, config, model, 
     _assert_trained(res)
 
 
-def test_example_steps_in_backward_without_clipping(dist_env, tmp_path, ce_calls):
-    """hf_asdt_backward.json: the example turns the Trainer's clipping off (max_grad_norm 0, logged), titan's
-    ASDT updates in the gradient hooks, and no gradient is left in .grad after a step."""
+def test_example_steps_in_backward(dist_env, tmp_path, ce_calls):
+    """hf_asdt_backward.json: titan's ASDT updates in the gradient hooks and clips there by the previous step's
+    norm at the Trainer's max_grad_norm (1.0, filled into "gradient_clipping": "auto"); no gradient is left in
+    .grad after a step."""
     res = _run(tmp_path, "hf_asdt_backward.json", "tiny-llama")
     engine = res["trainer"].model_wrapped
     opt = engine.basic_optimizer
     assert isinstance(opt, ASDT) and opt.step_in_backward and not engine.enable_backward_allreduce
-    assert res["trainer"].args.max_grad_norm == 0 and engine.gradient_clipping() == 0
+    assert res["trainer"].args.max_grad_norm == 1.0 == opt._clip_max and engine.gradient_clipping() == 0
+    assert opt.last_grad_norm is not None
     assert all(p.grad is None for p in engine.module.parameters())
     assert 0 < opt.grad_bytes == max(p.numel() * p.element_size() for p in engine.module.parameters())
     assert len(ce_calls) == STEPS

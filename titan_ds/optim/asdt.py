@@ -46,8 +46,10 @@ active unit saying where its slice of a buffer lies.
 parameter is updated in its post-accumulate-grad hook, as soon as autograd has its whole gradient, and the
 gradient is freed at once, so at most one parameter's gradient exists at a time instead of all of them. The
 per-tensor update is the one ``step()`` runs, so the steps are bit-identical to ``step()``'s when nothing
-needs every gradient first: no gradient clipping, no accumulation over micro-batches, no BSPS, no sketch.
-``step()`` then only closes the engine step.
+needs every gradient first: no accumulation over micro-batches, no BSPS, no sketch, and no gradient clipping.
+Clipping needs the global norm before the first update; with ``max_norm`` the hooks clip by the *previous*
+step's global norm instead (the norm of this step is summed as the gradients arrive). ``step()`` then only
+closes the engine step and sets the next step's clipping coefficient.
 
 The math is :func:`~titan_ds.optim.asdt_math.asdt_update` in ``asdt_math.py`` (steps 1-5 on a list of unit
 slices: tensors in, updated in place, no optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
@@ -168,6 +170,10 @@ class ASDT(torch.optim.Optimizer):
         self._grad_acc = 0
         self._selected_acc = 0
         self.step_in_backward = False          # attach_backward_steps: update each tensor in its grad hook
+        self._clip_max = 0.0                   # step in backward: clip at this global norm (0: off) ...
+        self._clip_coef = 1.0                  # ... with the coefficient of the previous step's norm
+        self._grad_sq: Optional[torch.Tensor] = None  # the sum of squares of this step's gradients so far
+        self.last_grad_norm: Optional[float] = None   # step in backward: the global norm of the last step
         self._hooks: list[Any] = []
         self._stepped: set[int] = set()        # tensors updated by a hook in the engine step under way
 
@@ -219,11 +225,13 @@ class ASDT(torch.optim.Optimizer):
         return list(zip(self.names, [p for g in self.param_groups for p in g["params"]]))
 
     # ------------------------------------------------------------------ step in backward
-    def attach_backward_steps(self, all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    def attach_backward_steps(self, all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
+                              max_norm: float = 0.0) -> None:
         """Update each parameter in its post-accumulate-grad hook and free its gradient (see the module
         docstring). ``all_reduce``, when given, averages a gradient across data-parallel ranks in place before
-        its update (every rank's backward fires the hooks in the same order). Stage 0 only; refuses BSPS and
-        the sketch, which need every gradient of the step before the first update."""
+        its update (every rank's backward fires the hooks in the same order). ``max_norm > 0``: clip by the
+        *previous* step's global gradient norm (the current one is known only when backward ends). Stage 0
+        only; refuses BSPS and the sketch, which need every gradient of the step before the first update."""
         if self._zero:
             raise ValueError("step in backward needs the parameters themselves (ZeRO stage 0); under ZeRO 1-3 "
                              "the optimizer steps on flat partitions after the reduction")
@@ -232,6 +240,9 @@ class ASDT(torch.optim.Optimizer):
                              "gradient of the step before the first update")
         if self.step_in_backward:
             return
+        if max_norm < 0:
+            raise ValueError(f"max_norm must be >= 0 (0: no clipping), got {max_norm}")
+        self._clip_max = float(max_norm)
         for group in self.param_groups:
             for t in group["params"]:
                 self._hooks.append(t.register_post_accumulate_grad_hook(
@@ -256,6 +267,12 @@ class ASDT(torch.optim.Optimizer):
         self._stepped.add(id(t))
         if all_reduce is not None:
             all_reduce(t.grad)
+        # the global norm of this step's (unclipped, averaged) gradients, summed as they arrive; it sets the
+        # clipping of the next step (DeepSpeed's formula: coef = max_norm / (norm + 1e-6), applied when < 1)
+        sq = torch.linalg.vector_norm(t.grad.float()).double() ** 2
+        self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
+        if self._clip_coef < 1.0:
+            t.grad.mul_(self._clip_coef)
         st = self._tensor_state(t)
         st["step"] = self._engine_step + 1
         # gradient bytes held at once: one tensor's, freed below before the next hook runs
@@ -292,6 +309,11 @@ class ASDT(torch.optim.Optimizer):
         if not self._zero:
             self._begin_engine_step(self._engine_step + 1)
             self._end_engine_step()
+        if self._grad_sq is not None:  # step in backward: this step's norm clips the next step
+            self.last_grad_norm = float(self._grad_sq.sqrt())
+            if self._clip_max > 0:
+                self._clip_coef = min(1.0, self._clip_max / (self.last_grad_norm + 1e-6))
+            self._grad_sq = None
         self._stepped.clear()
         return loss
 
@@ -457,7 +479,7 @@ class ASDT(torch.optim.Optimizer):
         return sd
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"engine_step": self._engine_step, "last_selected": self.last_selected,
+        return {"engine_step": self._engine_step, "last_selected": self.last_selected, "clip_coef": self._clip_coef,
                 "sketch": self.sketch.state_dict() if self.sketch is not None else None,
                 "plasticity": self.plasticity.state_dict() if self.plasticity is not None else None}
 
@@ -485,6 +507,7 @@ class ASDT(torch.optim.Optimizer):
             raise KeyError("not an ASDT optimizer state (no 'asdt' entry); resume with the optimizer it was saved with")
         self._engine_step = int(extra["engine_step"])
         self.last_selected = int(extra["last_selected"])
+        self._clip_coef = float(extra.get("clip_coef", 1.0))  # step in backward's clipping of the next step
         if self.sketch is not None:
             self.sketch.load_state_dict(extra["sketch"])
         if (extra.get("plasticity") is None) != (self.plasticity is None):

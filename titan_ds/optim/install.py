@@ -152,10 +152,6 @@ def _step_in_backward_problems(ctx: Any) -> list[str]:
     if ctx.zero_stage() != 0:
         out.append(f"{head} needs ZeRO stage 0 (stage {ctx.zero_stage()} steps on flat partitions after the "
                    f"reduction); set zero_optimization.stage to 0 or step_in_backward to false")
-    clip = ds.get("gradient_clipping", 0.0)
-    if clip == "auto" or float(clip) > 0:
-        out.append(f"{head} with gradient_clipping={clip!r}: clipping needs the norm of every gradient before "
-                   f"the first update; set \"gradient_clipping\": 0 (HF Trainer: TrainingArguments(max_grad_norm=0))")
     gas = ds.get("gradient_accumulation_steps", 1)
     if gas != 1:
         out.append(f"{head} with gradient_accumulation_steps={gas!r}: each backward updates the weights; set "
@@ -240,7 +236,9 @@ def attach_backward_steps(engine: Any, optimizer: ASDT) -> None:
     """Stage 0: ASDT updates each parameter in its gradient hook (:meth:`ASDT.attach_backward_steps`). DeepSpeed's
     backward epilogue all-reduces ``.grad`` after backward and fills a missing one with zeros, which would hand
     ``step()`` a full set of zero gradients; it is turned off, and with more than one data-parallel rank each
-    gradient is averaged in its hook instead (every rank fires the hooks in the same order)."""
+    gradient is averaged in its hook instead (every rank fires the hooks in the same order). DeepSpeed's own
+    clipping (``_take_model_step``) would find no gradient (and fails on an empty list): the hooks clip instead,
+    by the previous step's global norm, and the engine's ``gradient_clipping`` is set to 0."""
     gas = engine.gradient_accumulation_steps()
     if gas != 1:
         raise TitanConfigError([f"titan.optimizer.step_in_backward=true with gradient_accumulation_steps={gas}: "
@@ -251,7 +249,11 @@ def attach_backward_steps(engine: Any, optimizer: ASDT) -> None:
         dist.all_reduce(g, group=getattr(engine, "seq_data_parallel_group", None))
         g.mul_(1.0 / world)  # as DeepSpeed's allreduce_bucket scales (sum, then * 1/world)
 
+    max_norm = float(engine.gradient_clipping() or 0.0)
     engine.enable_backward_allreduce = False
-    optimizer.attach_backward_steps(average if world > 1 else None)
+    optimizer.attach_backward_steps(average if world > 1 else None, max_norm=max_norm)
+    engine._config.gradient_clipping = 0.0
     log.info("titan.optimizer.step_in_backward: each parameter is updated in its gradient hook and its gradient "
-             "freed%s", f"; gradients averaged over {world} ranks in the hook" if world > 1 else "")
+             "freed%s%s", f"; gradients averaged over {world} ranks in the hook" if world > 1 else "",
+             f"; gradient_clipping={max_norm:g} clips by the previous step's global gradient norm (this step's "
+             f"is known only when backward ends)" if max_norm > 0 else "")
