@@ -98,6 +98,9 @@ class OptimizerConfig(_Strict):
     block_size: int = Field(default=4096, ge=1)          # elements per unit when granularity="block"
     update: Literal["sign", "adaptive"] = "sign"         # sign of momentum, or Adam with one 2nd moment per unit
     eps: float = Field(default=1e-8, ge=0)               # update="adaptive": Adam's epsilon
+    # update="adaptive": clamp each coordinate's step to [-update_clip, update_clip] (x lr); a coordinate whose
+    # gradient is far above its unit's RMS (outlier features of pretrained models) otherwise moves 10-40x lr
+    update_clip: Optional[float] = Field(default=None, gt=0)
     # update each parameter in its gradient hook during backward and free the gradient at once: the gradients
     # of the whole model never exist together (ZeRO 0, no gradient clipping, no accumulation, no BSPS)
     step_in_backward: bool = False

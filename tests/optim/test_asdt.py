@@ -317,3 +317,33 @@ def test_adaptive_chunked_calls_step_bit_exactly_as_one_call(monkeypatch, chunk)
     for pa, pb in zip(a, b):
         for key in ("momentum", "second"):
             assert torch.equal(oa.state[pa][key], ob.state[pb][key]), key
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_adaptive_update_clip_matches_reference_and_bounds_the_step(state_dtype):
+    """update_clip clamps each coordinate's adaptive step c to [-clip, clip]: the flat path equals the reference
+    loop bit for bit, and no weight moves by more than lr * (clip + weight_decay * |w|)."""
+    a = _params()
+    b = [p.detach().clone() for p in a]
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), density=1.0, weight_decay=0.1, importance="momentum")
+    opt = ASDT([(f"p{i}", p) for i, p in enumerate(a)], update="adaptive", granularity="row",
+               state_dtype=state_dtype, update_clip=0.5, **hp)
+    states = {}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+    clipped = 0
+    for t in range(4):
+        before = [p.detach().clone() for p in a]
+        for p, g in zip(a, _grads(a, t)):
+            p.grad = g
+        opt.step()
+        units = [(p.data.view(-1)[s:s + n], g.view(-1)[s:s + n], states.setdefault((i, s), {}))
+                 for i, (p, g) in enumerate(zip(b, _grads(b, t))) for s, n in _row_units(p)]
+        reference_step(units, state_dtype=dtype, update="adaptive", update_clip=0.5, **hp)
+        for pa, pb, w0 in zip(a, b, before):
+            assert torch.equal(pa.data, pb), f"step {t}"
+            bound = 1e-2 * (0.5 + 0.1 * w0.abs()) + 1e-6  # + fp32 rounding of w (~1e-7 at |w| ~ 1)
+            assert bool(((pa.data - w0).abs() <= bound).all())
+            clipped += int(((pa.data - w0).abs() > 1e-2 * 0.45).sum())
+    assert clipped > 0  # the clamp was active
+    with pytest.raises(ValueError, match="update_clip"):
+        ASDT([("w", torch.zeros(3, requires_grad=True))], update="sign", update_clip=1.0)

@@ -109,8 +109,11 @@ def _from_saved(st: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------- optimizer
 def _check(lr: float, betas: tuple[float, float], density: float, weight_decay: float, importance: str,
-           state_dtype: str, block_size: int, update: str = "sign", eps: float = 1e-8) -> None:
+           state_dtype: str, block_size: int, update: str = "sign", eps: float = 1e-8,
+           update_clip: Optional[float] = None) -> None:
     errors = []
+    if update_clip is not None and (update != "adaptive" or not update_clip > 0):
+        errors.append(f"update_clip={update_clip} needs update=\"adaptive\" and a value > 0 (None: off)")
     if update not in _UPDATES:
         errors.append(f"unknown update {update!r}; choose one of {list(_UPDATES)}")
     if not eps >= 0:
@@ -145,11 +148,11 @@ class ASDT(torch.optim.Optimizer):
                  density: float = 0.1, weight_decay: float = 0.0, importance: str = "momentum",
                  state_dtype: str = "fp32", granularity: str = "tensor", block_size: int = 4096,
                  sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0, update: str = "sign",
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, update_clip: Optional[float] = None):
         groups = self._groups(params)
         named = [np for g in groups for np in g["params"]]
-        _check(lr, betas, density, weight_decay, importance, state_dtype, block_size, update, eps)
-        self.update, self.eps = update, eps
+        _check(lr, betas, density, weight_decay, importance, state_dtype, block_size, update, eps, update_clip)
+        self.update, self.eps, self.update_clip = update, eps, update_clip
         self._runs: dict[Any, Any] = {}  # update="adaptive": the runs of consecutive units of each tensor
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
@@ -426,7 +429,7 @@ class ASDT(torch.optim.Optimizer):
             elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
             kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split),
             seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
-            unit_sums=lambda x: unit_sums(x, pieces, split))
+            unit_sums=lambda x: unit_sums(x, pieces, split), update_clip=self.update_clip if adaptive else None)
 
     def _apply_adaptive(self, t: torch.Tensor, st: dict[str, Any], pieces: list[Piece], split: Layout,
                         group: dict[str, Any]) -> None:
@@ -449,7 +452,7 @@ class ASDT(torch.optim.Optimizer):
                 unit_numels=numels, importance=self.importance, lengths=lengths,
                 momenta=[st["momentum"][off:off + sum(lengths)]], lr_scales=None if scales is None else scales[lo:hi],
                 kth_largest=lambda s, ks, part=part: kth_largest(s, ks, part, split), seconds=seconds[lo:hi],
-                eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split))
+                eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split), update_clip=self.update_clip)
 
     def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
         """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it."""

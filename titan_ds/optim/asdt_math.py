@@ -34,7 +34,7 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
                    density: float, weight_decay: float, importance: str, state_dtype: torch.dtype,
                    modes: Optional[list[int]] = None, lr_scales: Optional[list[float]] = None,
                    elastic_pull: float = 0.0, sketch_est: Optional[list[torch.Tensor]] = None,
-                   update: str = "sign", eps: float = 1e-8) -> None:
+                   update: str = "sign", eps: float = 1e-8, update_clip: Optional[float] = None) -> None:
     """The docstring's steps, one unit at a time: ``units`` is ``[(w_view, g, state)]`` (1-D fp32 views).
 
     ``state`` holds ``momentum`` (Growth) or ``anchor`` (Elastic), created here on first use, and with
@@ -54,6 +54,8 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
             st["t"] = st.get("t", 0) + 1
             bc1, bc2 = 1 - b1 ** st["t"], 1 - b2 ** st["t"]
             c = m / torch.tensor((math.sqrt(float(st["v"]) / bc2) + eps) * bc1, dtype=f32)
+            if update_clip is not None:
+                c = c.clamp(-update_clip, update_clip)
             s = _scores(importance, c, g, w, None if sketch_est is None else sketch_est[i])
             tau = torch.topk(s, _k(density, s.numel())).values[-1]
             mask = (s >= tau) & (s > 0)
@@ -92,7 +94,7 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
                 scores: Optional[list[torch.Tensor]] = None, kth_largest: KthLargest = local_kth_largest,
                 seconds: Optional[torch.Tensor] = None, eps: float = 1e-8,
                 unit_sums: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                lengths: Optional[list[int]] = None) -> int:
+                lengths: Optional[list[int]] = None, update_clip: Optional[float] = None) -> int:
     """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed.
 
     ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
@@ -114,7 +116,7 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
         return _adaptive_update(weights, grads, momenta, seconds, lr=lr, betas=betas, density=density,
                                 weight_decay=weight_decay, unit_numels=unit_numels, importance=importance, eps=eps,
                                 lr_scales=lr_scales, scores=scores, kth_largest=kth_largest, unit_sums=unit_sums,
-                                lengths=lengths)
+                                lengths=lengths, update_clip=update_clip)
     if (momenta is None) == (anchors is None):
         raise ValueError("asdt_update needs momenta (Growth) or anchors (Elastic), exactly one of them")
     if (importance == "sketch") != (scores is not None):
@@ -148,7 +150,8 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
                      seconds: torch.Tensor, *, lr: float, betas: tuple[float, float], density: float,
                      weight_decay: float, unit_numels: list[int], importance: str, eps: float,
                      lr_scales: Optional[list[float]], scores: Optional[list[torch.Tensor]], kth_largest: KthLargest,
-                     unit_sums: Callable[[torch.Tensor], torch.Tensor], lengths: Optional[list[int]] = None) -> int:
+                     unit_sums: Callable[[torch.Tensor], torch.Tensor], lengths: Optional[list[int]] = None,
+                     update_clip: Optional[float] = None) -> int:
     """Steps 1' and 4' of the module docstring, vectorised over the slices (one concatenation, no per-unit loop
     except the top-k of ``density < 1`` and the write-back)."""
     b1, b2 = betas
@@ -169,6 +172,8 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
     bc1, bc2 = 1 - b1 ** t.double(), 1 - b2 ** t.double()
     denom = ((v.double() / bc2).sqrt() + eps) * bc1
     c = m / denom.float().repeat_interleave(lens)
+    if update_clip is not None:  # bound one coordinate's step when its gradient is far above its unit's RMS
+        c = c.clamp(-update_clip, update_clip)
     if importance == "sketch":
         s = torch.cat(scores)
     else:
