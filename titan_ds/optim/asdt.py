@@ -176,7 +176,7 @@ class ASDT(torch.optim.Optimizer):
         self._clip_max = 0.0                   # step in backward: clip at this global norm (0: off) ...
         self._clip_coef = 1.0                  # ... with the coefficient of the previous step's norm
         self._grad_sq: Optional[torch.Tensor] = None  # the sum of squares of this step's gradients so far
-        self.last_grad_norm: Optional[float] = None   # step in backward: the global norm of the last step
+        self.last_grad_norm: Optional[float] = None   # step in backward with clipping: the last step's norm
         self._hooks: list[Any] = []
         self._stepped: set[int] = set()        # tensors updated by a hook in the engine step under way
 
@@ -272,8 +272,9 @@ class ASDT(torch.optim.Optimizer):
             all_reduce(t.grad)
         # the global norm of this step's (unclipped, averaged) gradients, summed as they arrive; it sets the
         # clipping of the next step (DeepSpeed's formula: coef = max_norm / (norm + 1e-6), applied when < 1)
-        sq = torch.linalg.vector_norm(t.grad.float()).double() ** 2
-        self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
+        if self._clip_max > 0:  # one more pass over the gradient, only when something clips with it
+            sq = torch.linalg.vector_norm(t.grad.float()).double() ** 2
+            self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
         if self._clip_coef < 1.0:
             t.grad.mul_(self._clip_coef)
         st = self._tensor_state(t)
