@@ -135,6 +135,8 @@ class PlasticityConfig(_Strict):
 _CompressionMethod = Literal[tuple(_COMPRESSORS)]  # type: ignore[valid-type]
 # titan.compression keys every method takes; each method lists the others it uses in its class's config_keys
 _EVERY_METHOD = {"method", "warmup_steps"}
+# the local RMS preconditioner (titan_ds/comm/precondition.py) runs before any codec: every method but "none"
+_PRECONDITION_KEYS = {"precondition", "precondition_beta2", "precondition_eps"}
 
 
 class CompressionConfig(_Strict):
@@ -149,7 +151,11 @@ class CompressionConfig(_Strict):
     momentum where a value was sent), ``local_clip`` (max L2 norm of each parameter's local gradient before it is
     accumulated; DGC: the global clipping threshold / sqrt(ranks)). ``powersgd`` only: ``rank`` (of the low-rank
     approximation) and ``min_compression`` (a matrix is compressed only if it shrinks at least this much, else sent
-    dense). A key that the chosen method does not use is an error, not ignored.
+    dense). ``precondition="rms"`` (every method but ``none``): each rank divides its gradient by the RMS of its own
+    gradients (Adam's second moment, ``precondition_beta2``/``precondition_eps``, kept per rank) before error
+    feedback and the compressor, so the reduced sum is an Adam-scaled update that plain SGD applies: titan turns
+    the ds_config's Adam/AdamW (or the Adam/AdamW passed to initialize) into SGD with the same lr and weight
+    decay (titan_ds/comm/precondition.py). A key that the chosen method does not use is an error, not ignored.
     """
 
     method: _CompressionMethod = "hge"
@@ -165,10 +171,15 @@ class CompressionConfig(_Strict):
     local_clip: Optional[float] = Field(default=None, gt=0)
     rank: int = Field(default=1, ge=1, le=1024)
     min_compression: float = Field(default=2.0, ge=1)
+    precondition: Literal["none", "rms"] = "none"
+    precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
+    precondition_eps: float = Field(default=1e-8, gt=0)
 
     @model_validator(mode="after")
     def _used_keys(self) -> "CompressionConfig":
         used = set(_COMPRESSORS[self.method].config_keys) | _EVERY_METHOD
+        if self.method != "none":
+            used |= _PRECONDITION_KEYS
         bad = sorted(self.model_fields_set - used)
         if bad:
             raise ValueError(f"has {', '.join(bad)}, which method={self.method!r} does not use; remove "
@@ -180,6 +191,16 @@ class CompressionConfig(_Strict):
         if self.ratio_warmup_steps > 0 and not self.ratio_warmup_start < self.ratio:
             raise ValueError(f"ratio_warmup_start={self.ratio_warmup_start:g} must be below ratio={self.ratio:g} "
                              f"(the warm-up ramps up to ratio); lower it or raise ratio")
+        if ({"precondition_beta2", "precondition_eps"} & self.model_fields_set) and self.precondition == "none":
+            raise ValueError("has precondition_beta2/precondition_eps but precondition is 'none'; set "
+                             "precondition='rms' or remove them")
+        if self.precondition == "rms" and self.momentum > 0:
+            raise ValueError(f"precondition='rms' with momentum={self.momentum:g}: error feedback already accumulates "
+                             f"the normalized gradients (DGC's momentum on top re-sends them); remove momentum")
+        if self.precondition == "rms" and self.warmup_steps > 0:
+            raise ValueError(f"precondition='rms' with warmup_steps={self.warmup_steps}: dense warm-up steps would "
+                             f"hand raw gradients to the SGD that applies the normalized sums; ramp the ratio with "
+                             f"ratio_warmup_steps instead")
         if "momentum_masking" in self.model_fields_set and self.momentum == 0:
             raise ValueError("has momentum_masking but momentum is 0 (no momentum to mask); set momentum (DGC: 0.9) "
                              "or remove momentum_masking")

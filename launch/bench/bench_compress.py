@@ -12,7 +12,10 @@ with error feedback.
 Methods: ``topk``, ``tgss``, ``hge`` at each of ``--ratios`` (or ``name@r1/r2`` for its own ratios); ``dgc`` is ``topk`` with DGC's options
 (``--dgc-momentum``, masking, ``--dgc-clip``, the ratio ramp ``--dgc-ramp-steps`` from ``--dgc-ramp-start``;
 with momentum its rows train with AdamW ``--beta1 --dgc-beta1``, default 0, because the compressor's velocity
-already is the momentum); ``powersgd`` at each of ``--ranks`` (its bytes follow from the rank, not ``--ratios``).
+already is the momentum); ``powersgd`` at each of ``--ranks`` (its bytes follow from the rank, not ``--ratios``);
+``rms`` is ``topk`` with ``precondition: "rms"`` (each rank's gradient divided by the RMS of its own gradients;
+titan turns the client AdamW into SGD; no dense warm-up and no global clipping, which it refuses; ``--rms-lr``
+gives its rows their own lr).
 Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the collective per
 rank), ``wire_x_run`` (whole run, warm-up and ramp included), ``step_time_ratio``, ``peak_rss_ratio``.
 Resumable: each finished row is saved in ``<out>.jsonl`` at once; a rerun with the same settings reuses it.
@@ -60,6 +63,11 @@ def rows(methods: list[str], ratios: list[float], warmup: int, stage: int, ranks
         for m, rs in own.items():
             if m == "powersgd" or ratio not in rs:
                 continue
+            elif m == "rms":
+                comp = {"method": "topk", "ratio": ratio, "error_feedback": True, "precondition": "rms"}
+                row_args = ["--lr", str(a.rms_lr)] if a is not None and a.rms_lr is not None else []
+                out.append((f"rms_{ratio:g}x", baseline_config(stage=stage, gradient_clipping=0.0,
+                                                               titan={"compression": comp}), row_args))
             elif m == "dgc":
                 if a is None:
                     raise ValueError("dgc rows need the parsed --dgc-* options")
@@ -83,6 +91,7 @@ def main(argv=None) -> None:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--out", default="results/compress")
     p.add_argument("--train-args", default="", help="extra launch/train.py flags (every row), e.g. '--seed 1'")
+    p.add_argument("--rms-lr", type=float, default=None, help="lr of the rms rows (default: --train-args' or 1e-3)")
     p.add_argument("--no-resume", action="store_true",
                    help="run every row again (default: rows saved in <out>.jsonl by an earlier run are reused)")
     a = p.parse_args(argv)

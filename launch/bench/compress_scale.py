@@ -49,6 +49,7 @@ from titan_ds.bench import add_dgc_args  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
 from titan_ds.comm.dgc import DGCOptions  # noqa: E402
+from titan_ds.comm.precondition import RMSOptions  # noqa: E402
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
 from titan_ds.models import GPT  # noqa: E402
 
@@ -225,6 +226,8 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
         opts = DGCOptions(momentum=dgc["momentum"], momentum_masking=dgc["masking"], local_clip=dgc["clip"])
         return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, dgc=opts,
                                ratio_warmup_steps=dgc["ramp_steps"], ratio_warmup_start=dgc["ramp_start"])
+    elif method == "rms":  # topk of each worker's locally RMS-normalized gradient; the optimizer is SGD
+        return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, precondition=RMSOptions())
     elif method == "powersgd":
         if rank is None:
             raise ValueError("method 'powersgd' needs a rank")
@@ -245,7 +248,10 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     layout, params = _layout(model)
     n = sum(p.numel() for p in params)
     beta1 = dgc["beta1"] if dgc is not None and dgc["momentum"] > 0 else 0.9
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(beta1, 0.999))
+    if method == "rms":  # the reduced sum is already an Adam-scaled update (titan_ds/comm/precondition.py)
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, weight_decay=0.0)
+    else:
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(beta1, 0.999))
     batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
     reducers = [make_reducer(method, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc) for _ in range(world)]
     sim = SimCollective(world)
@@ -315,17 +321,20 @@ def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "")
     lines = [f"# Gradient compression at W virtual workers ({status})", "", f"`{command}`", ""]
     if label:
         lines += [f"**{label}**", ""]
+    if len({k[_KEY.index("lr")] for k in wanted}) > 1 or len({k[_KEY.index("seed")] for k in wanted}) > 1:
+        lines += summarize(rows, wanted) + ["## Every run", ""]
     lines += ["Bytes per worker per step from ring all-reduce `2(W-1)/W B` / ring all-gather `(W-1) b` "
               "(launch/bench/compress_scale.py). `wire_x_recv`: dense ring all-reduce bytes received / the "
               "method's. `handed_x`: dense / bytes handed to the collectives (the 2-rank benchmark's ratio).", "",
-              "| method | ratio | W | steps | val_loss | delta_vs_dense | sent KiB/step | recv KiB/step | wire_x_recv "
-              "| handed_x | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["steps"], r["world"], r["method"] != "none", r["ratio"], r["method"])):
+              "| method | ratio | W | steps | lr | seed | val_loss | delta_vs_dense | sent KiB/step | recv KiB/step "
+              "| wire_x_recv | handed_x | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["steps"], r["world"], r["seed"], r["lr"], r["method"] != "none", r["ratio"],
+                                         r["method"])):
         base = dense.get(_key({**r, "method": "none", "ratio": 1.0, "rank": None, "dgc": None}))
         delta = f"{r['val_loss'] - base['val_loss']:+.4f}" if base else "n/a"
         label = r["method"] + (f" r={r['rank']}" if r.get("rank") else "") + (f" ({r['dgc']})" if r.get("dgc") else "")
         ratio = "-" if r["method"] == "powersgd" else f"{r['ratio']:g}"
-        lines.append(f"| {label} | {ratio} | {r['world']} | {r['steps']} | {r['val_loss']:.4f} | {delta} "
+        lines.append(f"| {label} | {ratio} | {r['world']} | {r['steps']} | {r['lr']:g} | {r['seed']} | {r['val_loss']:.4f} | {delta} "
                      f"| {r['sent_per_worker_step'] / 1024:.1f} | {r['recv_per_worker_step'] / 1024:.1f} "
                      f"| {r['wire_x_recv']:.1f} | {r['handed_x']:.1f} | {r['seconds']:.0f} |")
     if missing:
@@ -333,11 +342,67 @@ def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "")
             f"({k[0]}{f' r={r}' if (r := dict(zip(_KEY, k)).get('rank')) else ''}, {k[1]:g}, {k[2]})" for k in missing)]
     return "\n".join(lines) + "\n"
 
+_VARIANT = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "warmup", "rank", "dgc")
+
+
+def summarize(rows: list[dict], wanted: list[tuple]) -> list[str]:
+    """Markdown lines: each variant at its best lr (lowest mean over the seeds, among lrs with every seed done)
+    against dense (``none``) at its own best lr, same W and settings; spread = the larger of the two rows'
+    max - min over seeds; |delta| below the spread is 'no difference'."""
+    want = set(wanted)
+    seeds = sorted({dict(zip(_KEY, k))["seed"] for k in wanted})
+    runs: dict[tuple, dict[float, dict[int, dict]]] = {}
+    for r in rows:
+        if _key(r) in want:
+            runs.setdefault(tuple(r.get(k) for k in _VARIANT), {}).setdefault(r["lr"], {})[r["seed"]] = r
+
+    def best(variant: tuple) -> Optional[tuple[float, list[dict]]]:
+        done = {lr: [by[s] for s in seeds] for lr, by in runs.get(variant, {}).items() if all(s in by for s in seeds)}
+        if not done:
+            return None
+        lr = min(done, key=lambda x: sum(r["val_loss"] for r in done[x]) / len(seeds))
+        return lr, done[lr]
+
+    lines = ["## Each method at its best lr against dense at its best lr", "",
+             f"Seeds {','.join(map(str, seeds))}; mean validation loss over the seeds; spread = max - min over the "
+             "seeds, the larger of the row's and dense's; |delta| < spread is 'no difference'. lr: the best of the "
+             "grid (every lr with all seeds done).", "",
+             "| method | ratio | W | steps | best lr | val_loss | delta_vs_dense | spread | verdict | per seed "
+             "| wire_x_recv | handed_x |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for variant in sorted(runs, key=lambda v: (v[3], v[2], v[0] != "none", v[1], v[0], v[9] or 0)):
+        b = best(variant)
+        if b is None:
+            continue
+        d = best(tuple(("none" if k == "method" else 1.0 if k == "ratio" else None if k in ("rank", "dgc") else v)
+                       for k, v in zip(_VARIANT, variant)))
+        lr, rs = b
+        mean = sum(r["val_loss"] for r in rs) / len(rs)
+        spread = max(r["val_loss"] for r in rs) - min(r["val_loss"] for r in rs)
+        if d is not None:
+            dmean = sum(r["val_loss"] for r in d[1]) / len(d[1])
+            spread = max(spread, max(r["val_loss"] for r in d[1]) - min(r["val_loss"] for r in d[1]))
+            delta = mean - dmean
+            verdict = ("reference" if variant[0] == "none" else "no difference" if abs(delta) < spread or
+                       len(seeds) < 2 and delta == 0 else "better" if delta < 0 else "worse")
+            if len(seeds) < 2 and variant[0] != "none":
+                verdict = "one seed: no spread"
+            dtxt = f"{delta:+.4f}"
+        else:
+            dtxt, verdict = "n/a", "no dense row"
+        r0 = rs[0]
+        label = r0["method"] + (f" r={r0['rank']}" if r0.get("rank") else "") + (f" ({r0['dgc']})" if r0.get("dgc") else "")
+        ratio = "-" if r0["method"] == "powersgd" else f"{r0['ratio']:g}"
+        per_seed = "/".join(f"{r['val_loss']:.3f}" for r in rs)
+        lines.append(f"| {label} | {ratio} | {r0['world']} | {r0['steps']} | {lr:g} | {mean:.4f} | {dtxt} "
+                     f"| {spread:.4f} | {verdict} | {per_seed} "
+                     f"| {r0['wire_x_recv']:.1f} | {r0['handed_x']:.1f} |")
+    return lines + [""]
+
 
 def _ratios(method: str, ratios: list[float], world: int, match_recv: bool) -> list[float]:
     """The ratios to run ``method`` at: top-k (and dgc) also at ``ratio * W / 2`` (with ``match_recv``), where each worker
     receives ``(W - 1) * 8 k = 2 (W - 1) / W * 4 n / ratio`` bytes, as much as an all-reduce method at ``ratio``."""
-    if method not in ("topk", "dgc") or not match_recv or world <= 2:
+    if method not in ("topk", "dgc", "rms") or not match_recv or world <= 2:
         return ratios
     return ratios + [r * world / 2 for r in ratios if r * world / 2 not in ratios]
 
@@ -352,6 +417,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lrs", default="", help="an lr grid (comma list; overrides --lr): each method's best lr is "
+                   "compared with dense's best lr in the summary table")
+    p.add_argument("--seeds", default="", help="seeds (comma list; overrides --seed): the summary prints the spread")
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=64)
     p.add_argument("--no-match-recv", dest="match_recv", action="store_false",
                    help="do not add the top-k rows whose received bytes match the all-reduce methods' (ratio x W / 2)")
     p.add_argument("--warmup", type=int, default=0, help="dense steps before compressing")
@@ -366,29 +436,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     jsonl = out.with_suffix(".jsonl")
     command = "python launch/bench/compress_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    settings = dict(steps=a.steps, micro_batch=a.micro_batch, context=a.context, n_layer=2, n_embd=64, lr=a.lr,
-                    seed=a.seed, warmup=a.warmup)
+    lrs = [float(x) for x in (a.lrs or str(a.lr)).split(",")]
+    seeds = [int(x) for x in (a.seeds or str(a.seed)).split(",")]
     ratios = [float(x) for x in a.ratios.split(",")]
     dgc = dict(momentum=a.dgc_momentum, masking=not a.dgc_no_masking, clip=a.dgc_clip, ramp_steps=a.dgc_ramp_steps,
                ramp_start=a.dgc_ramp_start, beta1=a.dgc_beta1)
     wanted, specs = [], {}
-    for world in (int(x) for x in a.workers.split(",")):
-        for m in a.methods.split(","):
-            if m == "powersgd":
-                variants = [(0.0, int(r), None) for r in a.ranks.split(",")]
-            else:
-                variants = [(ratio, None, dgc if m == "dgc" else None)
-                            for ratio in ([1.0] if m == "none" else _ratios(m, ratios, world, a.match_recv))]
-            for ratio, rank, opts in variants:
-                key = _key({"method": m, "ratio": ratio, "world": world, "rank": rank, "dgc": _dgc_label(opts),
-                            **settings})
-                wanted.append(key)
-                specs[key] = (rank, opts)
+    for seed in seeds:
+        for lr in lrs:
+            settings = dict(steps=a.steps, micro_batch=a.micro_batch, context=a.context, n_layer=a.n_layer,
+                            n_embd=a.n_embd, lr=lr, seed=seed, warmup=a.warmup)
+            for world in (int(x) for x in a.workers.split(",")):
+                for m in a.methods.split(","):
+                    if m == "powersgd":
+                        variants = [(0.0, int(r), None) for r in a.ranks.split(",")]
+                    else:
+                        variants = [(ratio, None, dgc if m == "dgc" else None)
+                                    for ratio in ([1.0] if m == "none" else _ratios(m, ratios, world, a.match_recv))]
+                    for ratio, rank, opts in variants:
+                        key = _key({"method": m, "ratio": ratio, "world": world, "rank": rank,
+                                    "dgc": _dgc_label(opts), **settings})
+                        wanted.append(key)
+                        specs[key] = (rank, opts, settings)
     for key in wanted:
         if key in {_key(r) for r in load_rows(jsonl)}:
             log.info("skip %s (done)", key[:3])
             continue
-        rank, opts = specs[key]
+        rank, opts, settings = specs[key]
         row = train_row(key[0], key[1], key[2], corpus=corpus, rank=rank, dgc=opts, **settings)
         with jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")  # at once: a rerun skips it

@@ -83,6 +83,8 @@ def config(method: str) -> dict:
         comp = {"method": "powersgd", "rank": 1, "warmup_steps": 2}
     elif method == "dgc":  # topk with DGC's momentum correction, masking and local clipping (ramp: unit tests)
         comp = {"method": "topk", "ratio": args.ratio, "warmup_steps": 2, "momentum": 0.9, "local_clip": 1.0}
+    elif method == "rms":  # topk of each rank's RMS-normalized gradient; titan turns the client Adam into SGD
+        comp = {"method": "topk", "ratio": args.ratio, "precondition": "rms"}
     else:
         comp = {"method": method, "ratio": args.ratio, "warmup_steps": 2}
     return {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -123,6 +125,7 @@ def train(method: str, rank: int) -> dict:
         dist.all_reduce(lt)
         losses.append(float(lt) / dist.get_world_size())
     out = {"losses": losses, "seam_calls": dict(hooks.seam_calls), "steps": metrics,
+           "optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
            "dense_total": dense_total, "wire_total": wire_total}
     # checkpoint round trip: residuals and every other store (DGC's momentum, PowerSGD's Q) of every rank come back
     if method != "none":

@@ -114,7 +114,7 @@ MIN_RATIO = {"powersgd": 8.0}
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,reduce_scatter,methods", [
     (0, 1, "none,topk,hge"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge"), (2, 0, "hge,topk"), (3, 1, "tgss,hge,topk"),
-    (0, 1, "powersgd,dgc"), (2, 1, "powersgd,dgc"), (3, 1, "powersgd,dgc"),
+    (0, 1, "powersgd,dgc,rms"), (2, 1, "powersgd,dgc,rms"), (3, 1, "powersgd,dgc,rms"),
 ], ids=["zero0", "zero1", "zero2", "zero2-allreduce", "zero3", "zero0-peers", "zero2-peers", "zero3-peers"])
 def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, reduce_scatter, methods):
     ratio = 20.0
@@ -125,6 +125,7 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
         seam = SEAM[stage] if reduce_scatter else "zero.gradient_reduction_w_predivide"
         assert r["seam_calls"].get(seam, 0) >= 30, (method, r["seam_calls"])
         losses = r["losses"]
+        assert r["optimizer"] == ("SGD" if method == "rms" else "Adam"), (method, r["optimizer"])
         assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:3]) / 3, (method, losses)  # it trains
         for s, step in enumerate(r["steps"]):
             grad_bytes = sum(step["backend"][op] for op in GRAD_OPS)
@@ -138,5 +139,6 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
             assert r["restored_by_rank"] == [True, True]
             assert r["resumed_by_rank"] == [True, True], "the steps after a load must repeat bit for bit"
             assert r["residual_norm"] > 0
-            want = {"powersgd": {"residuals", "q"}, "dgc": {"residuals", "momentum"}}.get(method, {"residuals"})
+            want = {"powersgd": {"residuals", "q"}, "dgc": {"residuals", "momentum"},
+                    "rms": {"residuals", "second_moment"}}.get(method, {"residuals"})
             assert set(r["stores"]) == want and all(r["stores"].values()), (method, r["stores"])

@@ -6,8 +6,9 @@ compressor with the pieces every method shares:
 
 1. ``acc = flat + residual``: residuals are kept **per parameter and offset** (``Segment.key`` /
    ``Segment.param_offset``), never per bucket, because DeepSpeed's bucket composition depends on hook
-   order and ``reduce_bucket_size``. With DGC's options (``topk`` only, ``dgc.py``) ``flat`` is first clipped
-   per parameter and turned into velocity, ``acc = residual + (m u + flat)``.
+   order and ``reduce_bucket_size``. With ``precondition`` (``precondition.py``) ``flat`` is first divided by
+   the RMS of this rank's own gradients (a local Adam second moment). With DGC's options (``topk`` only,
+   ``dgc.py``) ``flat`` is first clipped per parameter and turned into velocity, ``acc = residual + (m u + flat)``.
 2. ``summed, sent = compressor.reduce(acc, comm, seed, layout=, ratio=)``: ``summed`` is the sum over ranks
    of what each rank sent, identical on all ranks; ``sent`` is this rank's own contribution (dense, mostly
    zeros). ``ratio`` is the target, or during the sparsity warm-up (``ratio_warmup_steps``) the ramped one.
@@ -35,6 +36,7 @@ import torch
 
 from .base import CountingCollective, ResidualStore, Segment, check_layout
 from .dgc import DGCOptions, clip_segments_, ratio_at
+from .precondition import RMSOptions, rms_normalize_
 from .registry import build_compressor
 
 __all__ = ["GradientReducer"]
@@ -60,7 +62,8 @@ class GradientReducer:
 
     def __init__(self, method: str, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0,
                  rows: int = 3, seed: int = 0, rank: int = 1, min_compression: float = 2.0,
-                 dgc: Optional[DGCOptions] = None, ratio_warmup_steps: int = 0, ratio_warmup_start: float = 2.0):
+                 dgc: Optional[DGCOptions] = None, ratio_warmup_steps: int = 0, ratio_warmup_start: float = 2.0,
+                 precondition: Optional[RMSOptions] = None):
         self.compressor = build_compressor(method, ratio, rows, rank=rank, min_compression=min_compression,
                                            seed=seed)
         self.method, self.ratio = method, ratio
@@ -70,12 +73,20 @@ class GradientReducer:
                              f"got {ratio_warmup_start}")
         self.ratio_warmup_steps, self.ratio_warmup_start = ratio_warmup_steps, ratio_warmup_start
         self.dgc = dgc if dgc is not None else DGCOptions()
+        self.precondition = precondition
+        if precondition is not None and (self.dgc.momentum > 0 or warmup_steps > 0):
+            raise ValueError("precondition='rms' hands the compressor an Adam-scaled update: it takes neither DGC's "
+                             "momentum (error feedback is the accumulation) nor dense warmup_steps (their raw "
+                             "gradients would reach an SGD optimizer); use ratio_warmup_steps to ramp instead")
         self.residuals = ResidualStore()
         self.momentum = ResidualStore() if self.dgc.momentum > 0 else None
         # every journaled per-parameter state: rolled back, committed and checkpointed together
         self.stores: dict[str, ResidualStore] = {"residuals": self.residuals}
         if self.momentum is not None:
             self.stores["momentum"] = self.momentum
+        self.second = ResidualStore() if precondition is not None else None
+        if self.second is not None:
+            self.stores["second_moment"] = self.second
         for name, store in getattr(self.compressor, "stores", {}).items():
             if name in self.stores:
                 raise RuntimeError(f"compressor {method!r} names a store {name!r} that the reducer already has")
@@ -132,6 +143,11 @@ class GradientReducer:
         acc = flat.detach().float().clone()
         if self.dgc.local_clip is not None:
             clip_segments_(acc, layout, self.dgc.local_clip * prescale)
+        second = None
+        if self.second is not None:  # local RMS preconditioning (precondition.py): acc <- g / sqrt(v_hat) * prescale
+            second = torch.zeros_like(acc)
+            self.second.add_into(second, layout)
+            rms_normalize_(acc, second, step - self.warmup_steps + 1, self.precondition, prescale)  # type: ignore[arg-type]
         velocity = None
         if self.momentum is not None:  # DGC momentum correction: u <- m u + g; the residual accumulates u
             velocity = torch.zeros_like(acc)
@@ -152,6 +168,8 @@ class GradientReducer:
         else:
             if self.error_feedback:
                 self.residuals.write(acc - sent, layout)
+            if second is not None:
+                self.second.write(second, layout)  # type: ignore[union-attr]
             if velocity is not None:
                 if self.dgc.momentum_masking:  # DGC momentum factor masking: no stale push after a send
                     velocity.masked_fill_(sent != 0, 0.0)

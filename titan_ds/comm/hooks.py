@@ -33,6 +33,7 @@ from ..config import TitanConfigError
 from .base import Segment
 from .compressor import GradientReducer
 from .dgc import DGCOptions
+from .precondition import RMSOptions
 
 __all__ = ["before_initialize", "after_initialize", "CompressionHooks", "DistCollective"]
 
@@ -104,7 +105,8 @@ class CompressionHooks:
     def __repr__(self) -> str:
         r = self.reducer
         return (f"CompressionHooks(method={r.method!r}, ratio={r.ratio}, stage={self.stage}, "
-                f"error_feedback={r.error_feedback}, warmup_steps={r.warmup_steps}, seam_calls={self.seam_calls})")
+                f"error_feedback={r.error_feedback}, warmup_steps={r.warmup_steps}, "
+                f"precondition={r.precondition}, seam_calls={self.seam_calls})")
 
     # ---------------------------------------------------------------- install / uninstall
     def _set(self, obj: Any, name: str, fn: Any) -> None:
@@ -359,15 +361,92 @@ def _check(ctx: Any) -> None:
         raise TitanConfigError(errors)
 
 
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def _sgd_for_precondition(ctx: Any) -> RMSOptions:
+    """``precondition='rms'``: the reduced sum is an Adam-scaled update, so the optimizer must be plain SGD.
+
+    Turns the ds_config's ``Adam``/``AdamW`` section (or an Adam/AdamW instance passed to initialize, the HF
+    ``Trainer``'s) into SGD without momentum, same lr and weight decay (SGD's decay on an update is AdamW's
+    decoupled one), logged; keeps an SGD without momentum; refuses anything else, fp16/bf16 (a loss scale or
+    low-precision reduction would not cancel in the normalization; untested) and gradient clipping (it would
+    clip the summed update). Returns the preconditioner's options: ``precondition_beta2``/``eps`` where the
+    section sets them, else the Adam's ``betas[1]``/``eps``, else Adam's defaults."""
+    cfg, ds = ctx.titan.compression, ctx.ds_config
+    errors, beta2, eps = [], None, None
+    if ctx.titan.optimizer is not None:
+        errors.append("titan.compression.precondition='rms' hands the optimizer Adam-scaled updates to apply with "
+                      "plain SGD; it cannot run with titan.optimizer (ASDT); remove one of them")
+    for key in ("fp16", "bf16"):
+        if _enabled(ds.get(key)):
+            errors.append(f"titan.compression.precondition='rms' with {key}.enabled: the loss scale / low-precision "
+                          f"reduction is not handled by the normalization (untested); train in fp32 or remove "
+                          f"precondition")
+    if float(ds.get("gradient_clipping", 0) or 0) > 0:
+        errors.append(f"gradient_clipping={ds['gradient_clipping']} would clip the summed Adam-scaled update, not a "
+                      f"gradient, under titan.compression.precondition='rms'; set gradient_clipping to 0 (HF: "
+                      f"TrainingArguments(max_grad_norm=0)) and clip each rank's gradient with local_clip if wanted")
+    section = ds.get("optimizer")
+    if section is not None:
+        kind = str(section.get("type", "")).lower()
+        params = dict(section.get("params", {}) or {})
+        if kind in ("adam", "adamw"):
+            if kind == "adam" and params.get("adam_w_mode") is False:
+                errors.append("the ds_config's Adam has adam_w_mode=false (L2 in the gradient); "
+                              "precondition='rms' applies decoupled weight decay: use AdamW")
+            betas = params.get("betas")
+            beta2 = float(betas[1]) if isinstance(betas, (list, tuple)) and len(betas) == 2 else None
+            eps = float(params["eps"]) if "eps" in params else None
+            new = {"type": "SGD", "params": {"lr": params.get("lr", 1e-3),
+                                             "weight_decay": params.get("weight_decay", 0.0)}}
+            log.info("titan.compression.precondition='rms': the ds_config's optimizer %s becomes %s (its beta2/eps "
+                     "drive the per-rank second moment)", section, new)
+            ds["optimizer"] = new
+        elif kind == "sgd":
+            if float(params.get("momentum", 0) or 0) != 0:
+                errors.append(f"the ds_config's SGD has momentum={params['momentum']}: under precondition='rms' "
+                              f"error feedback is the accumulation; set momentum to 0")
+        else:
+            errors.append(f"titan.compression.precondition='rms' needs the optimizer to be Adam/AdamW (titan turns it "
+                          f"into SGD) or SGD without momentum, not {section.get('type')!r}")
+    passed = ctx.optimizer
+    if passed is not None and ctx.titan.optimizer is None:
+        if isinstance(passed, (torch.optim.Adam, torch.optim.AdamW)):
+            g0 = passed.param_groups[0]
+            beta2 = beta2 if beta2 is not None else float(g0["betas"][1])
+            eps = eps if eps is not None else float(g0["eps"])
+            # the same group dicts: a scheduler built over ``passed`` keeps setting the lr SGD reads
+            ctx.optimizer = torch.optim.SGD(passed.param_groups, lr=g0["lr"], momentum=0.0)
+            log.info("titan.compression.precondition='rms': the %s passed to initialize is replaced by SGD over its "
+                     "%d param groups (same lr and weight decay; its beta2=%g, eps=%g drive the per-rank second "
+                     "moment)", type(passed).__name__, len(passed.param_groups), beta2, eps)
+        elif isinstance(passed, torch.optim.SGD):
+            if any(g.get("momentum", 0) for g in passed.param_groups):
+                errors.append("the SGD passed to initialize has momentum: under precondition='rms' error feedback "
+                              "is the accumulation; use momentum=0")
+        else:
+            errors.append(f"titan.compression.precondition='rms' needs Adam/AdamW (titan turns it into SGD) or SGD "
+                          f"without momentum; initialize() was given {type(passed).__name__}")
+    if errors:
+        raise TitanConfigError(errors)
+    fields = cfg.model_fields_set
+    return RMSOptions(beta2=cfg.precondition_beta2 if "precondition_beta2" in fields or beta2 is None else beta2,
+                      eps=cfg.precondition_eps if "precondition_eps" in fields or eps is None else eps)
+
+
 def before_initialize(ctx: Any) -> None:
     """Check the combination before any work starts; build the reducer (installed after initialize)."""
     _check(ctx)
     cfg = ctx.titan.compression
+    precondition = _sgd_for_precondition(ctx) if cfg.precondition == "rms" else None
     ctx.reports[_REPORT_KEY] = GradientReducer(
         cfg.method, cfg.ratio, error_feedback=cfg.error_feedback, warmup_steps=cfg.warmup_steps, rows=cfg.sketch_rows,
         seed=cfg.seed, rank=cfg.rank, min_compression=cfg.min_compression,
         dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
-        ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start)
+        ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start,
+        precondition=precondition)
 
 
 def after_initialize(ctx: Any) -> None:
