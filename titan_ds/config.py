@@ -158,7 +158,7 @@ class CompressionConfig(_Strict):
     decay (titan_ds/comm/precondition.py). A key that the chosen method does not use is an error, not ignored.
     """
 
-    method: _CompressionMethod = "hge"
+    method: _CompressionMethod = "topk"
     ratio: float = Field(default=50.0, ge=1)
     error_feedback: bool = True
     warmup_steps: int = Field(default=0, ge=0)

@@ -65,9 +65,11 @@ def rows(methods: list[str], ratios: list[float], warmup: int, stage: int, ranks
                 continue
             elif m == "rms":
                 comp = {"method": "topk", "ratio": ratio, "error_feedback": True, "precondition": "rms"}
-                row_args = ["--lr", str(a.rms_lr)] if a is not None and a.rms_lr is not None else []
-                out.append((f"rms_{ratio:g}x", baseline_config(stage=stage, gradient_clipping=0.0,
-                                                               titan={"compression": comp}), row_args))
+                lrs = a.rms_lr.split(",") if a is not None and a.rms_lr else [None]
+                for lr in lrs:
+                    out.append((f"rms_{ratio:g}x" + (f"_lr{lr}" if len(lrs) > 1 else ""),
+                                baseline_config(stage=stage, gradient_clipping=0.0, titan={"compression": comp}),
+                                ["--lr", lr] if lr is not None else []))
             elif m == "dgc":
                 if a is None:
                     raise ValueError("dgc rows need the parsed --dgc-* options")
@@ -91,7 +93,8 @@ def main(argv=None) -> None:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--out", default="results/compress")
     p.add_argument("--train-args", default="", help="extra launch/train.py flags (every row), e.g. '--seed 1'")
-    p.add_argument("--rms-lr", type=float, default=None, help="lr of the rms rows (default: --train-args' or 1e-3)")
+    p.add_argument("--rms-lr", default="", help="lr(s) of the rms rows, comma list: one row per lr (default: the "
+                   "--train-args' lr or 1e-3)")
     p.add_argument("--no-resume", action="store_true",
                    help="run every row again (default: rows saved in <out>.jsonl by an earlier run are reused)")
     a = p.parse_args(argv)

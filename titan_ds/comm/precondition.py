@@ -30,6 +30,8 @@ import torch
 
 __all__ = ["RMSOptions", "rms_normalize_"]
 
+_CHUNK = 1 << 20  # elements per chunk of rms_normalize_ (elementwise: the result does not depend on it)
+
 
 @dataclass(frozen=True)
 class RMSOptions:
@@ -46,13 +48,16 @@ class RMSOptions:
 
 
 def rms_normalize_(acc: torch.Tensor, second: torch.Tensor, t: int, opts: RMSOptions, prescale: float = 1.0) -> None:
-    """In place: ``second`` (this rank's ``v``, fp32, same shape) takes the step, ``acc`` becomes ``u * prescale``.
+    """In place: ``second`` (this rank's ``v``, fp32, flat like ``acc``) takes the step, ``acc`` becomes
+    ``u * prescale``.
 
     ``acc`` is the rank's gradient times ``prescale``; ``t`` (>= 1) counts the compressed steps, for the bias
     correction."""
     if t < 1:
         raise ValueError(f"the preconditioner's step count starts at 1, got {t}")
-    g = acc / prescale if prescale != 1.0 else acc
-    second.mul_(opts.beta2).addcmul_(g, g, value=1.0 - opts.beta2)
-    denom = (second / (1.0 - opts.beta2 ** t)).sqrt_().add_(opts.eps)
-    acc.div_(denom)
+    correction = 1.0 - opts.beta2 ** t
+    for lo in range(0, acc.numel(), _CHUNK):  # temporaries of one chunk, not of the whole bucket
+        a, v = acc[lo:lo + _CHUNK], second[lo:lo + _CHUNK]
+        g = a / prescale if prescale != 1.0 else a
+        v.mul_(opts.beta2).addcmul_(g, g, value=1.0 - opts.beta2)
+        a.div_((v / correction).sqrt_().add_(opts.eps))
