@@ -9,7 +9,7 @@ share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -118,6 +118,16 @@ class ResidualStore:
             if s.key not in self._journal:
                 self._journal[s.key] = r.clone()
             r[s.param_offset:s.param_offset + s.numel] = new[s.flat_offset:s.flat_offset + s.numel]
+
+    def update_(self, flat: torch.Tensor, layout: list[Segment],
+                fn: "Callable[[torch.Tensor, torch.Tensor], None]") -> None:
+        """``fn(stored, piece)`` for each segment: the stored slice (journaled like :meth:`write`, then changed in
+        place by ``fn``) beside the segment's piece of ``flat``, so a running state needs no full-size copy."""
+        for s in layout:
+            r = self._get(s, flat.device)
+            if s.key not in self._journal:
+                self._journal[s.key] = r.clone()
+            fn(r[s.param_offset:s.param_offset + s.numel], flat[s.flat_offset:s.flat_offset + s.numel])
 
     def get(self, key: str) -> Optional[torch.Tensor]:
         """The tensor kept under ``key`` (``None`` if there is none yet); do not modify it in place."""

@@ -143,11 +143,10 @@ class GradientReducer:
         acc = flat.detach().float().clone()
         if self.dgc.local_clip is not None:
             clip_segments_(acc, layout, self.dgc.local_clip * prescale)
-        second = None
         if self.second is not None:  # local RMS preconditioning (precondition.py): acc <- g / sqrt(v_hat) * prescale
-            second = torch.zeros_like(acc)
-            self.second.add_into(second, layout)
-            rms_normalize_(acc, second, step - self.warmup_steps + 1, self.precondition, prescale)  # type: ignore[arg-type]
+            t, opts = step - self.warmup_steps + 1, self.precondition
+            # in place on the stored moments (journaled: a skipped step rolls them back with the residuals)
+            self.second.update_(acc, layout, lambda v, a: rms_normalize_(a, v, t, opts, prescale))  # type: ignore[arg-type]
         velocity = None
         if self.momentum is not None:  # DGC momentum correction: u <- m u + g; the residual accumulates u
             velocity = torch.zeros_like(acc)
@@ -167,9 +166,7 @@ class GradientReducer:
                 store.rollback()
         else:
             if self.error_feedback:
-                self.residuals.write(acc - sent, layout)
-            if second is not None:
-                self.second.write(second, layout)  # type: ignore[union-attr]
+                self.residuals.write(acc.sub_(sent), layout)  # acc is not read again: no temporary
             if velocity is not None:
                 if self.dgc.momentum_masking:  # DGC momentum factor masking: no stale push after a send
                     velocity.masked_fill_(sent != 0, 0.0)
