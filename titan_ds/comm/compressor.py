@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import CountingCollective, ResidualStore, Segment, check_layout
+from .base import CountingCollective, ResidualStore, Segment, all_finite, check_layout
 from .dgc import DGCOptions, clip_segments_, ratio_at
 from .precondition import RMSOptions, rms_normalize_
 from .registry import build_compressor
@@ -156,7 +156,7 @@ class GradientReducer:
         if self.error_feedback:
             self.residuals.add_into(acc, layout)
         summed, sent = self.compressor.reduce(acc, comm, seed, layout=layout, ratio=self.ratio_now(step))
-        if not bool(torch.isfinite(summed).all()) and self._skipped_step != step:  # same verdict on every rank
+        if not all_finite(summed) and self._skipped_step != step:  # same verdict on every rank
             self._skipped_step = step
             self.nonfinite_steps += 1
             log.warning("titan compression: non-finite gradients at step %d; compression state rolled back to "
