@@ -226,8 +226,9 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
         opts = DGCOptions(momentum=dgc["momentum"], momentum_masking=dgc["masking"], local_clip=dgc["clip"])
         return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, dgc=opts,
                                ratio_warmup_steps=dgc["ramp_steps"], ratio_warmup_start=dgc["ramp_start"])
-    elif method == "rms":  # topk of each worker's locally RMS-normalized gradient; the optimizer is SGD
-        return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, precondition=RMSOptions())
+    elif method in ("rms", "rms_randk"):  # topk / randk of each worker's RMS-normalized gradient; SGD applies it
+        return GradientReducer("topk" if method == "rms" else "randk", ratio, warmup_steps=warmup, seed=seed,
+                               precondition=RMSOptions())
     elif method == "powersgd":
         if rank is None:
             raise ValueError("method 'powersgd' needs a rank")
@@ -248,7 +249,7 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     layout, params = _layout(model)
     n = sum(p.numel() for p in params)
     beta1 = dgc["beta1"] if dgc is not None and dgc["momentum"] > 0 else 0.9
-    if method == "rms":  # the reduced sum is already an Adam-scaled update (titan_ds/comm/precondition.py)
+    if method.startswith("rms"):  # the reduced sum is already an Adam-scaled update (titan_ds/comm/precondition.py)
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, weight_decay=0.0)
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(beta1, 0.999))

@@ -9,6 +9,8 @@ from titan_ds.comm import REGISTRY, GradientReducer, Segment, build_compressor
 from titan_ds.comm.base import LocalCollective, check_layout, sketch_budget, topk_budget
 
 LOSSY = ["topk", "tgss", "hge"]
+# every compressor that keeps residuals; randk is not exact on sparse input (it does not choose), so not in LOSSY
+EF = [*LOSSY, "randk"]
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +72,7 @@ def test_exact_sum_two_ranks(method):
 
 
 # ------------------------------------------------------------------ 2. error-feedback invariant
-@pytest.mark.parametrize("method", LOSSY)
+@pytest.mark.parametrize("method", EF)
 def test_error_feedback_invariant(method):
     """sent + new_residual == x + old_residual, exactly, over several steps; with one rank summed == sent."""
     n = 3000
@@ -85,7 +87,7 @@ def test_error_feedback_invariant(method):
         old = new
 
 
-@pytest.mark.parametrize("method", LOSSY)
+@pytest.mark.parametrize("method", EF)
 def test_residuals_follow_parameters_not_buckets(method):
     """The same parameters arriving in differently composed buckets keep one residual each."""
     na, nb = 700, 500
@@ -114,7 +116,7 @@ def test_layout_must_tile_the_bucket():
 
 
 # ------------------------------------------------------------------ 3. fails when switched off
-@pytest.mark.parametrize("method", LOSSY)
+@pytest.mark.parametrize("method", EF)
 @pytest.mark.parametrize("ratio", [10.0, 100.0])
 def test_bytes_on_the_wire_meet_the_ratio(method, ratio):
     """Would fail with compression off (method none sends 4n bytes: ratio 1)."""
@@ -129,7 +131,7 @@ def test_bytes_on_the_wire_meet_the_ratio(method, ratio):
     assert off.take_metrics()["hge_compression_ratio"] == 1.0
 
 
-@pytest.mark.parametrize("method", LOSSY)
+@pytest.mark.parametrize("method", EF)
 def test_error_feedback_off_loses_mass_on(method):
     """A constant gradient over T steps: with error feedback the delivered total is T g minus one bounded
     residual; without it, most of T g never arrives. (Fails if error_feedback is a no-op either way.)"""
@@ -160,7 +162,7 @@ def test_warmup_steps_are_dense():
 
 
 # ------------------------------------------------------------------ 4. state round trip
-@pytest.mark.parametrize("method", LOSSY)
+@pytest.mark.parametrize("method", EF)
 def test_state_round_trip_keeps_residuals(method):
     n = 1500
     a = GradientReducer(method, 15.0, seed=3)
@@ -190,15 +192,15 @@ def test_state_of_another_method_is_refused():
 
 # ------------------------------------------------------------------ registry (the sketches: test_tgss.py, test_hge.py)
 def test_registry_unknown_name_lists_choices():
-    assert sorted(REGISTRY) == ["hge", "none", "powersgd", "tgss", "topk"]
+    assert sorted(REGISTRY) == ["hge", "none", "powersgd", "randk", "tgss", "topk"]
     with pytest.raises(ValueError, match=r"unknown compressor 'dgc'; choose one of "
-                                         r"\['hge', 'none', 'powersgd', 'tgss', 'topk'\]"):
+                                         r"\['hge', 'none', 'powersgd', 'randk', 'tgss', 'topk'\]"):
         build_compressor("dgc", 10.0)
 
 
 # ------------------------------------------------------------------ non-finite steps
 @pytest.mark.parametrize("bad", ["nan", "inf"])
-@pytest.mark.parametrize("method", ["none", *LOSSY])
+@pytest.mark.parametrize("method", ["none", *EF])
 def test_nonfinite_on_one_rank_is_seen_by_all_and_leaves_residuals_unchanged(method, bad):
     """Step 1's second bucket holds NaN/Inf on rank 0 only: every rank gets a non-finite sum (so DeepSpeed skips
     the step everywhere), and every rank's residuals, including those the first, finite bucket had already
@@ -270,3 +272,31 @@ def test_whole_run_ratio_counts_warmup_and_survives_a_state_round_trip():
         again.reduce(torch.randn(n), one(n), LocalCollective(), s)
         m2 = again.take_metrics()
     assert m2["wire_bytes_run"] == m["wire_bytes_run"]  # the resumed reducer kept counting from the checkpoint
+
+
+# ------------------------------------------------------------------ randk: the reference
+def test_randk_matches_the_reference_and_its_indices_are_shared_distinct_and_uniform():
+    """Two ranks: the sum is the sum over ranks of each rank's values at randk_indices(n, ratio, seed), the same
+    coordinates on both (no index crosses the wire: 4 bytes per value); the indices are distinct, about n / ratio,
+    change with the seed, and cover every coordinate about equally often."""
+    from titan_ds.comm.randk import randk_indices
+    n, ratio = 10_000, 20.0
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+
+    def fn(r, comm):
+        return build_compressor("randk", ratio).reduce(xs[r], comm, 5, layout=one(n))
+
+    (s0, sent0), (s1, _) = run_ranks(2, fn)
+    idx = randk_indices(n, ratio, 5)
+    want = torch.zeros(n)
+    want[idx] = xs[0][idx] + xs[1][idx]
+    assert torch.equal(s0, s1) and torch.equal(s0, want)  # (plus one fp32 non-finite flag on the wire)
+    assert torch.equal(sent0[idx], xs[0][idx]) and int((sent0 != 0).sum()) == idx.numel()
+    assert idx.unique().numel() == idx.numel() and abs(idx.numel() - n / ratio) <= 16
+    assert not torch.equal(randk_indices(n, ratio, 6), idx)
+    hits = torch.zeros(n)
+    for seed in range(400):
+        hits[randk_indices(n, ratio, seed)] += 1
+    # Binomial(400, 1/20) per block of 16 (mean 20, sd 4.4), 625 blocks: every block chosen, none hugely often
+    assert abs(float(hits.mean()) - 400 / ratio) < 0.05 * 400 / ratio
+    assert 0.25 * 400 / ratio < float(hits.min()) and float(hits.max()) < 2.0 * 400 / ratio, (hits.min(), hits.max())

@@ -12,12 +12,14 @@ from .base import Compressor
 from .dense import DenseCompressor
 from .hge import HGECompressor
 from .powersgd import PowerSGDCompressor
+from .randk import RandKCompressor
 from .tgss import TGSSCompressor
 from .topk import TopKCompressor
 
 __all__ = ["REGISTRY", "build_compressor"]
 
-_CLASSES: tuple[type, ...] = (DenseCompressor, TopKCompressor, TGSSCompressor, HGECompressor, PowerSGDCompressor)
+_CLASSES: tuple[type, ...] = (DenseCompressor, TopKCompressor, RandKCompressor, TGSSCompressor, HGECompressor,
+                              PowerSGDCompressor)
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in _CLASSES}
 if len(REGISTRY) != len(_CLASSES):
