@@ -98,3 +98,33 @@ def _place_labels(fig: Any, ax: Any, labels: list[tuple[dict[str, Any], str]]) -
                 placed.append(box)
                 break
             text.remove()
+
+
+def plot_curves(curves: dict[str, list[tuple[float, float, float]]], path: str, *, title: str = "",
+                xlabel: str = "", ylabel: str = "") -> None:
+    """One line per curve name through its ``(x, y, err)`` points (sorted by x; ``err`` drawn as +-error bar), a
+    log x axis and a zero line (e.g. loss delta against a reference, by compression ratio)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, pts in curves.items():
+        pts = sorted(pts)
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", ms=4,
+                    capsize=3, lw=1.2, label=name)
+    ax.axhline(0.0, c="k", lw=0.8)
+    ax.set_xscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="both", labelsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

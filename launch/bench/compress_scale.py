@@ -346,10 +346,12 @@ def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "")
 _VARIANT = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "warmup", "rank", "dgc")
 
 
-def summarize(rows: list[dict], wanted: list[tuple]) -> list[str]:
-    """Markdown lines: each variant at its best lr (lowest mean over the seeds, among lrs with every seed done)
-    against dense (``none``) at its own best lr, same W and settings; spread = the larger of the two rows'
-    max - min over seeds; |delta| below the spread is 'no difference'."""
+def best_rows(rows: list[dict], wanted: list[tuple]) -> list[dict]:
+    """Each variant at its best lr (lowest mean over the seeds, among lrs with every seed done) against dense
+    (``none``) at its own best lr, same W and settings: dicts with ``label``, ``method``, ``ratio``, ``world``,
+    ``steps``, ``lr``, ``mean``, ``delta`` (None without a dense row), ``spread`` (the larger of the two rows'
+    max - min over seeds), ``verdict`` (|delta| below the spread is 'no difference'), ``per_seed``,
+    ``wire_x_recv``, ``handed_x``."""
     want = set(wanted)
     seeds = sorted({dict(zip(_KEY, k))["seed"] for k in wanted})
     runs: dict[tuple, dict[float, dict[int, dict]]] = {}
@@ -364,12 +366,7 @@ def summarize(rows: list[dict], wanted: list[tuple]) -> list[str]:
         lr = min(done, key=lambda x: sum(r["val_loss"] for r in done[x]) / len(seeds))
         return lr, done[lr]
 
-    lines = ["## Each method at its best lr against dense at its best lr", "",
-             f"Seeds {','.join(map(str, seeds))}; mean validation loss over the seeds; spread = max - min over the "
-             "seeds, the larger of the row's and dense's; |delta| < spread is 'no difference'. lr: the best of the "
-             "grid (every lr with all seeds done).", "",
-             "| method | ratio | W | steps | best lr | val_loss | delta_vs_dense | spread | verdict | per seed "
-             "| wire_x_recv | handed_x |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = []
     for variant in sorted(runs, key=lambda v: (v[3], v[2], v[0] != "none", v[1], v[0], v[9] or 0)):
         b = best(variant)
         if b is None:
@@ -379,25 +376,57 @@ def summarize(rows: list[dict], wanted: list[tuple]) -> list[str]:
         lr, rs = b
         mean = sum(r["val_loss"] for r in rs) / len(rs)
         spread = max(r["val_loss"] for r in rs) - min(r["val_loss"] for r in rs)
+        delta = None
         if d is not None:
             dmean = sum(r["val_loss"] for r in d[1]) / len(d[1])
             spread = max(spread, max(r["val_loss"] for r in d[1]) - min(r["val_loss"] for r in d[1]))
             delta = mean - dmean
-            verdict = ("reference" if variant[0] == "none" else "no difference" if abs(delta) < spread or
-                       len(seeds) < 2 and delta == 0 else "better" if delta < 0 else "worse")
-            if len(seeds) < 2 and variant[0] != "none":
-                verdict = "one seed: no spread"
-            dtxt = f"{delta:+.4f}"
+            verdict = ("reference" if variant[0] == "none" else "one seed: no spread" if len(seeds) < 2 else
+                       "no difference" if abs(delta) < spread else "better" if delta < 0 else "worse")
         else:
-            dtxt, verdict = "n/a", "no dense row"
+            verdict = "no dense row"
         r0 = rs[0]
-        label = r0["method"] + (f" r={r0['rank']}" if r0.get("rank") else "") + (f" ({r0['dgc']})" if r0.get("dgc") else "")
-        ratio = "-" if r0["method"] == "powersgd" else f"{r0['ratio']:g}"
-        per_seed = "/".join(f"{r['val_loss']:.3f}" for r in rs)
-        lines.append(f"| {label} | {ratio} | {r0['world']} | {r0['steps']} | {lr:g} | {mean:.4f} | {dtxt} "
-                     f"| {spread:.4f} | {verdict} | {per_seed} "
-                     f"| {r0['wire_x_recv']:.1f} | {r0['handed_x']:.1f} |")
+        out.append({"label": r0["method"] + (f" r={r0['rank']}" if r0.get("rank") else "")
+                    + (f" ({r0['dgc']})" if r0.get("dgc") else ""), "method": r0["method"], "ratio": r0["ratio"],
+                    "rank": r0.get("rank"), "world": r0["world"], "steps": r0["steps"], "lr": lr, "mean": mean,
+                    "delta": delta, "spread": spread, "verdict": verdict, "per_seed": [r["val_loss"] for r in rs],
+                    "wire_x_recv": r0["wire_x_recv"], "handed_x": r0["handed_x"]})
+    return out
+
+
+def summarize(rows: list[dict], wanted: list[tuple]) -> list[str]:
+    """Markdown lines of :func:`best_rows`."""
+    seeds = sorted({dict(zip(_KEY, k))["seed"] for k in wanted})
+    lines = ["## Each method at its best lr against dense at its best lr", "",
+             f"Seeds {','.join(map(str, seeds))}; mean validation loss over the seeds; spread = max - min over the "
+             "seeds, the larger of the row's and dense's; |delta| < spread is 'no difference'. lr: the best of the "
+             "grid (every lr with all seeds done).", "",
+             "| method | ratio | W | steps | best lr | val_loss | delta_vs_dense | spread | verdict | per seed "
+             "| wire_x_recv | handed_x |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in best_rows(rows, wanted):
+        ratio = "-" if b["method"] == "powersgd" else f"{b['ratio']:g}"
+        dtxt = "n/a" if b["delta"] is None else f"{b['delta']:+.4f}"
+        per_seed = "/".join(f"{v:.3f}" for v in b["per_seed"])
+        lines.append(f"| {b['label']} | {ratio} | {b['world']} | {b['steps']} | {b['lr']:g} | {b['mean']:.4f} | {dtxt} "
+                     f"| {b['spread']:.4f} | {b['verdict']} | {per_seed} "
+                     f"| {b['wire_x_recv']:.1f} | {b['handed_x']:.1f} |")
     return lines + [""]
+
+
+def plot(rows: list[dict], wanted: list[tuple], path: Path, title: str) -> bool:
+    """Loss delta vs dense (best lrs, bars: the spread) against the received-bytes ratio, one line per method
+    and W; ``False`` (no file) when there is nothing to draw."""
+    pts = [b for b in best_rows(rows, wanted) if b["method"] != "none" and b["delta"] is not None]
+    if not pts:
+        return False
+    curves: dict[str, list[tuple[float, float, float]]] = {}
+    for b in pts:
+        name = (b["method"] if b["method"] != "powersgd" else "powersgd (rank 4, 2, 1)") + f", W={b['world']}"
+        curves.setdefault(name, []).append((b["wire_x_recv"], b["delta"], b["spread"]))
+    from titan_ds.plot import plot_curves
+    plot_curves(curves, str(path), title=title, xlabel="dense ring all-reduce bytes received / the method's (log)",
+                ylabel="validation loss - dense AdamW's (nats/byte; both at their best lr)")
+    return True
 
 
 def _ratios(method: str, ratios: list[float], world: int, match_recv: bool) -> list[float]:
@@ -472,6 +501,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                  row["recv_per_worker_step"] / 1024, row["seconds"])
         out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
     out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
+    if plot(load_rows(jsonl), wanted, out.with_suffix(".png"),
+            f"compression at W virtual workers, tiny GPT {a.n_layer}x{a.n_embd}, {a.steps} steps, seeds {a.seeds or a.seed}"):
+        log.info("plot: %s", out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
 
 
