@@ -147,3 +147,23 @@ def test_dgc_and_powersgd_rows_end_to_end_and_old_rows_still_match():
     assert cs._key(old) == cs._key({**p1, "method": "powersgd", "rank": None, "dgc": None})
     md = cs.render([d, p1, p2], [cs._key(r) for r in (d, p1, p2)], "cmd")
     assert "| powersgd r=2 | - | 2 | 2 |" in md and "| dgc (m0.9+mask/clip-/ramp2@2/b1=0) | 50 | 2 | 3 |" in md
+
+
+def test_best_lr_summary_picks_each_methods_own_best_lr_and_prints_the_spread(tmp_path):
+    """Synthetic rows: dense is best at lr 1e-3, rms at 3e-3; the delta is between the two best means, the spread
+    the larger of their seed spreads, the verdict follows; an lr missing a seed is not a candidate; the plot is
+    written."""
+    base = dict(world=2, steps=10, micro_batch=4, context=64, n_layer=2, n_embd=64, warmup=0, rank=None, dgc=None,
+                wire_x_recv=1.0, handed_x=1.0)
+    vals = {("none", 1.0, 1e-3): (2.00, 2.02), ("none", 1.0, 3e-3): (2.10, 2.12),
+            ("rms", 100.0, 1e-3): (2.30, 2.32), ("rms", 100.0, 3e-3): (1.90, 1.91)}
+    rows = [dict(base, method=m, ratio=r, lr=lr, seed=s, val_loss=v[s]) for (m, r, lr), v in vals.items() for s in (0, 1)]
+    rows.append(dict(base, method="rms", ratio=100.0, lr=1e-2, seed=0, val_loss=1.0))  # seed 1 missing: not a candidate
+    wanted = [cs._key(r) for r in rows] + [cs._key(dict(rows[-1], seed=1))]
+    best = {b["method"]: b for b in cs.best_rows(rows, wanted)}
+    assert best["none"]["lr"] == 1e-3 and best["rms"]["lr"] == 3e-3
+    assert best["rms"]["delta"] == pytest.approx(1.905 - 2.01) and best["rms"]["spread"] == pytest.approx(0.02)
+    assert best["rms"]["verdict"] == "better" and best["none"]["verdict"] == "reference"
+    md = "\n".join(cs.summarize(rows, wanted))
+    assert "| rms | 100 | 2 | 10 | 0.003 | 1.9050 | -0.1050 | 0.0200 | better | 1.900/1.910 |" in md
+    assert cs.plot(rows, wanted, tmp_path / "p.png", "t") and (tmp_path / "p.png").stat().st_size > 1000
