@@ -5,8 +5,6 @@ optimizer passed to initialize, whose scheduler keeps driving the lr)."""
 from __future__ import annotations
 
 import io
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from titan_ds.comm.base import LocalCollective
 from titan_ds.comm.hooks import _sgd_for_precondition
 from titan_ds.comm.precondition import RMSOptions, rms_normalize_
 from titan_ds.config import TitanConfig, TitanConfigError
+from titan_ds.engine import InitContext
 
 SIZES = {"a": 700, "b": 300, "c": 1000}
 
@@ -173,7 +172,7 @@ def test_config_refusals():
 # ------------------------------------------------------------------ the optimizer hand-over (no DeepSpeed engine)
 def _ctx(ds: dict, optimizer=None, compression=None):
     titan = TitanConfig(compression=compression or {"method": "topk", "ratio": 50, "precondition": "rms"})
-    return SimpleNamespace(titan=titan, ds_config=ds, optimizer=optimizer)
+    return InitContext(titan=titan, ds_config=ds, model=None, optimizer=optimizer, world_size=2)
 
 
 def test_ds_config_adamw_becomes_sgd_and_lends_its_beta2():
@@ -182,6 +181,12 @@ def test_ds_config_adamw_becomes_sgd_and_lends_its_beta2():
     opts = _sgd_for_precondition(_ctx(ds))
     assert ds["optimizer"] == {"type": "SGD", "params": {"lr": 3e-4, "weight_decay": 0.1}}
     assert opts == RMSOptions(beta2=0.95, eps=1e-6)
+    assert "zero_allow_untested_optimizer" not in ds  # ZeRO-0: DeepSpeed takes any optimizer
+    ds2 = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    _sgd_for_precondition(_ctx(ds2))
+    assert ds2["zero_allow_untested_optimizer"] is True  # SGD is not in DeepSpeed's ZeRO list
+    with pytest.raises(TitanConfigError, match="zero_allow_untested_optimizer=False"):
+        _sgd_for_precondition(_ctx({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": False}))
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}}
     opts = _sgd_for_precondition(_ctx(ds, compression={"method": "topk", "precondition": "rms",
                                                          "precondition_beta2": 0.99}))
@@ -221,7 +226,7 @@ def test_refusals_name_the_fix():
     for ds, opt, msg in cases:
         with pytest.raises(TitanConfigError, match=msg):
             _sgd_for_precondition(_ctx(ds, optimizer=opt))
-    ctx = SimpleNamespace(titan=TitanConfig(compression={"method": "topk", "precondition": "rms"},
-                                            optimizer={"name": "asdt"}), ds_config={}, optimizer=None)
+    ctx = InitContext(titan=TitanConfig(compression={"method": "topk", "precondition": "rms"},
+                                        optimizer={"name": "asdt"}), ds_config={}, model=None, world_size=2)
     with pytest.raises(TitanConfigError, match="cannot run with titan.optimizer"):
         _sgd_for_precondition(ctx)

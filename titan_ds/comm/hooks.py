@@ -431,6 +431,9 @@ def _sgd_for_precondition(ctx: Any) -> RMSOptions:
                           f"without momentum; initialize() was given {type(passed).__name__}")
     if errors:
         raise TitanConfigError(errors)
+    if ctx.zero_stage() >= 1:  # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS has Adam/AdamW/Adagrad/Lion, not SGD
+        ctx.set_ds_flag("zero_allow_untested_optimizer", True,
+                        "titan.compression.precondition='rms' (plain SGD applies the normalized sums)")
     fields = cfg.model_fields_set
     return RMSOptions(beta2=cfg.precondition_beta2 if "precondition_beta2" in fields or beta2 is None else beta2,
                       eps=cfg.precondition_eps if "precondition_eps" in fields or eps is None else eps)
