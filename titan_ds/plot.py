@@ -45,7 +45,6 @@ def plot_frontier(points: list[dict[str, Any]], path: str, *, title: str = "",
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     unknown = sorted({p["family"] for p in points} - set(_FAMILIES))
     if unknown:
@@ -63,19 +62,9 @@ def plot_frontier(points: list[dict[str, Any]], path: str, *, title: str = "",
                 ax.errorbar(p["x"], p["y"], yerr=[[p["y"] - p["ylo"]], [p["yhi"] - p["y"]]], c=colour, lw=1,
                             capsize=3, zorder=2)
             labels.append((p, colour))
-    ax.set_xscale("log")
     xs = [p["x"] for p in points]
     ax.set_xlim(min(xs) / 1.4, max(xs) * 2.6)  # room on the right for the labels of the largest configs
-    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 30, 300: not 3x10^1
-    ax.xaxis.set_major_formatter(plain)
-    ax.xaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="x", which="both", labelsize=7)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    _log_x_axes(fig, ax, xlabel, ylabel, title)
     _place_labels(fig, ax, labels)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -107,7 +96,6 @@ def plot_curves(curves: dict[str, list[tuple[float, float, float]]], path: str, 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for name, pts in curves.items():
@@ -115,6 +103,15 @@ def plot_curves(curves: dict[str, list[tuple[float, float, float]]], path: str, 
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", ms=4,
                     capsize=3, lw=1.2, label=name)
     ax.axhline(0.0, c="k", lw=0.8)
+    _log_x_axes(fig, ax, xlabel, ylabel, title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _log_x_axes(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """A log x axis with plain tick labels (30, 300: not 3x10^1), labels, title, grid, legend, tight layout."""
+    import matplotlib.ticker
+
     ax.set_xscale("log")
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     ax.xaxis.set_major_formatter(plain)
@@ -126,5 +123,3 @@ def plot_curves(curves: dict[str, list[tuple[float, float, float]]], path: str, 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
