@@ -66,6 +66,8 @@ class HMSConfig(_Strict):
     device_budget_mb: Optional[int] = Field(default=None, ge=1)
     prefetch: Literal["trace", "lstm", "none"] = "trace"
     prefetch_depth: int = Field(default=2, ge=0)
+    # whole-file reads in flight at once for prefetch (each split over the io_threads pool)
+    prefetch_workers: int = Field(default=2, ge=1, le=64)
     io_threads: int = Field(default=4, ge=1, le=64)
     # "detect" (not "auto": the titan section rejects "auto" values, which HF accelerate would try to fill)
     direct_io: Literal["detect", "on", "off"] = "detect"

@@ -178,7 +178,8 @@ def _metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def part_b(path: str, steps: int) -> None:
+def part_b(path: str, steps: int, predictors: str = "none,trace,lstm", depth: int = 4,
+           workers: int = 2, out_name: str = "hms_prefetch") -> None:
     rows, logs = [], RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     base_cfg = baseline_config(stage=3, zero_force_ds_cpu_optimizer=False)
@@ -186,8 +187,10 @@ def part_b(path: str, steps: int) -> None:
     cpu_cfg = json.loads(json.dumps(base_cfg))
     cpu_cfg["zero_optimization"].update({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}})
     configs = [("hmsb_zero3_no_offload", base_cfg), ("hmsb_zero3_cpu_offload", cpu_cfg)] + [
-        (f"hmsb_hms_{p}", _hms_cfg(os.path.join(path, f"b_{p}"), dram_cache_mb=0, prefetch=p, prefetch_depth=4))
-        for p in ("none", "trace", "lstm")]
+        (f"hmsb_hms_{p}" + (f"_d{d}" if d != depth else ""),
+         _hms_cfg(os.path.join(path, f"b_{p}"), dram_cache_mb=0, prefetch=p, prefetch_depth=d, prefetch_workers=workers))
+        for p, d in ((item.split("@")[0], int(item.split("@")[1]) if "@" in item else depth)
+                     for item in predictors.split(","))]
     base = cpu = None
     for name, cfg in configs:
         mfile = logs / f"{name}.jsonl"
@@ -210,6 +213,9 @@ def part_b(path: str, steps: int) -> None:
             h = [x["hms"] for x in hist[1:]]
             row.update({"param_hit_rate": _after_first(first, last, "param"),
                         "opt_hit_rate": _after_first(first, last, "opt"),
+                        "param_misses": _count_after_first(first, last, "param_misses"),
+                        "param_misses_inflight": _count_after_first(first, last, "param_misses_inflight"),
+                        "staged_writes_per_step": _count_after_first(first, last, "staged_writes") / max(1, len(h)),
                         "param_hit_rate_cum": last.get("param_hit_rate", 0.0),
                         "stall_s_per_step": sum(x["stall_s"] for x in h) / len(h),
                         "MiB_read_per_step": sum(x["bytes_read"] for x in h) / len(h) / MiB,
@@ -219,15 +225,21 @@ def part_b(path: str, steps: int) -> None:
     notes = [f"Command: `{' '.join(sys.argv)}`", _machine(),
              f"Reference GPT 6x256 (context 128, micro-batch 16), {steps} steps, seed 0; HMS with dram_cache_mb 0 "
              f"(nothing cached: a hit is a read that a prefetch finished before ZeRO-3 asked for it), "
-             f"prefetch_depth 4. `param_hit_rate`: parameter-partition reads after the first step (`opt_hit_rate`: optimizer "
-             f"state and gradient pieces); stall and bytes are per step after the first.",
+             f"prefetch_depth {depth}, prefetch_workers {workers}. `param_hit_rate`: parameter-partition reads after the first step (`opt_hit_rate`: optimizer "
+             f"state and gradient pieces); `param_misses` after the first step, of which `param_misses_inflight` had been "
+             f"prefetched but were not read yet (the others were never prefetched); `staged_writes_per_step`: partitions the optimizer step wrote that "
+             f"the predictor expected next, kept in DRAM as finished prefetches (not read back from disk); stall and bytes are per step after the first.",
              "Losses are compared step by step: bitwise with DeepSpeed's CPU offload (same gradient-norm path), and "
              "as the largest difference from ZeRO-3 without offload, whose clip-norm summation order differs "
              "(gradient_clipping 1.0)."]
-    _write("hms_prefetch", "HMS (b): prefetch hit rate and stall (reference GPT, ZeRO-3)", rows,
+    _write(out_name, "HMS (b): prefetch hit rate and stall (reference GPT, ZeRO-3)", rows,
            ["config", "status", "val_loss", "losses_equal_cpu_offload", "max_loss_diff_vs_no_offload",
-            "tokens_per_s_ratio", "param_hit_rate", "param_hit_rate_cum", "opt_hit_rate", "stall_s_per_step", "MiB_read_per_step", "MiB_prefetched_per_step",
+            "tokens_per_s_ratio", "param_hit_rate", "param_hit_rate_cum", "param_misses", "param_misses_inflight", "staged_writes_per_step", "opt_hit_rate", "stall_s_per_step", "MiB_read_per_step", "MiB_prefetched_per_step",
             "MiB_written_per_step", "peak_rss_MiB"], notes)
+
+
+def _count_after_first(first: dict, last: dict, key: str) -> int:
+    return last.get(key, 0) - first.get(key, 0)
 
 
 def _after_first(first: dict, last: dict, kind: str) -> float:
@@ -357,6 +369,10 @@ def main() -> None:
                     help="part a: the store's payload checksum (crc32: format 1, what the store wrote before XXH3)")
     ap.add_argument("--out-name", default="hms_streaming", help="part a: results/<name>.{csv,md}")
     ap.add_argument("--prefetch-steps", type=int, default=20)
+    ap.add_argument("--predictors", default="none,trace,lstm", help="part b: the HMS rows' titan.hms.prefetch values; name@D for its own prefetch_depth")
+    ap.add_argument("--prefetch-depth", type=int, default=4, help="part b: titan.hms.prefetch_depth")
+    ap.add_argument("--prefetch-workers", type=int, default=2, help="part b: titan.hms.prefetch_workers")
+    ap.add_argument("--b-out-name", default="hms_prefetch", help="part b: results/<name>.{csv,md}")
     ap.add_argument("--trace", default=str(ROOT / "tests" / "hms" / "data" / "zero3_trace_gpt.json"))
     ap.add_argument("--scale", default="zero3:12x1024,hms:12x1024,hms:24x1536",
                     help="comma list of mode:layersxwidth (mode zero3 or hms)")
@@ -369,7 +385,7 @@ def main() -> None:
     if "a" in parts:
         part_a(a.path, a.mb, a.repeats, a.threads, a.hash, a.out_name)
     if "b" in parts:
-        part_b(a.path, a.prefetch_steps)
+        part_b(a.path, a.prefetch_steps, a.predictors, a.prefetch_depth, a.prefetch_workers, a.b_out_name)
         if Path(a.trace).exists():
             part_b_replay(Path(a.trace))
     if "c" in parts:

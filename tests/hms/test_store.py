@@ -267,3 +267,20 @@ def test_format_1_crc32_files_still_read_and_verified(tmp_path, numel, monkeypat
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(ChecksumError, match="checksum mismatch"):
         fresh.get("k", out=out)
+
+
+def test_stage_serves_the_written_value_without_reading_the_file(tmp_path):
+    store = TensorStore([Tier(str(tmp_path))], durable=False)  # no DRAM cache: every get reads the file
+    x = torch.randn(5000)
+    store.put("p", x)
+    store.stage("p", x.clone())
+    reads, hits = store.stats.reads, store.stats.prefetch_hits
+    assert torch.equal(store.get("p"), x)
+    assert store.stats.reads == reads and store.stats.prefetch_hits == hits + 1 and store.stats.staged_writes == 1
+    assert torch.equal(store.get("p"), x) and store.stats.reads == reads + 1  # taken once, then from the file
+    store.stage("p", x.clone())
+    y = torch.randn(5000)
+    store.put("p", y)  # a new value drops the staged old one
+    assert torch.equal(store.get("p"), y)
+    store.stage("missing", x)  # unknown keys are ignored
+    assert "missing" not in store

@@ -72,12 +72,14 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("hms_zero3")
 
 
-def reference_cache(log, *, prefetch=True):
+def reference_cache(log, *, prefetch=True, reads=None):
     """Hits and misses by key kind of an LRU DRAM cache of ``log["budget"]`` bytes replaying the store calls in
     ``log`` (tests/hms/zero3_harness.py --record-store), with every prefetch complete when it is issued:
     a put replaces the key's cached copy (write-allocate), a get hits if the key is cached or was prefetched
-    since its last put and not yet read, and a missed read is cached; anything over the budget is never cached.
-    ``prefetch=False`` ignores the prefetch calls (caching alone)."""
+    (or staged from its last put) since that put and not yet read, and a missed read is cached; anything over the budget is never cached.
+    ``prefetch=False`` ignores the prefetch calls (caching alone). ``reads``, a Counter, gets the file reads by
+    key kind (a prefetch that starts one, a missed get)."""
+    reads = Counter() if reads is None else reads
     budget, cache, staged = log["budget"], OrderedDict(log["cache"]), set()
     sizes = {k: n for op, k, n in log["ops"] if op != "prefetch"}
     hits, misses = Counter(), Counter()
@@ -98,7 +100,11 @@ def reference_cache(log, *, prefetch=True):
         elif op == "prefetch":
             if prefetch and key not in cache and key not in staged:
                 staged.add(key)
+                reads[kind] += 1
                 insert(key, sizes[key])
+        elif op == "stage":  # the value just put, held as a finished prefetch (not cached)
+            if prefetch and key not in cache and key not in staged:
+                staged.add(key)
         elif key in cache:
             cache.move_to_end(key)
             hits[kind] += 1
@@ -107,6 +113,7 @@ def reference_cache(log, *, prefetch=True):
             hits[kind] += 1
         else:
             misses[kind] += 1
+            reads[kind] += 1
             insert(key, n)
     return hits, misses
 
@@ -140,6 +147,28 @@ def test_hms_equals_no_offload_bitwise_1rank(tmp):
     for kind in ("param", "opt"):
         assert a[f"{kind}_hits"] + a[f"{kind}_misses"] == m[f"{kind}_hits"] + m[f"{kind}_misses"], kind
     assert a["bytes_written"] == m["bytes_written"] > 0 and a["bytes_read"] > 0
+
+
+def test_partitions_written_by_the_step_stay_staged_for_the_next_forward(tmp):
+    # with no DRAM cache, the partitions the optimizer step writes that the predictor expects next (the first
+    # ones of the next forward) are kept as finished prefetches (TensorStore.stage): still bit-exact, the hit
+    # counts are the reference replay's with the stage calls in it, and those hits read nothing from disk
+    ref, = run(tmp, "none0_st", "--mode", "none", "--clip", 0)
+    st, = run(tmp, "hms0_st", "--mode", "hms", "--clip", 0, "--sync-prefetch", "--record-store", "--dram-mb", 0)
+    assert_same(ref, st)
+    m, log = st["hms"], st["store_ops"]
+    assert log["budget"] == 0 and m["staged_writes"] > 0
+    staged = sum(op == "stage" for op, _, _ in log["ops"])
+    assert m["staged_writes"] <= staged
+    reads, reads_without = Counter(), Counter()
+    hits, misses = reference_cache(log, reads=reads)
+    for kind in ("param", "opt"):
+        h0, m0 = log["by_kind"].get(kind, [0, 0])[:2]
+        assert (m[f"{kind}_hits"] - h0, m[f"{kind}_misses"] - m0) == (hits[kind], misses[kind]), kind
+    assert m["reads"] - log["reads"] == sum(reads.values())  # the store read exactly the files the replay did
+    reference_cache(dict(log, ops=[op for op in log["ops"] if op[0] != "stage"]), reads=reads_without)
+    # every staged partition is one file read fewer (a prefetch that found it staged)
+    assert reads_without["param"] - reads["param"] == m["staged_writes"] > 0
 
 
 def test_model_built_under_titan_zero_init_streams_from_birth_and_trains_the_same(tmp):

@@ -92,14 +92,15 @@ class _SyncPool:
 
 
 def record_store_ops(store):
-    """Log every put/get/prefetch on ``store`` from now on as (op, key, nbytes), in call order (nbytes 0 for a
-    prefetch), after the DRAM cache's budget, its contents now (LRU first) and the hit counts by kind so far.
+    """Log every put/get/prefetch/stage on ``store`` from now on as (op, key, nbytes), in call order (nbytes 0
+    for a prefetch or a stage), after the DRAM cache's budget, its contents now (LRU first) and the hit counts by kind so far.
     Pending prefetches are dropped first, so nothing that started before the log changes the cache behind it."""
     store.drop_staged()
     log = {"budget": store.cache_budget, "cache": [(k, t.numel() * t.element_size()) for k, t in store._cache.items()],
-           "ops": [], "by_kind": {k: list(v) for k, v in store.stats.by_kind.items()}}
+           "ops": [], "by_kind": {k: list(v) for k, v in store.stats.by_kind.items()},
+           "reads": store.stats.reads}
     ops = log["ops"]
-    put, get, prefetch = store.put, store.get, store.prefetch
+    put, get, prefetch, stage = store.put, store.get, store.prefetch, store.stage
 
     def rec_put(key, tensor, **kw):
         ops.append(("put", key, tensor.numel() * tensor.element_size()))
@@ -114,7 +115,11 @@ def record_store_ops(store):
         ops.append(("prefetch", key, 0))
         return prefetch(key)
 
-    store.put, store.get, store.prefetch = rec_put, rec_get, rec_prefetch
+    def rec_stage(key, tensor):
+        ops.append(("stage", key, 0))
+        return stage(key, tensor)
+
+    store.put, store.get, store.prefetch, store.stage = rec_put, rec_get, rec_prefetch, rec_stage
     return log
 
 

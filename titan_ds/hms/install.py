@@ -185,7 +185,8 @@ def build_param_swapper(hms, ds_config: dict[str, Any], root: str) -> HMSParamSw
         shutil.rmtree(sub, ignore_errors=True)
         tiers.append(Tier(sub, None if t.capacity_mb is None else t.capacity_mb * _MB))
     io = AsyncIOHandle(threads=hms.io_threads, direct=hms.direct_io)
-    store = TensorStore(tiers, dram_cache_bytes=hms.dram_cache_mb * _MB, io=io, durable=False)
+    store = TensorStore(tiers, dram_cache_bytes=hms.dram_cache_mb * _MB, io=io, durable=False,
+                        prefetch_workers=hms.prefetch_workers)
     buffer_count = int(ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
     return HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
                            device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
@@ -336,9 +337,10 @@ class _HMSRuntime:
         st = self.store.stats
         step = {k: now[k] - self._last[k] for k in ("bytes_read", "bytes_written", "stall_s", "bytes_prefetched")}
         self._last = now
-        rates = {k: v for k, v in now.items() if k.endswith(("_hit_rate", "_hits", "_misses"))}
+        rates = {k: v for k, v in now.items() if k.endswith(("_hit_rate", "_hits", "_misses", "_misses_inflight"))}
         return {"hms": {"hit_rate": now["hit_rate"], **rates, **step,
-                        "hits": st.cache_hits + st.prefetch_hits, "misses": st.misses,
+                        "hits": st.cache_hits + st.prefetch_hits, "misses": st.misses, "staged_writes": st.staged_writes,
+                        "reads": st.reads,
                         "disk_bytes": sum(t.used_bytes for t in self.store.tiers) +
                         (self.grad_file.bytes if self.grad_file else 0),
                         "dram_cache_bytes": self.store.cache_bytes}}

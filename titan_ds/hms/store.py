@@ -38,7 +38,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import quote, unquote
@@ -115,23 +115,28 @@ class StoreStats:
     misses: int = 0
     stall_s: float = 0.0
     bytes_prefetched: int = 0
+    staged_writes: int = 0  # values kept from a put for an expected read (see TensorStore.stage)
     moves: int = 0
-    by_kind: dict = field(default_factory=dict)  # key prefix ("param", "opt") -> [hits, misses, stall_s]
+    # key prefix ("param", "opt") -> [hits, misses, stall_s, misses whose prefetch was still in flight]
+    by_kind: dict = field(default_factory=dict)
 
-    def count(self, key: str, hit: bool, stall: float) -> None:
-        c = self.by_kind.setdefault(key.split("/", 1)[0], [0, 0, 0.0])
+    def count(self, key: str, hit: bool, stall: float, inflight: bool = False) -> None:
+        c = self.by_kind.setdefault(key.split("/", 1)[0], [0, 0, 0.0, 0])
         c[0 if hit else 1] += 1
         c[2] += stall
+        c[3] += int(inflight)
 
     def as_dict(self) -> dict:
         hits = self.cache_hits + self.prefetch_hits
         total = hits + self.misses
         out = {"hit_rate": hits / total if total else 0.0, "bytes_read": self.bytes_read,
                "bytes_written": self.bytes_written, "stall_s": self.stall_s,
-               "bytes_prefetched": self.bytes_prefetched, "reads": self.reads, "writes": self.writes}
-        for kind, (h, m, st) in self.by_kind.items():
+               "bytes_prefetched": self.bytes_prefetched, "reads": self.reads, "writes": self.writes,
+               "staged_writes": self.staged_writes}
+        for kind, (h, m, st, late) in self.by_kind.items():
             out[f"{kind}_hit_rate"] = h / (h + m) if h + m else 0.0
             out[f"{kind}_hits"], out[f"{kind}_misses"], out[f"{kind}_stall_s"] = h, m, st
+            out[f"{kind}_misses_inflight"] = late  # prefetched too late; the other misses were never prefetched
         return out
 
 
@@ -143,7 +148,7 @@ class TensorStore:
     """
 
     def __init__(self, tiers: list[Tier], *, dram_cache_bytes: int = 0, io: Optional[AsyncIOHandle] = None,
-                 durable: bool = True, verify: bool = True):
+                 durable: bool = True, verify: bool = True, prefetch_workers: int = 2):
         if not tiers:
             raise ValueError("TensorStore needs at least one disk tier")
         self.tiers = tiers
@@ -158,7 +163,8 @@ class TensorStore:
         self._freq: dict[str, int] = {}
         self._staged: dict[str, object] = {}
         # whole-file prefetch tasks run here, never on the I/O pool they wait on (nesting would deadlock)
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="titan-hms-prefetch")
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=int(prefetch_workers),
+                                                 thread_name_prefix="titan-hms-prefetch")
         self._lock = threading.RLock()
         self._tmp = itertools.count()
         self.stats = StoreStats()
@@ -387,7 +393,7 @@ class TensorStore:
                 else:
                     self.stats.misses += 1
                     self.stats.stall_s += stall
-                self.stats.count(key, was_done, stall)
+                self.stats.count(key, was_done, stall, inflight=not was_done)
         else:
             t = self._read_file(key, self.path(key), out)
             with self._lock:
@@ -415,6 +421,20 @@ class TensorStore:
                 return t
 
             self._staged[key] = self._prefetch_pool.submit(load)
+
+    def stage(self, key: str, tensor: torch.Tensor) -> None:
+        """Hold ``tensor``, the value just ``put`` under ``key``, as a finished prefetch: the next ``get`` of
+        ``key`` takes it instead of reading the file back. For a value that is about to be read again (the
+        optimizer step writes the partitions that the next forward reads first): without it the read starts
+        only when the write is done and is still in flight when ZeRO-3 asks. The caller hands ``tensor`` over
+        (it must not change it); it is dropped when ``key`` is written again or :meth:`drop_staged` runs."""
+        with self._lock:
+            if key not in self._index or key in self._cache or key in self._staged:
+                return
+            f: Future = Future()
+            f.set_result(tensor)
+            self._staged[key] = f
+            self.stats.staged_writes += 1
 
     def drop_staged(self) -> None:
         """Forget prefetched-but-unused reads (after waiting for them)."""

@@ -142,8 +142,14 @@ class HMSParamSwapper:
     def swap_out_partitioned_params(self, dst_fp16_params, src_fp32_params) -> None:
         if len(dst_fp16_params) != len(src_fp32_params):
             raise ValueError(f"{len(dst_fp16_params)} params but {len(src_fp32_params)} fp32 sources")
+        # the partitions the predictor expects next (the first ones of the next forward) keep their new value in
+        # DRAM as a finished prefetch instead of being read back from the file just written
+        soon = set(self.predictor.predict(self.prefetch_depth)) if self.predictor is not None else set()
         for p, src in zip(dst_fp16_params, src_fp32_params):
-            self.store.put(_pkey(p), src.to(p.ds_tensor.dtype), durable=False)
+            key, value = _pkey(p), src.to(p.ds_tensor.dtype)
+            self.store.put(key, value, durable=False)
+            if key in soon:
+                self.store.stage(key, value.clone() if value is src else value)
             p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
 
     def get_path(self, param, must_exist: bool = False) -> str:
