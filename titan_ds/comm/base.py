@@ -15,7 +15,7 @@ import torch
 
 __all__ = [
     "Collective", "LocalCollective", "CountingCollective", "Segment", "ResidualStore", "check_layout",
-    "Compressor", "topk_budget", "sketch_budget", "SketchCompressor", "all_finite",
+    "Compressor", "topk_budget", "sketch_budget", "SketchCompressor", "all_finite", "SparseSent",
 ]
 
 
@@ -25,6 +25,41 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
     the reducer's peak memory does not need."""
     flat = t.reshape(-1)
     return all(bool(torch.isfinite(flat[lo:lo + chunk]).all()) for lo in range(0, flat.numel(), chunk))
+
+
+class SparseSent:
+    """What a sparse compressor sent: ``values`` at the distinct ``indices`` of a flat tensor of ``numel``,
+    zeros elsewhere. It stands for the dense ``sent`` without its full-size tensor (the reducer only subtracts
+    it from ``acc`` and masks where it is non-zero); :meth:`dense` builds that tensor (tests)."""
+
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor, numel: int):
+        self.indices, self.values, self.numel = indices, values, numel
+
+    def dense(self) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        out[self.indices] = self.values
+        return out
+
+    def subtract_from_(self, acc: torch.Tensor) -> torch.Tensor:
+        """``acc -= dense()``, element for element the same floats (``x - 0`` is ``x``, ``-0.0`` included)."""
+        acc[self.indices] = acc[self.indices] - self.values
+        return acc
+
+    def zero_where_sent_(self, t: torch.Tensor) -> None:
+        """``t.masked_fill_(dense() != 0, 0)``."""
+        t[self.indices[self.values != 0]] = 0.0
+
+
+def subtract_sent_(acc: torch.Tensor, sent: "torch.Tensor | SparseSent") -> torch.Tensor:
+    """``acc -= sent`` in place, for a dense ``sent`` or a :class:`SparseSent`."""
+    return sent.subtract_from_(acc) if isinstance(sent, SparseSent) else acc.sub_(sent)
+
+
+def zero_where_sent_(t: torch.Tensor, sent: "torch.Tensor | SparseSent") -> None:
+    if isinstance(sent, SparseSent):
+        sent.zero_where_sent_(t)
+    else:
+        t.masked_fill_(sent != 0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------- collectives
@@ -98,7 +133,8 @@ class ResidualStore:
     Writes are journaled per optimizer step (:meth:`begin`): the first write to a parameter's residual in a
     step keeps its previous value, so that :meth:`rollback` can put back exactly what the step started from
     when the step turns out to be skipped (non-finite gradients). :meth:`commit` drops the journal. The
-    journal holds at most one copy of the residuals, and only while a step is being reduced and applied.
+    journal holds at most one copy of the residuals, and only while a step is being reduced and applied; a
+    whole parameter written by :meth:`write` costs no copy (the old tensor is the journal's).
     """
 
     def __init__(self) -> None:
@@ -121,11 +157,22 @@ class ResidualStore:
             acc[s.flat_offset:s.flat_offset + s.numel] += r[s.param_offset:s.param_offset + s.numel]
 
     def write(self, new: torch.Tensor, layout: list[Segment]) -> None:
+        """Store ``new``'s segments. A segment that is a whole parameter, written once in the step, is adopted
+        (the store keeps a view of ``new``; the old tensor becomes the journal's copy): ``new`` is handed over,
+        and the caller must not change it afterwards. Other segments are copied into the stored tensor."""
         for s in layout:
+            piece = new[s.flat_offset:s.flat_offset + s.numel]
+            if s.param_offset == 0 and s.numel == s.param_numel and s.key not in self._journal:
+                old = self.residuals.get(s.key)
+                if old is not None and old.numel() != s.param_numel:
+                    self._get(s, new.device)  # raises: the model changed
+                self._journal[s.key] = old  # None: created in this step
+                self.residuals[s.key] = piece
+                continue
             r = self._get(s, new.device)
             if s.key not in self._journal:
                 self._journal[s.key] = r.clone()
-            r[s.param_offset:s.param_offset + s.numel] = new[s.flat_offset:s.flat_offset + s.numel]
+            r[s.param_offset:s.param_offset + s.numel] = piece
 
     def update_(self, flat: torch.Tensor, layout: list[Segment],
                 fn: "Callable[[torch.Tensor, torch.Tensor], None]") -> None:

@@ -11,7 +11,7 @@ compressor with the pieces every method shares:
    ``dgc.py``) ``flat`` is first clipped per parameter and turned into velocity, ``acc = residual + (m u + flat)``.
 2. ``summed, sent = compressor.reduce(acc, comm, seed, layout=, ratio=)``: ``summed`` is the sum over ranks
    of what each rank sent, identical on all ranks; ``sent`` is this rank's own contribution (dense, mostly
-   zeros). ``ratio`` is the target, or during the sparsity warm-up (``ratio_warmup_steps``) the ramped one.
+   zeros, or a ``SparseSent``: values at indices, for top-k). ``ratio`` is the target, or during the sparsity warm-up (``ratio_warmup_steps``) the ramped one.
 3. ``residual = acc - sent`` (error feedback) or zero (``error_feedback=False``).
    Invariant (tested): ``sent + new_residual == flat + old_residual``; with one rank ``summed == sent``
    (bit for bit for the sparse methods, whose ``sent`` is a copy of ``acc`` on the selected coordinates).
@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import CountingCollective, ResidualStore, Segment, all_finite, check_layout
+from .base import CountingCollective, ResidualStore, Segment, all_finite, check_layout, subtract_sent_, zero_where_sent_
 from .dgc import DGCOptions, clip_segments_, ratio_at
 from .precondition import RMSOptions, rms_normalize_
 from .registry import build_compressor
@@ -166,10 +166,11 @@ class GradientReducer:
                 store.rollback()
         else:
             if self.error_feedback:
-                self.residuals.write(acc.sub_(sent), layout)  # acc is not read again: no temporary
+                # acc becomes the new residual: no temporary, and the store adopts it (no copy)
+                self.residuals.write(subtract_sent_(acc, sent), layout)
             if velocity is not None:
                 if self.dgc.momentum_masking:  # DGC momentum factor masking: no stale push after a send
-                    velocity.masked_fill_(sent != 0, 0.0)
+                    zero_where_sent_(velocity, sent)
                 self.momentum.write(velocity, layout)  # type: ignore[union-attr]
         return summed.to(flat.dtype)
 

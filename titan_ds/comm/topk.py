@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .base import Collective, Segment, topk_budget
+from .base import Collective, Segment, SparseSent, topk_budget
 
 __all__ = ["TopKCompressor"]
 
@@ -20,7 +20,8 @@ class TopKCompressor:
 
     1. ``k = n / (2 * ratio)``; ``idx = topk(|acc|, k)`` on this rank (index sets differ between ranks).
     2. all-gather ``idx`` (int32) and ``acc[idx]`` (fp32): 8k bytes handed over per rank.
-    3. ``summed = sum_r scatter(idx_r, val_r)``; ``sent = scatter(idx, acc[idx])``.
+    3. ``summed = sum_r scatter(idx_r, val_r)``; ``sent = scatter(idx, acc[idx])``, returned as a
+       :class:`~titan_ds.comm.base.SparseSent` (no full-size tensor).
     Note the gather's *received* bytes grow with the number of ranks; ratios here are per-rank send bytes.
     """
 
@@ -37,13 +38,12 @@ class TopKCompressor:
         del seed, layout  # the selection is this rank's own; residuals and momentum are the reducer's
         n = acc.numel()
         k = topk_budget(n, self.ratio if ratio is None else ratio)
-        idx = torch.topk(acc.abs(), k, sorted=False).indices
+        summed = torch.empty_like(acc)  # first |acc| (no temporary of its own), then the sum
+        idx = torch.topk(torch.abs(acc, out=summed), k, sorted=False).indices
         val = acc[idx]
         idx_all = comm.all_gather(idx.to(torch.int32))
         val_all = comm.all_gather(val.contiguous())
-        summed = torch.zeros_like(acc)
+        summed.zero_()
         for i, v in zip(idx_all, val_all):
             summed.index_add_(0, i.long(), v)
-        sent = torch.zeros_like(acc)
-        sent[idx] = val
-        return summed, sent
+        return summed, SparseSent(idx, val, n)
