@@ -119,18 +119,20 @@ class GradientReducer:
         return (self.seed * 1_000_003 + step * 7_919 + self._call_in_step) & 0x7FFFFFFF
 
     def reduce(self, flat: torch.Tensor, layout: list[Segment], comm: Any, step: int, *,
-               prescale: float = 1.0) -> torch.Tensor:
+               prescale: float = 1.0, consume: bool = False) -> torch.Tensor:
         """``prescale``: ``flat`` is this rank's gradient times ``prescale`` (ZeRO 1-3 pre-divide by the number of
-        ranks); only ``local_clip`` needs it, so that its threshold bounds the rank's own gradient at every stage."""
+        ranks); only ``local_clip`` needs it, so that its threshold bounds the rank's own gradient at every stage.
+        ``consume``: ``flat`` is the caller's scratch (DeepSpeed's flattened bucket, overwritten by the sum
+        afterwards): an fp32 ``flat`` becomes the working buffer instead of being copied."""
         check_layout(layout, flat.numel())
         counting = CountingCollective(comm)
         dense = flat.numel() * flat.element_size()
         seed = self._call_seed(step)
         if step < self.warmup_steps:
-            summed = flat.clone()
+            summed = flat if consume else flat.clone()
             counting.all_reduce_sum(summed)
         else:
-            summed = self._compressed(flat, layout, counting, seed, step, prescale)
+            summed = self._compressed(flat, layout, counting, seed, step, prescale, consume)
         self.calls += 1
         self.dense_bytes += dense
         self.wire_bytes += counting.bytes
@@ -139,8 +141,10 @@ class GradientReducer:
         return summed
 
     def _compressed(self, flat: torch.Tensor, layout: list[Segment], comm: Any, seed: int, step: int,
-                    prescale: float) -> torch.Tensor:
-        acc = flat.detach().float().clone()
+                    prescale: float, consume: bool = False) -> torch.Tensor:
+        acc = flat.detach().float()  # a copy of a bf16/fp16 flat; flat's own storage when it is fp32
+        if not consume and acc.data_ptr() == flat.data_ptr():
+            acc = acc.clone()  # the caller keeps flat
         if self.dgc.local_clip is not None:
             clip_segments_(acc, layout, self.dgc.local_clip * prescale)
         if self.second is not None:  # local RMS preconditioning (precondition.py): acc <- g / sqrt(v_hat) * prescale

@@ -42,6 +42,15 @@ log = logging.getLogger("titan_ds.comm")
 _REPORT_KEY = "compression"
 
 
+
+def _owned(flat: torch.Tensor, tensors) -> bool:
+    """Whether ``flat`` (DeepSpeed's flatten of ``tensors``) is a fresh buffer the reducer may work in: a bucket
+    of one tensor flattens to a *view* of that gradient, which DeepSpeed overwrites with the sum afterwards, so
+    the reducer must not keep (residuals) or change it."""
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    return all(not (lo <= t.data_ptr() < hi or t.data_ptr() <= lo < t.data_ptr() + t.numel() * t.element_size())
+               for t in tensors)
+
 class DistCollective:
     """``deepspeed.comm`` collectives over one process group."""
 
@@ -219,7 +228,7 @@ class CompressionHooks:
         layout = self._layout(list(bucket))
         comm = self._comm(dp_group)
         world = dp_world_size if dp_world_size is not None else comm.world_size
-        summed = self.reducer.reduce(flat, layout, comm, eng.global_steps)
+        summed = self.reducer.reduce(flat, layout, comm, eng.global_steps, consume=_owned(flat, bucket))
         if eng.gradient_average:
             summed.div_(world)
         return summed
@@ -258,7 +267,7 @@ class CompressionHooks:
             prescale = float(getattr(opt, "sequence_parallel_size", 1)) / comm.world_size
             flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
         return self.reducer.reduce(flat, self._layout(list(bucket)), comm, self.engine.global_steps,
-                                   prescale=prescale)
+                                   prescale=prescale, consume=_owned(flat, bucket))
 
     def _z12_predivide(self, tensor, communication_data_type):
         opt = self.engine.optimizer
@@ -272,7 +281,7 @@ class CompressionHooks:
             prescale = float(getattr(opt, "sequence_parallel_size", 1)) / comm.world_size
             flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
         summed = self.reducer.reduce(flat, self._layout([tensor]), comm, self.engine.global_steps,
-                                     prescale=prescale)
+                                     prescale=prescale, consume=True)
         tensor.copy_(summed)
         return tensor
 
@@ -304,7 +313,7 @@ class CompressionHooks:
                                 shape if math.prod(shape) == t.numel() else None))
             off += t.numel()
         flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)  # DeepSpeed pre-divides here too
-        summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps, prescale=1.0 / world)
+        summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps, prescale=1.0 / world, consume=True)
         out, off = [], 0
         for t in tensors:
             n = t.numel()

@@ -48,3 +48,31 @@ def test_whole_parameter_segments_are_adopted_partial_ones_copied_and_both_roll_
     fresh.write(torch.ones(8), layout[:1])
     fresh.rollback()
     assert "a" not in fresh.residuals
+
+
+def test_consume_works_in_the_callers_buffer_with_the_same_result():
+    from titan_ds.comm.base import LocalCollective
+    from titan_ds.comm.compressor import GradientReducer
+    from titan_ds.comm.precondition import RMSOptions
+    layout = [Segment("a", 0, 0, 300, 300), Segment("b", 0, 300, 212, 212)]
+    keep, work = (GradientReducer("topk", 20, precondition=RMSOptions()) for _ in range(2))
+    gen = torch.Generator().manual_seed(0)
+    for t in range(4):
+        g = torch.randn(512, generator=gen)
+        flat = g.clone()
+        want = keep.reduce(g, layout, LocalCollective(), t)
+        assert torch.equal(g, flat)  # consume=False leaves the caller's tensor alone
+        got = work.reduce(flat, layout, LocalCollective(), t, consume=True)
+        assert torch.equal(want, got)
+        assert not torch.equal(flat, g)  # it was the working buffer (now the residual)
+        assert torch.equal(work.residuals.residuals["a"], keep.residuals.residuals["a"])
+
+
+def test_a_one_tensor_bucket_is_a_view_of_its_gradient_and_is_not_consumed():
+    from torch._utils import _flatten_dense_tensors
+
+    from titan_ds.comm.hooks import _owned
+    g1, g2 = torch.randn(10), torch.randn(5)
+    one = _flatten_dense_tensors([g1])  # DeepSpeed's engine.flatten: a view for a single tensor
+    assert one.data_ptr() == g1.data_ptr() and not _owned(one, [g1])
+    assert _owned(_flatten_dense_tensors([g1, g2]), [g1, g2])
