@@ -78,7 +78,10 @@ def report(nvme_path: str = "./titan_storage", probe_mb: int = 64) -> dict[str, 
         "tensorly": _version("tensorly"), "triton": _version("triton"),
         "accelerator": get_accelerator().device_name(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "kernels": _kernels(), "deepspeed_aio_op": _aio(), "nvme": _disk(nvme_path, probe_mb),
+        "kernels": _kernels(), "deepspeed_aio_op": _aio(),
+        "hms_io": ("titan's I/O thread pool (os.preadv/pwritev, O_DIRECT where the folder accepts it, an XXH3-64 "
+                   "checksum per 4 MiB on the I/O threads); DeepSpeed's async_io op is not used by HMS, built or not"),
+        "nvme": _disk(nvme_path, probe_mb),
         "pillars": _pillars(),
     }
 
