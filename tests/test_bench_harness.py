@@ -65,3 +65,26 @@ def test_compare_resume_reuses_finished_rows_and_reruns_failed_or_changed_ones(t
     assert calls == ["a", "b", "b", "b"]  # b's config changed: run; a kept
     bench.compare(rows, steps=4, out=tmp_path / "t", command="cmd", resume=True)
     assert calls[-2:] == ["a", "b"]  # other steps: everything again
+
+
+def test_bench_compress_seeds_summary_mean_spread_and_verdict(tmp_path):
+    """bench_compress.py --seeds: the mean over the seeds against dense's mean, the larger seed spread of the two,
+    and the verdict; step time and RSS against the same seed's dense row."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_compress", bench.ROOT / "launch/bench/bench_compress.py")
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+
+    def row(name, val, step_s, rss, wire=None):
+        return {"name": name, "status": "ok", "val_loss": val, "step_s": step_s, "peak_rss": rss,
+                "titan_metrics": {"wire_compression_ratio_run": wire} if wire else {}}
+    per_seed = {0: [row("dense_allreduce", 1.30, 1.0, 1000), row("rms_100x", 1.32, 1.1, 1050, 100.0),
+                    row("topk_100x", 1.60, 1.2, 1100, 100.0)],
+                1: [row("dense_allreduce", 1.26, 2.0, 1000), row("rms_100x", 1.27, 2.0, 1150, 100.0),
+                    {"name": "topk_100x", "status": "failed (exit 1)"}]}
+    md = bc.seeds_summary(per_seed, tmp_path / "c", "cmd", 1000)
+    assert (tmp_path / "c.md").read_text() == md
+    # rms: mean 1.295 vs dense 1.28 -> +0.015; spread max(0.05, 0.04) = 0.05 -> no difference
+    assert "| rms_100x | 1.2950 | 1.3200 / 1.2700 | +0.0150 | 0.0500 | no difference | 1.05 | 1.10 / 1.15 | 100.0 |" in md
+    assert "| dense_allreduce | 1.2800 |" in md and "reference" in md
+    assert "Not finished for every seed: topk_100x." in md

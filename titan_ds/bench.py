@@ -40,6 +40,14 @@ def add_dgc_args(p: Any) -> None:
                    help="AdamW beta1 of the dgc rows with momentum (the compressor's velocity is the momentum)")
 
 
+def seed_verdict(delta: float, spread: float) -> str:
+    """A delta between seed means is a difference only beyond the seed-to-seed spread (max - min over the seeds,
+    the larger of the two rows')."""
+    if abs(delta) < spread:
+        return "no difference"
+    return "worse" if delta > 0 else "better"
+
+
 def baseline_config(stage: int = 0, **overrides: Any) -> dict[str, Any]:
     """The plain-DeepSpeed ds_config every benchmark starts from (ds_configs/baseline_adamw.json + ZeRO stage)."""
     cfg = json.loads((ROOT / "ds_configs" / "baseline_adamw.json").read_text())

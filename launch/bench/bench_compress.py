@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import add_dgc_args, baseline_config, compare  # noqa: E402
+from titan_ds.bench import add_dgc_args, baseline_config, compare, seed_verdict  # noqa: E402
 
 
 def dgc_section(ratio: float, warmup: int, a: argparse.Namespace) -> dict:
@@ -97,15 +97,62 @@ def main(argv=None) -> None:
                    "--train-args' lr or 1e-3)")
     p.add_argument("--no-resume", action="store_true",
                    help="run every row again (default: rows saved in <out>.jsonl by an earlier run are reused)")
+    p.add_argument("--seeds", default="", help="comma list: every row once per seed (train.py --seed), each seed "
+                   "in <out>_s<seed>.{md,jsonl}, then <out>.md: the mean over the seeds, delta vs dense with the "
+                   "seed-to-seed spread and its verdict")
     a = p.parse_args(argv)
     r = rows(a.methods.split(","), [float(x) for x in a.ratios.split(",")], a.warmup, a.stage,
              [int(x) for x in a.ranks.split(",")], a)
-    results = compare(r, steps=a.steps, out=a.out, num_ranks=2, extra_args=a.train_args.split(),
-            title=f"gradient compression, 2 ranks, ZeRO-{a.stage}, {a.steps} steps",
-            command="python launch/bench/bench_compress.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            resume=not a.no_resume)
-    append_step_time(results, Path(a.out))
-    print(Path(a.out).with_suffix(".md").read_text())
+    command = "python launch/bench/bench_compress.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    seeds = [int(x) for x in a.seeds.split(",")] if a.seeds else [None]
+    per_seed = {}
+    for seed in seeds:
+        out = a.out if seed is None else f"{a.out}_s{seed}"
+        extra = a.train_args.split() + ([] if seed is None else ["--seed", str(seed)])
+        per_seed[seed] = compare(r, steps=a.steps, out=out, num_ranks=2, extra_args=extra,
+                                 title=f"gradient compression, 2 ranks, ZeRO-{a.stage}, {a.steps} steps"
+                                       + ("" if seed is None else f", seed {seed}"),
+                                 command=command, resume=not a.no_resume)
+        append_step_time(per_seed[seed], Path(out))
+        print(Path(out).with_suffix(".md").read_text())
+    if seeds != [None]:
+        print(seeds_summary(per_seed, Path(a.out), command, a.steps))
+
+
+def seeds_summary(per_seed: dict[int, list[dict]], out: Path, command: str, steps: int) -> str:
+    """``<out>.md``: each config's mean validation loss over the seeds against the dense row's mean, the spread
+    (max - min over the seeds, the larger of the config's and dense's) and the verdict; step time and peak RSS
+    as ratios to the same seed's dense row (mean and largest over the seeds); the whole-run wire ratio."""
+    seeds = sorted(per_seed)
+    names = [r["name"] for r in per_seed[seeds[0]]]
+    by = {s: {r["name"]: r for r in per_seed[s]} for s in seeds}
+    ok = [n for n in names if all(by[s].get(n, {}).get("status") == "ok" for s in seeds)]
+    if not ok or ok[0] != names[0]:
+        return "(no complete dense row over every seed: no summary)"
+    dense = [by[s][names[0]]["val_loss"] for s in seeds]
+    lines = [f"### gradient compression, 2 ranks, {steps} steps, seeds {','.join(map(str, seeds))}", "",
+             f"Command: `{command}` (each seed's own table: `{out.name}_s<seed>.md`). Delta: mean over the seeds "
+             f"minus dense all-reduce's mean; spread: max - min over the seeds, the larger of the config's and "
+             f"dense's; a delta inside the spread is no difference. Step time and peak RSS are ratios to the same "
+             f"seed's dense row (mean, and the largest over the seeds).", "",
+             "| config | val_loss (mean) | per seed | delta vs dense | spread | verdict | step_time_ratio | "
+             "peak_rss_ratio (mean / max) | wire_x (whole run) |", "|---|---|---|---|---|---|---|---|---|"]
+    for n in ok:
+        vals = [by[s][n]["val_loss"] for s in seeds]
+        mean, spread = sum(vals) / len(vals), max(max(vals) - min(vals), max(dense) - min(dense))
+        delta = mean - sum(dense) / len(dense)
+        verdict = "reference" if n == names[0] else seed_verdict(delta, spread)
+        st = [by[s][n]["step_s"] / by[s][names[0]]["step_s"] for s in seeds]
+        rss = [by[s][n]["peak_rss"] / by[s][names[0]]["peak_rss"] for s in seeds]
+        wire = by[seeds[0]][n].get("titan_metrics", {}).get("wire_compression_ratio_run") or 1.0
+        lines.append(f"| {n} | {mean:.4f} | {' / '.join(f'{v:.4f}' for v in vals)} | {delta:+.4f} | {spread:.4f} | "
+                     f"{verdict} | {sum(st) / len(st):.2f} | {sum(rss) / len(rss):.2f} / {max(rss):.2f} | {wire:.1f} |")
+    missing = [n for n in names if n not in ok]
+    if missing:
+        lines += ["", f"Not finished for every seed: {', '.join(missing)}."]
+    md = "\n".join(lines) + "\n"
+    out.with_suffix(".md").write_text(md)
+    return md
 
 
 def append_step_time(results: list[dict], out: Path) -> None:

@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import add_dgc_args  # noqa: E402
+from titan_ds.bench import add_dgc_args, seed_verdict  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
 from titan_ds.comm.dgc import DGCOptions  # noqa: E402
@@ -382,7 +382,7 @@ def best_rows(rows: list[dict], wanted: list[tuple]) -> list[dict]:
             spread = max(spread, max(r["val_loss"] for r in d[1]) - min(r["val_loss"] for r in d[1]))
             delta = mean - dmean
             verdict = ("reference" if variant[0] == "none" else "one seed: no spread" if len(seeds) < 2 else
-                       "no difference" if abs(delta) < spread else "better" if delta < 0 else "worse")
+                       seed_verdict(delta, spread))
         else:
             verdict = "no dense row"
         r0 = rs[0]

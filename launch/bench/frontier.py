@@ -60,7 +60,7 @@ from typing import Any, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from titan_ds.bench import baseline_config, localise_paths, run_row  # noqa: E402
+from titan_ds.bench import baseline_config, localise_paths, run_row, seed_verdict  # noqa: E402
 from titan_ds.config import TitanConfig  # noqa: E402
 from titan_ds.utils import get_logger  # noqa: E402
 
@@ -282,9 +282,7 @@ def _verdict(is_ref: bool, delta: float, spread: Optional[float], ref_spread: Op
         return "reference"
     if spread is None or ref_spread is None:
         return "one seed: no spread"
-    if abs(delta) < max(spread, ref_spread):
-        return "no difference"
-    return "worse" if delta > 0 else "better"
+    return seed_verdict(delta, max(spread, ref_spread))
 
 
 COLUMNS = ["config", "family", "lr", "ranks", "seeds", "val_loss", "delta", "spread", "verdict", "val_per_seed",
