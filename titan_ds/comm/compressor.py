@@ -11,7 +11,8 @@ compressor with the pieces every method shares:
    ``dgc.py``) ``flat`` is first clipped per parameter and turned into velocity, ``acc = residual + (m u + flat)``.
 2. ``summed, sent = compressor.reduce(acc, comm, seed, layout=, ratio=)``: ``summed`` is the sum over ranks
    of what each rank sent, identical on all ranks; ``sent`` is this rank's own contribution (dense, mostly
-   zeros, or a ``SparseSent``: values at indices, for top-k). ``ratio`` is the target, or during the sparsity warm-up (``ratio_warmup_steps``) the ramped one.
+   zeros, or a ``SparseSent``: values at indices, for top-k). ``ratio`` is the target, or during the sparsity
+   warm-up (``ratio_warmup_steps``) the ramped one.
 3. ``residual = acc - sent`` (error feedback) or zero (``error_feedback=False``).
    Invariant (tested): ``sent + new_residual == flat + old_residual``; with one rank ``summed == sent``
    (bit for bit for the sparse methods, whose ``sent`` is a copy of ``acc`` on the selected coordinates).

@@ -42,7 +42,6 @@ log = logging.getLogger("titan_ds.comm")
 _REPORT_KEY = "compression"
 
 
-
 def _owned(flat: torch.Tensor, tensors) -> bool:
     """Whether ``flat`` (DeepSpeed's flatten of ``tensors``) is a fresh buffer the reducer may work in: a bucket
     of one tensor flattens to a *view* of that gradient, which DeepSpeed overwrites with the sum afterwards, so
@@ -50,6 +49,7 @@ def _owned(flat: torch.Tensor, tensors) -> bool:
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     return all(not (lo <= t.data_ptr() < hi or t.data_ptr() <= lo < t.data_ptr() + t.numel() * t.element_size())
                for t in tensors)
+
 
 class DistCollective:
     """``deepspeed.comm`` collectives over one process group."""
@@ -313,7 +313,8 @@ class CompressionHooks:
                                 shape if math.prod(shape) == t.numel() else None))
             off += t.numel()
         flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)  # DeepSpeed pre-divides here too
-        summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps, prescale=1.0 / world, consume=True)
+        summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps, prescale=1.0 / world,
+                                     consume=True)
         out, off = [], 0
         for t in tensors:
             n = t.numel()

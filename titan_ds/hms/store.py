@@ -17,7 +17,7 @@ File format (one file per key, ``<quoted key>.hms``)::
 ``crcs`` holds one checksum per ``chunk`` bytes of payload (of the tensor's bytes, never of the padding),
 computed by the I/O thread that writes or reads that chunk (so checksumming overlaps the transfer); ``hash``
 names the function: ``xxh3_64`` (format 2, written now: ~9 GB/s a core here, where zlib's CRC32 ran at
-2.1-3.1 GB/s and held reads to 63% of ``dd``) or ``crc32`` (format 1, still read). ``gen`` counts the versions
+2.1-3.1 GB/s) or ``crc32`` (format 1, still read). ``gen`` counts the versions
 written under that key.
 
 Writes are atomic: the file is written to ``<name>.tmp.<pid>.<n>``, optionally fsync'ed (``durable``), then
