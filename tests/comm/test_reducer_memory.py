@@ -76,3 +76,15 @@ def test_a_one_tensor_bucket_is_a_view_of_its_gradient_and_is_not_consumed():
     one = _flatten_dense_tensors([g1])  # DeepSpeed's engine.flatten: a view for a single tensor
     assert one.data_ptr() == g1.data_ptr() and not _owned(one, [g1])
     assert _owned(_flatten_dense_tensors([g1, g2]), [g1, g2])
+
+
+def test_chunked_topk_selects_the_same_set_as_one_call():
+    from titan_ds.comm.topk import topk_indices
+    gen = torch.Generator().manual_seed(1)
+    mag = torch.randn(10_000, generator=gen).abs()
+    mag[[17, 5000, 9999]] = torch.tensor([float("nan"), float("inf"), 1e30])  # NaN and Inf first, as torch.topk
+    for k, chunk in ((1, 1000), (37, 1000), (999, 1000), (2500, 1000), (300, 3333), (37, 20_000)):
+        want = torch.topk(mag, k, sorted=False).indices
+        got = topk_indices(mag, k, chunk=chunk)
+        assert got.numel() == k and set(got.tolist()) == set(want.tolist()), (k, chunk)
+        assert {17, 5000, 9999} <= set(got.tolist()) or k < 3
