@@ -95,11 +95,16 @@ class OptimizerConfig(_Strict):
     density: float = Field(default=0.1, gt=0, le=1)
     weight_decay: float = Field(default=0.0, ge=0)
     importance: Literal["momentum", "grad_weight", "sketch"] = "momentum"
-    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    # the momentum's storage: "8bit"/"4bit" are block-wise quantized (torchao's quantizers; 1.02 / 0.53 bytes)
+    state_dtype: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"
     granularity: Literal["tensor", "block", "row"] = "tensor"  # a unit: a parameter, a block, a matrix row
     block_size: int = Field(default=4096, ge=1)          # elements per unit when granularity="block"
     update: Literal["sign", "adaptive"] = "sign"         # sign of momentum, or Adam with one 2nd moment per unit
     eps: float = Field(default=1e-8, ge=0)               # update="adaptive": Adam's epsilon
+    # update="adaptive": one second moment per unit (two fp32 numbers), or per coordinate (Adam's own) stored in
+    # second_dtype ("8bit": 1.02 bytes an element, "4bit": 0.53)
+    second_moment: Literal["unit", "coordinate"] = "unit"
+    second_dtype: Literal["fp32", "bf16", "8bit", "4bit"] = "fp32"
     # update="adaptive": clamp each coordinate's step to [-update_clip, update_clip] (x lr); a coordinate whose
     # gradient is far above its unit's RMS (outlier features of pretrained models) otherwise moves 10-40x lr
     update_clip: Optional[float] = Field(default=None, gt=0)

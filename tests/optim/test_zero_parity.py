@@ -21,7 +21,7 @@ def dist1():
 
 @pytest.fixture(scope="module")
 def stage0_runs(dist1):
-    return {case: h.run(0, case) for case in ("sparse", "block_bf16", "bsps", "adaptive")}
+    return {case: h.run(0, case) for case in ("sparse", "block_bf16", "bsps", "adaptive", "quant")}
 
 
 def _assert_same(ref, got):
@@ -31,7 +31,7 @@ def _assert_same(ref, got):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("case", ["sparse", "block_bf16", "bsps", "adaptive"])
+@pytest.mark.parametrize("case", ["sparse", "block_bf16", "bsps", "adaptive", "quant"])
 def test_zero_stage_matches_stage0_step_by_step(stage0_runs, stage, case):
     ref = stage0_runs[case]
     first, last = ref[0], ref[-1]

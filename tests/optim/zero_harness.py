@@ -21,6 +21,10 @@ CASES = {
     "grad_weight": dict(density=0.3, importance="grad_weight"),
     "bsps": dict(density=0.5),
     "adaptive": dict(density=0.5, update="adaptive", granularity="row", state_dtype="bf16", weight_decay=0.1),
+    # 8-bit momentum, 4-bit per-coordinate second moment (qstate.py): blocks restart at each unit, so one rank's
+    # flat partitions hold stage 0's codes (not with 2 ranks: a split unit's blocks restart at the split)
+    "quant": dict(density=1.0, update="adaptive", granularity="tensor", state_dtype="8bit",
+                  second_moment="coordinate", second_dtype="4bit", weight_decay=0.1),
 }
 
 

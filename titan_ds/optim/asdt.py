@@ -75,13 +75,16 @@ __all__ = ["ASDT", "asdt_update", "local_kth_largest", "reference_step", "GROWTH
 log = get_logger("titan_ds.optim")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_QUANT = ("8bit", "4bit")  # block-wise quantized state (qstate.py): codes + one fp32 absmax per block
 _UPDATES = ("sign", "adaptive")
+_SECOND_MOMENTS = ("unit", "coordinate")
 
 
 # ---------------------------------------------------------------------------------------------- state format
 _BUFFER = {GROWTH: "momentum", ELASTIC: "anchor"}
 _SECOND = "second"  # update="adaptive": (v, t) of each Growth unit, fp32
-_SAVED = (*_BUFFER.values(), _SECOND)
+_VARIANCE = "variance"  # second_moment="coordinate": each Growth element's own second moment
+_SAVED = (*_BUFFER.values(), _SECOND, _VARIANCE)
 
 
 def _to_saved(st: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +113,18 @@ def _from_saved(st: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- optimizer
 def _check(lr: float, betas: tuple[float, float], density: float, weight_decay: float, importance: str,
            state_dtype: str, block_size: int, update: str = "sign", eps: float = 1e-8,
-           update_clip: Optional[float] = None) -> None:
+           update_clip: Optional[float] = None, second_moment: str = "unit",
+           second_dtype: str = "fp32") -> None:
     errors = []
+    if second_moment not in _SECOND_MOMENTS:
+        errors.append(f"unknown second_moment {second_moment!r}; choose one of {list(_SECOND_MOMENTS)}")
+    elif second_moment == "coordinate" and update != "adaptive":
+        errors.append("second_moment=\"coordinate\" needs update=\"adaptive\" (the sign update has no second moment)")
+    if second_dtype not in (*_DTYPES, *_QUANT):
+        errors.append(f"unknown second_dtype {second_dtype!r}; choose one of {[*_DTYPES, *_QUANT]}")
+    elif second_dtype != "fp32" and second_moment != "coordinate":
+        errors.append(f"second_dtype={second_dtype!r} needs second_moment=\"coordinate\" (the per-unit second "
+                      f"moment is two fp32 numbers per unit)")
     if update_clip is not None and (update != "adaptive" or not update_clip > 0):
         errors.append(f"update_clip={update_clip} needs update=\"adaptive\" and a value > 0 (None: off)")
     if update not in _UPDATES:
@@ -128,8 +141,8 @@ def _check(lr: float, betas: tuple[float, float], density: float, weight_decay: 
         errors.append(f"weight_decay must be >= 0, got {weight_decay}")
     if importance not in IMPORTANCE:
         errors.append(f"unknown importance {importance!r}; choose one of {list(IMPORTANCE)}")
-    if state_dtype not in _DTYPES:
-        errors.append(f"unknown state_dtype {state_dtype!r}; choose one of {sorted(_DTYPES)}")
+    if state_dtype not in (*_DTYPES, *_QUANT):
+        errors.append(f"unknown state_dtype {state_dtype!r}; choose one of {[*_DTYPES, *_QUANT]}")
     if block_size < 1:
         errors.append(f"block_size must be >= 1, got {block_size}")
     if errors:
@@ -148,15 +161,28 @@ class ASDT(torch.optim.Optimizer):
                  density: float = 0.1, weight_decay: float = 0.0, importance: str = "momentum",
                  state_dtype: str = "fp32", granularity: str = "tensor", block_size: int = 4096,
                  sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0, update: str = "sign",
-                 eps: float = 1e-8, update_clip: Optional[float] = None):
+                 eps: float = 1e-8, update_clip: Optional[float] = None, second_moment: str = "unit",
+                 second_dtype: str = "fp32"):
         groups = self._groups(params)
         named = [np for g in groups for np in g["params"]]
-        _check(lr, betas, density, weight_decay, importance, state_dtype, block_size, update, eps, update_clip)
+        _check(lr, betas, density, weight_decay, importance, state_dtype, block_size, update, eps, update_clip,
+               second_moment, second_dtype)
         self.update, self.eps, self.update_clip = update, eps, update_clip
         self._runs: dict[Any, Any] = {}  # update="adaptive": the runs of consecutive units of each tensor
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
-        self.importance, self.state_dtype = importance, _DTYPES[state_dtype]
+        # quantized kinds ("8bit"/"4bit") are stored packed between steps and worked on in fp32 (qstate.py); an
+        # Elastic unit's anchor (a copy of its weights) is then kept in bf16
+        self.quant = state_dtype if state_dtype in _QUANT else None
+        self.second_moment = second_moment
+        self.second_quant = second_dtype if second_dtype in _QUANT else None
+        self.importance = importance
+        self.state_dtype = torch.float32 if self.quant else _DTYPES[state_dtype]
+        self.anchor_dtype = torch.bfloat16 if self.quant else self.state_dtype
+        self.second_dtype = torch.float32 if self.second_quant else _DTYPES[second_dtype]
+        if self.quant or self.second_quant:
+            from . import qstate
+            qstate.qmap(self.quant or self.second_quant, True)  # fail now, with the fix, if torchao is missing
         self.names = [n for n, _ in named]
         self.units: list[Unit] = build_units(named, granularity, block_size)
         self.units_by_param: dict[str, list[Unit]] = {}
@@ -354,7 +380,9 @@ class ASDT(torch.optim.Optimizer):
         for _, p in self._params():
             st = self.state.get(p)
             if st:
+                self._unpack(st)
                 self._place(p, st, self._layouts.of(p))
+                self._pack(st)
         self._restore_requires_grad(drop_grads=True)
 
     def _restore_requires_grad(self, drop_grads: bool = False) -> None:
@@ -379,23 +407,50 @@ class ASDT(torch.optim.Optimizer):
 
     def _place(self, t: torch.Tensor, st: dict[str, Any], layout: Layout) -> dict[int, list[Piece]]:
         """Make the state buffers cover the active units (new Growth units start at 0, Elastic ones at w)."""
-        w_flat, dtype = t.data.view(-1), self.state_dtype
-        empty = torch.zeros(0, dtype=dtype, device=w_flat.device)
+        w_flat, dtype, dev = t.data.view(-1), self.state_dtype, t.device
         by_mode = self._pieces_by_mode(layout)
-        place_units(st, "momentum", by_mode[GROWTH],
-                    lambda pc: torch.zeros(pc.length, dtype=dtype, device=w_flat.device), empty)
-        place_units(st, "anchor", by_mode[ELASTIC], lambda pc: views(w_flat, [pc])[0].to(dtype), empty)
+        place_units(st, "momentum", by_mode[GROWTH], lambda pc: torch.zeros(pc.length, dtype=dtype, device=dev),
+                    torch.zeros(0, dtype=dtype, device=dev))
+        place_units(st, "anchor", by_mode[ELASTIC], lambda pc: views(w_flat, [pc])[0].to(self.anchor_dtype),
+                    torch.zeros(0, dtype=self.anchor_dtype, device=dev))
         if self.update == "adaptive":
-            place_units(st, _SECOND, by_mode[GROWTH], lambda pc: torch.zeros(2, device=w_flat.device),
-                        torch.zeros(0, device=w_flat.device), per_unit=2)
+            place_units(st, _SECOND, by_mode[GROWTH], lambda pc: torch.zeros(2, device=dev),
+                        torch.zeros(0, device=dev), per_unit=2)
+        if self.second_moment == "coordinate":
+            vd = self.second_dtype
+            place_units(st, _VARIANCE, by_mode[GROWTH], lambda pc: torch.zeros(pc.length, dtype=vd, device=dev),
+                        torch.zeros(0, dtype=vd, device=dev))
         return by_mode
 
     def _update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
         self._observe(layout, t.grad.view(-1))
+        self._unpack(st)
         by_mode = self._place(t, st, layout)
         for mode, pieces in by_mode.items():
             if pieces or layout.split_units:  # split units: every rank joins the collective top-k
                 self._apply(t, st, layout, pieces, mode, group)
+        self._pack(st)
+
+    def _quantized(self) -> list[tuple[str, str, bool]]:
+        """(buffer, kind, signed) of the buffers stored quantized."""
+        out = [("momentum", self.quant, True)] if self.quant else []
+        return out + ([(_VARIANCE, self.second_quant, False)] if self.second_quant else [])
+
+    def _unpack(self, st: dict[str, Any]) -> None:
+        """Quantized buffers to their fp32 working form, for one tensor's update (qstate.py)."""
+        from . import qstate
+        for key, kind, signed in self._quantized():
+            if f"{key}_absmax" in st:
+                lens = [r.length for r in st["units"] if r.buffer == key]
+                st[key] = qstate.dequantize(st[key], st.pop(f"{key}_absmax"), lens, kind, signed)
+
+    def _pack(self, st: dict[str, Any]) -> None:
+        """Back to codes + block absmax; blocks restart at each unit's record (see qstate.py)."""
+        from . import qstate
+        for key, kind, signed in self._quantized():
+            if key in st and f"{key}_absmax" not in st:
+                lens = [r.length for r in st["units"] if r.buffer == key]
+                st[key], st[f"{key}_absmax"] = qstate.quantize(st[key], lens, kind, signed)
 
     def _observe(self, layout: Layout, g_flat: torch.Tensor) -> None:
         p = self.plasticity
@@ -422,6 +477,9 @@ class ASDT(torch.optim.Optimizer):
         b2 = group["betas"][1]
         scores = self._sketch_scores(pieces, gs, layout, b2) if self.sketch is not None else None
         adaptive = self.update == "adaptive" and mode == GROWTH
+        variances = None
+        if adaptive and self.second_moment == "coordinate":
+            variances = views(st[_VARIANCE], [r for r in st["units"] if r.buffer == _VARIANCE])
         self._selected_acc += asdt_update(
             views(t.data.view(-1), pieces), gs, lr=group["lr"], betas=group["betas"], density=group["density"],
             weight_decay=group["weight_decay"], unit_numels=[self.units[pc.unit].numel for pc in pieces],
@@ -430,7 +488,8 @@ class ASDT(torch.optim.Optimizer):
             elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
             kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split),
             seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
-            unit_sums=lambda x: unit_sums(x, pieces, split), update_clip=self.update_clip if adaptive else None)
+            unit_sums=lambda x: unit_sums(x, pieces, split), update_clip=self.update_clip if adaptive else None,
+            variances=variances)
 
     def _apply_adaptive(self, t: torch.Tensor, st: dict[str, Any], pieces: list[Piece], split: Layout,
                         group: dict[str, Any]) -> None:
@@ -445,15 +504,18 @@ class ASDT(torch.optim.Optimizer):
         w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
         scales = None if self.plasticity is None else [self.unit_lr_scale(pc.unit) for pc in pieces]
         seconds = st[_SECOND].view(-1, 2)
+        coordinate = self.second_moment == "coordinate"
         for lo, hi, off, runs, lengths, numels in plans:
             part = pieces[lo:hi]
+            variances = [st[_VARIANCE][off:off + sum(lengths)]] if coordinate else None
             self._selected_acc += asdt_update(
                 [w_flat[a:b] for a, b in runs], [g_flat[a:b] for a, b in runs], lr=group["lr"],
                 betas=group["betas"], density=group["density"], weight_decay=group["weight_decay"],
                 unit_numels=numels, importance=self.importance, lengths=lengths,
                 momenta=[st["momentum"][off:off + sum(lengths)]], lr_scales=None if scales is None else scales[lo:hi],
                 kth_largest=lambda s, ks, part=part: kth_largest(s, ks, part, split), seconds=seconds[lo:hi],
-                eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split), update_clip=self.update_clip)
+                eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split), update_clip=self.update_clip,
+                variances=variances)
 
     def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
         """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it."""
@@ -494,11 +556,15 @@ class ASDT(torch.optim.Optimizer):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "asdt"})
         for st in self.state.values():
             _from_saved(st)
-            for key in _BUFFER.values():  # torch casts floating state to the param dtype: restore state_dtype
-                if key in st:
-                    st[key] = st[key].to(self.state_dtype)
-            if _SECOND in st:
-                st[_SECOND] = st[_SECOND].float()
+            # torch casts every state tensor to a floating param's dtype: restore the state dtypes (quantized
+            # codes back to uint8, exactly: 0..255 survive fp32/bf16; their block absmax to fp32)
+            dtypes = {"momentum": self.state_dtype, "anchor": self.anchor_dtype, _SECOND: torch.float32,
+                      _VARIANCE: self.second_dtype}
+            for key, dtype in dtypes.items():
+                if f"{key}_absmax" in st:
+                    st[key], st[f"{key}_absmax"] = st[key].to(torch.uint8), st[f"{key}_absmax"].float()
+                elif key in st:
+                    st[key] = st[key].to(dtype)
         self.load_extra_state(state_dict)
 
     def load_extra_state(self, state_dict: dict[str, Any]) -> None:

@@ -34,11 +34,13 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
                    density: float, weight_decay: float, importance: str, state_dtype: torch.dtype,
                    modes: Optional[list[int]] = None, lr_scales: Optional[list[float]] = None,
                    elastic_pull: float = 0.0, sketch_est: Optional[list[torch.Tensor]] = None,
-                   update: str = "sign", eps: float = 1e-8, update_clip: Optional[float] = None) -> None:
+                   update: str = "sign", eps: float = 1e-8, update_clip: Optional[float] = None,
+                   second_moment: str = "unit", second_dtype: torch.dtype = torch.float32) -> None:
     """The docstring's steps, one unit at a time: ``units`` is ``[(w_view, g, state)]`` (1-D fp32 views).
 
     ``state`` holds ``momentum`` (Growth) or ``anchor`` (Elastic), created here on first use, and with
-    ``update="adaptive"`` a Growth unit's ``v`` and ``t`` (Python floats).
+    ``update="adaptive"`` a Growth unit's ``v`` and ``t`` (Python floats); with ``second_moment="coordinate"``
+    ``v`` is a tensor of the unit's shape, stored in ``second_dtype`` (Adam's own second moment).
     """
     b1, b2 = betas
     for i, (w, g, st) in enumerate(units):
@@ -49,11 +51,16 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
         if mode == GROWTH and update == "adaptive":
             f32 = torch.float32
             m = st.setdefault("momentum", torch.zeros_like(w, dtype=state_dtype)).float() * b1 + g * (1 - b1)
-            mean = torch.tensor(float((g.double() ** 2).sum()) / g.numel(), dtype=f32)
-            st["v"] = st.get("v", torch.zeros((), dtype=f32)) * b2 + (1 - b2) * mean
             st["t"] = st.get("t", 0) + 1
             bc1, bc2 = 1 - b1 ** st["t"], 1 - b2 ** st["t"]
-            c = m / torch.tensor((math.sqrt(float(st["v"]) / bc2) + eps) * bc1, dtype=f32)
+            if second_moment == "coordinate":
+                v = st.get("v", torch.zeros_like(w, dtype=second_dtype)).float() * b2 + (g * g) * (1 - b2)
+                st["v"] = v.to(second_dtype)
+                c = m / (((v.double() / bc2).sqrt() + eps) * bc1).float()
+            else:
+                mean = torch.tensor(float((g.double() ** 2).sum()) / g.numel(), dtype=f32)
+                st["v"] = st.get("v", torch.zeros((), dtype=f32)) * b2 + (1 - b2) * mean
+                c = m / torch.tensor((math.sqrt(float(st["v"]) / bc2) + eps) * bc1, dtype=f32)
             if update_clip is not None:
                 c = c.clamp(-update_clip, update_clip)
             s = _scores(importance, c, g, w, None if sketch_est is None else sketch_est[i])
@@ -94,7 +101,8 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
                 scores: Optional[list[torch.Tensor]] = None, kth_largest: KthLargest = local_kth_largest,
                 seconds: Optional[torch.Tensor] = None, eps: float = 1e-8,
                 unit_sums: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                lengths: Optional[list[int]] = None, update_clip: Optional[float] = None) -> int:
+                lengths: Optional[list[int]] = None, update_clip: Optional[float] = None,
+                variances: Optional[list[torch.Tensor]] = None) -> int:
     """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed.
 
     ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
@@ -108,7 +116,9 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
     ``(v, t)``, updated in place; ``unit_sums(partial)`` turns per-slice sums into whole-unit sums (a collective
     when units are split across ranks: it too is called even when there are no slices here). ``lengths``
     (adaptive only): the slices' lengths when ``weights``/``grads``/``momenta`` are each given as *runs* of
-    consecutive slices (fewer, longer tensors: the same arithmetic without a loop over units).
+    consecutive slices (fewer, longer tensors: the same arithmetic without a loop over units). ``variances``
+    (adaptive only): each element's own second moment (``second_moment="coordinate"``), slices like
+    ``momenta``, updated in place; ``seconds`` then only counts each unit's steps (its ``v`` stays 0).
     """
     if seconds is not None:
         if momenta is None:
@@ -116,7 +126,9 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
         return _adaptive_update(weights, grads, momenta, seconds, lr=lr, betas=betas, density=density,
                                 weight_decay=weight_decay, unit_numels=unit_numels, importance=importance, eps=eps,
                                 lr_scales=lr_scales, scores=scores, kth_largest=kth_largest, unit_sums=unit_sums,
-                                lengths=lengths, update_clip=update_clip)
+                                lengths=lengths, update_clip=update_clip, variances=variances)
+    if variances is not None:
+        raise ValueError("asdt_update: variances (second_moment='coordinate') go with seconds (update='adaptive')")
     if (momenta is None) == (anchors is None):
         raise ValueError("asdt_update needs momenta (Growth) or anchors (Elastic), exactly one of them")
     if (importance == "sketch") != (scores is not None):
@@ -151,13 +163,14 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
                      weight_decay: float, unit_numels: list[int], importance: str, eps: float,
                      lr_scales: Optional[list[float]], scores: Optional[list[torch.Tensor]], kth_largest: KthLargest,
                      unit_sums: Callable[[torch.Tensor], torch.Tensor], lengths: Optional[list[int]] = None,
-                     update_clip: Optional[float] = None) -> int:
+                     update_clip: Optional[float] = None, variances: Optional[list[torch.Tensor]] = None) -> int:
     """Steps 1' and 4' of the module docstring, vectorised over the slices (one concatenation, no per-unit loop
     except the top-k of ``density < 1`` and the write-back)."""
     b1, b2 = betas
     n = len(unit_numels)
     if n == 0:  # the collectives still run (units split across ranks)
-        unit_sums(torch.zeros(0, dtype=torch.float64))
+        if variances is None:
+            unit_sums(torch.zeros(0, dtype=torch.float64))
         if density < 1.0:
             kth_largest([], [])
         return 0
@@ -165,13 +178,22 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
     g = torch.cat([x.float() for x in grads])
     w = torch.cat([x.float() for x in weights])
     m = torch.cat([x.float() for x in momenta]) * b1 + g * (1 - b1)
-    sq = unit_sums(torch.segment_reduce(g.double() ** 2, "sum", lengths=lens))
     v, t = seconds[:, 0], seconds[:, 1]
-    v.copy_(v * b2 + (1 - b2) * (sq / torch.tensor(unit_numels, dtype=torch.float64)).float())
-    t.add_(1)
-    bc1, bc2 = 1 - b1 ** t.double(), 1 - b2 ** t.double()
-    denom = ((v.double() / bc2).sqrt() + eps) * bc1
-    c = m / denom.float().repeat_interleave(lens)
+    if variances is None:  # one second moment per unit (summed across ranks when the unit is split)
+        sq = unit_sums(torch.segment_reduce(g.double() ** 2, "sum", lengths=lens))
+        v.copy_(v * b2 + (1 - b2) * (sq / torch.tensor(unit_numels, dtype=torch.float64)).float())
+        t.add_(1)
+        bc1, bc2 = 1 - b1 ** t.double(), 1 - b2 ** t.double()
+        denom = ((v.double() / bc2).sqrt() + eps) * bc1
+        c = m / denom.float().repeat_interleave(lens)
+    else:  # each coordinate's own (Adam's); no collective: nothing is summed over a unit
+        t.add_(1)
+        vc = torch.cat([x.float() for x in variances]) * b2 + (g * g) * (1 - b2)
+        bc1, bc2 = (1 - b1 ** t.double()).repeat_interleave(lens), (1 - b2 ** t.double()).repeat_interleave(lens)
+        c = m / (((vc.double() / bc2).sqrt() + eps) * bc1).float()
+        for dst, part in zip(variances, torch.split(vc, [x.numel() for x in variances])):
+            dst.copy_(part)
+        del vc, bc1, bc2
     if update_clip is not None:  # bound one coordinate's step when its gradient is far above its unit's RMS
         c = c.clamp(-update_clip, update_clip)
     if importance == "sketch":

@@ -68,7 +68,8 @@ def _asdt_kwargs(cfg: Any) -> dict[str, Any]:
     return dict(lr=cfg.lr, betas=tuple(cfg.betas), density=1.0 if cfg.name == "lion" else cfg.density,
                 weight_decay=cfg.weight_decay, importance=cfg.importance, state_dtype=cfg.state_dtype,
                 granularity=cfg.granularity, block_size=cfg.block_size, sketch_width=cfg.sketch_width,
-                sketch_depth=cfg.sketch_depth, update=cfg.update, eps=cfg.eps, update_clip=cfg.update_clip)
+                sketch_depth=cfg.sketch_depth, update=cfg.update, eps=cfg.eps, update_clip=cfg.update_clip,
+                second_moment=cfg.second_moment, second_dtype=cfg.second_dtype)
 
 
 def replace_optimizer(model: torch.nn.Module, cfg: Any, passed: torch.optim.Optimizer) -> ASDT:

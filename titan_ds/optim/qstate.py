@@ -1,0 +1,149 @@
+"""Block-wise quantized optimizer state: ASDT's ``"8bit"`` and ``"4bit"`` state dtypes.
+
+A buffer of ``n`` fp32 values is stored as ``n`` 8-bit codes (``"8bit"``) or ``ceil(n / 2)`` bytes of packed
+4-bit codes (``"4bit"``), plus one fp32 absmax per block of 256 (8-bit) or 128 (4-bit) values: 1.016 or 0.531
+bytes a value. The code maps, block scaling and decoding are torchao's (``torchao.optim.quant_utils``, the ones its 8-bit and
+4-bit AdamW use; Dettmers et al. 2022, Li et al. 2023): a signed dynamic-exponent map for a momentum, an unsigned
+one (8-bit) or the linear map without zero (4-bit; a second moment must never decode to 0) for a second moment.
+Encoding is to the nearest code, as torchao's, but by one ``torch.bucketize`` over the midpoints of the map
+instead of torchao's eight-pass branchless search (2.4x faster on this CPU; 0.35 s for 4.9M values on one
+thread). The two agree except where a value lies within a rounding error of a midpoint (a few in a million
+here), where they pick the two neighbouring codes.
+torchao's own optimizers keep this in a tensor subclass per parameter; ASDT's buffers hold many units end to
+end (rows, ZeRO's flat partitions), so this module applies the same quantizers to slices of a flat buffer.
+
+**Blocks restart at every record** (a unit, or the piece of one this rank holds): a unit's codes depend on its
+own values only, never on its neighbours in the buffer. So ZeRO-1/2/3 on one rank, whose flat partitions hold
+the same units as stage 0's per-parameter buffers, store the same codes and take the same steps bit for bit. A
+unit split across ranks restarts its blocks at the rank boundary (its codes then differ from stage 0's in the
+two blocks at the split).
+
+Decoding and encoding go through fp32 in slices of at most ``_CHUNK`` values, so the temporaries of a large
+embedding are bounded (~16 bytes a value of one slice).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+__all__ = ["KINDS", "qmap", "quantize", "dequantize", "nbytes_per_value"]
+
+KINDS = {"8bit": (256, 8), "4bit": (128, 4)}  # block size, bits per code
+_CHUNK = 1 << 20
+
+
+def _quant_utils():
+    try:
+        from torchao.optim import quant_utils
+    except ImportError as e:  # torchao is an optional dependency (extra "quant")
+        raise ImportError("ASDT's \"8bit\"/\"4bit\" state needs torchao (its quantizers): pip install "
+                          "'titan-ds[quant]' (torchao==0.18.0), or use state_dtype \"bf16\"") from e
+    return quant_utils
+
+
+@lru_cache(maxsize=None)
+def qmap(kind: str, signed: bool) -> torch.Tensor:
+    """The code map of ``kind``: torchao's for its 8-bit (both signed and unsigned dynamic maps) and 4-bit
+    (signed dynamic map with 3 exponent bits; unsigned: the 16 levels ``k/16``, k = 1..16, no zero) AdamW."""
+    qu = _quant_utils()
+    if kind == "8bit":
+        data = qu.create_dynamic_map(signed=signed)
+    elif kind == "4bit":
+        data = qu.create_dynamic_map(True, 3, 4) if signed else torch.linspace(0, 1, 17)[1:].tolist()
+    else:
+        raise ValueError(f"unknown quantized state kind {kind!r}; choose one of {sorted(KINDS)}")
+    return torch.tensor(data, dtype=torch.float32)
+
+
+@lru_cache(maxsize=None)
+def _midpoints(kind: str, signed: bool) -> torch.Tensor:
+    q = qmap(kind, signed)
+    return q[:-1] + (q[1:] - q[:-1]) * 0.5
+
+
+def _encode(scaled: torch.Tensor, kind: str, signed: bool) -> torch.Tensor:
+    """The nearest code of each value of ``scaled`` (in [-1, 1]); a midpoint rounds up, as in torchao."""
+    return torch.bucketize(scaled, _midpoints(kind, signed), right=True, out_int32=True).to(torch.uint8)
+
+
+def nbytes_per_value(kind: str) -> float:
+    block, bits = KINDS[kind]
+    return bits / 8 + 4 / block
+
+
+def _runs(lengths: list[int]):
+    """``(offset, count, length)`` of each run of consecutive records of one length."""
+    off, i = 0, 0
+    while i < len(lengths):
+        j = i
+        while j < len(lengths) and lengths[j] == lengths[i]:
+            j += 1
+        yield off, j - i, lengths[i]
+        off += (j - i) * lengths[i]
+        i = j
+
+
+def _slices(lengths: list[int], block: int):
+    """``(start, rows, length, padded)`` slices of whole records, each at most ~``_CHUNK`` values (one record
+    when it alone is larger), in buffer order; ``padded`` is ``length`` rounded up to whole blocks."""
+    for off, count, length in _runs(lengths):
+        if length == 0:
+            continue
+        padded = math.ceil(length / block) * block
+        step = max(1, _CHUNK // padded)
+        for r in range(0, count, step):
+            rows = min(step, count - r)
+            yield off + r * length, rows, length, padded
+
+
+def quantize(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)`` of the 1-D fp32 ``x``, whose records (units) have ``lengths`` (sum = ``x.numel()``)."""
+    qu = _quant_utils()
+    block, bits = KINDS[kind]
+    n = x.numel()
+    if sum(lengths) != n:
+        raise ValueError(f"quantize: the records' lengths sum to {sum(lengths)}, the buffer has {n} values")
+    codes = torch.empty(n, dtype=torch.uint8)
+    scales = []
+    for start, rows, length, padded in _slices(lengths, block):
+        seg = x[start:start + rows * length].float().view(rows, length)
+        if padded != length:
+            seg = torch.nn.functional.pad(seg, (0, padded - length))
+        scaled, scale = qu.scale_tensor(seg.reshape(-1), block)
+        c = _encode(scaled, kind, signed).view(rows, padded)[:, :length]
+        codes[start:start + rows * length] = c.reshape(-1)
+        scales.append(scale)
+    absmax = torch.cat(scales) if scales else torch.zeros(0)
+    if bits == 4:
+        if n % 2:
+            codes = torch.cat([codes, codes.new_zeros(1)])
+        codes = (codes[0::2] << 4) | codes[1::2]
+    return codes, absmax
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], kind: str,
+               signed: bool) -> torch.Tensor:
+    """The fp32 values of :func:`quantize`'s ``(codes, absmax)``, for records of ``lengths``."""
+    qu = _quant_utils()
+    block, bits = KINDS[kind]
+    q = qmap(kind, signed)
+    n = sum(lengths)
+    if bits == 4:
+        codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)[:n]
+    if codes.numel() != n:
+        raise ValueError(f"dequantize: {codes.numel()} codes for records of {n} values")
+    out = torch.empty(n, dtype=torch.float32)
+    at = 0  # blocks used so far
+    for start, rows, length, padded in _slices(lengths, block):
+        c = codes[start:start + rows * length].view(rows, length)
+        if padded != length:
+            c = torch.nn.functional.pad(c, (0, padded - length))
+        nb = rows * padded // block
+        vals = qu.dequant_with_qmap(c.reshape(-1), q, absmax[at:at + nb].float())
+        out[start:start + rows * length] = vals.view(rows, padded)[:, :length].reshape(-1)
+        at += nb
+    if at != absmax.numel():
+        raise ValueError(f"dequantize: {absmax.numel()} block scales for records needing {at}")
+    return out
