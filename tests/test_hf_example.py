@@ -60,11 +60,12 @@ def test_example_trains_with_titan(dist_env, tmp_path, ce_calls, config, model, 
     _assert_trained(res)
 
 
-def test_example_steps_in_backward(dist_env, tmp_path, ce_calls):
+@pytest.mark.parametrize("config", ["hf_asdt_backward.json", "hf_asdt_8bit.json"])
+def test_example_steps_in_backward(dist_env, tmp_path, ce_calls, config):
     """hf_asdt_backward.json: titan's ASDT updates in the gradient hooks and clips there by the previous step's
     norm at the Trainer's max_grad_norm (1.0, filled into "gradient_clipping": "auto"); no gradient is left in
-    .grad after a step."""
-    res = _run(tmp_path, "hf_asdt_backward.json", "tiny-llama")
+    .grad after a step. hf_asdt_8bit.json: the same with the momentum stored in 8-bit codes between steps."""
+    res = _run(tmp_path, config, "tiny-llama")
     engine = res["trainer"].model_wrapped
     opt = engine.basic_optimizer
     assert isinstance(opt, ASDT) and opt.step_in_backward and not engine.enable_backward_allreduce
@@ -72,6 +73,8 @@ def test_example_steps_in_backward(dist_env, tmp_path, ce_calls):
     assert opt.last_grad_norm is not None
     assert all(p.grad is None for p in engine.module.parameters())
     assert 0 < opt.grad_bytes == max(p.numel() * p.element_size() for p in engine.module.parameters())
+    momentum = {st["momentum"].dtype for st in opt.state.values()}
+    assert momentum == ({torch.uint8} if "8bit" in config else {torch.bfloat16})
     assert len(ce_calls) == STEPS
     _assert_trained(res)
 

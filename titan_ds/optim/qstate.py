@@ -5,10 +5,14 @@ A buffer of ``n`` fp32 values is stored as ``n`` 8-bit codes (``"8bit"``) or ``c
 bytes a value. The code maps, block scaling and decoding are torchao's (``torchao.optim.quant_utils``, the ones its 8-bit and
 4-bit AdamW use; Dettmers et al. 2022, Li et al. 2023): a signed dynamic-exponent map for a momentum, an unsigned
 one (8-bit) or the linear map without zero (4-bit; a second moment must never decode to 0) for a second moment.
-Encoding is to the nearest code, as torchao's, but by one ``torch.bucketize`` over the midpoints of the map
-instead of torchao's eight-pass branchless search (2.4x faster on this CPU; 0.35 s for 4.9M values on one
-thread). The two agree except where a value lies within a rounding error of a midpoint (a few in a million
-here), where they pick the two neighbouring codes.
+Encoding is to the nearest code, as torchao's, i.e. ``torch.bucketize`` over the midpoints of the map (a midpoint
+rounds up), computed by a table lookup instead of a search: the top 16 bits of a float32 (sign, exponent and 7
+mantissa bits) index a table of the code of the smallest value with those bits, and one comparison with the next
+midpoint finishes it. That is exact wherever no 16-bit bucket holds two midpoints, which the table's builder
+checks for each map (it holds for all four). On this CPU it encodes 4.9M values in ~0.1 s on one thread,
+against 0.35 s for ``bucketize`` and 0.85 s for torchao's eight-pass branchless search. Encoding agrees with
+torchao's except where a value lies within a rounding error of a midpoint (a few in a million here), where the
+two pick neighbouring codes.
 torchao's own optimizers keep this in a tensor subclass per parameter; ASDT's buffers hold many units end to
 end (rows, ZeRO's flat partitions), so this module applies the same quantizers to slices of a flat buffer.
 
@@ -63,9 +67,30 @@ def _midpoints(kind: str, signed: bool) -> torch.Tensor:
     return q[:-1] + (q[1:] - q[:-1]) * 0.5
 
 
+@lru_cache(maxsize=None)
+def _table(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, next_midpoint)``: the code of the smallest float32 of each top-16-bit pattern, and the midpoints
+    with +inf appended (so a code's next midpoint always exists)."""
+    mids = _midpoints(kind, signed)
+    h = torch.arange(1 << 16, dtype=torch.int32)
+    neg = h >= (1 << 15)  # sign bit set: the low 16 bits all ones give the smallest value
+    lo = torch.where(neg, (h << 16) | 0xFFFF, h << 16).view(torch.float32)
+    hi = torch.where(neg, h << 16, (h << 16) | 0xFFFF).view(torch.float32)
+    a, b = torch.bucketize(lo, mids, right=True), torch.bucketize(hi, mids, right=True)
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    if int((b - a)[finite].max()) > 1:  # two midpoints in one bucket: one comparison would not be enough
+        raise AssertionError(f"qstate: the {kind} {'signed' if signed else 'unsigned'} map is finer than bf16")
+    return a.to(torch.int32), torch.cat([mids, torch.tensor([float("inf")])])
+
+
 def _encode(scaled: torch.Tensor, kind: str, signed: bool) -> torch.Tensor:
-    """The nearest code of each value of ``scaled`` (in [-1, 1]); a midpoint rounds up, as in torchao."""
-    return torch.bucketize(scaled, _midpoints(kind, signed), right=True, out_int32=True).to(torch.uint8)
+    """The nearest code of each value of ``scaled`` (in [-1, 1]): ``bucketize(scaled, midpoints, right=True)``
+    (a midpoint rounds up, as in torchao), by the table of :func:`_table`."""
+    codes, nxt = _table(kind, signed)
+    x = scaled.contiguous().float()
+    c = codes.index_select(0, ((x.view(torch.int32) >> 16) & 0xFFFF).view(-1)).view(x.shape)
+    c += x >= nxt.index_select(0, c.view(-1)).view(x.shape)
+    return c.to(torch.uint8)
 
 
 def nbytes_per_value(kind: str) -> float:
@@ -126,7 +151,6 @@ def quantize(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tu
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], kind: str,
                signed: bool) -> torch.Tensor:
     """The fp32 values of :func:`quantize`'s ``(codes, absmax)``, for records of ``lengths``."""
-    qu = _quant_utils()
     block, bits = KINDS[kind]
     q = qmap(kind, signed)
     n = sum(lengths)
@@ -141,7 +165,8 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], ki
         if padded != length:
             c = torch.nn.functional.pad(c, (0, padded - length))
         nb = rows * padded // block
-        vals = qu.dequant_with_qmap(c.reshape(-1), q, absmax[at:at + nb].float())
+        # torchao's dequant_with_qmap, with index_select for its qmap[codes] (4x faster on this CPU)
+        vals = q.index_select(0, c.reshape(-1).int()).view(nb, block) * absmax[at:at + nb].float().view(-1, 1)
         out[start:start + rows * length] = vals.view(rows, padded)[:, :length].reshape(-1)
         at += nb
     if at != absmax.numel():
