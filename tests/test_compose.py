@@ -108,14 +108,24 @@ def test_every_pillar_with_hms_two_ranks_zero3(tmp_path):
     assert s["titan_metrics"]["hge_compression_ratio"] >= 10
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, 3, "3+hms"])
 def test_titan_balanced_adaptive_asdt_resume_bit_exact(tmp_path, stage):
-    """The shipped titan_balanced profile (MLME + ASDT update="adaptive", row units) under ZeRO-2/3: a run resumed
-    from its step-3 checkpoint takes exactly the steps of the uninterrupted run (the per-unit second moments and
-    step counts travel in DeepSpeed's optimizer shard)."""
+    """The shipped titan_balanced profile (MLME + ASDT update="adaptive" with an 8-bit momentum and a 4-bit
+    per-coordinate second moment) under ZeRO-2/3, and ZeRO-3 with HMS's NVMe offload of params and optimizer
+    state: a run resumed from its step-3 checkpoint takes exactly the steps of the uninterrupted run (the codes,
+    block scales and step counts travel in DeepSpeed's optimizer shard, or in HMS's snapshot)."""
     cfg = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())
     assert cfg["titan"]["optimizer"]["update"] == "adaptive"
-    cfg["zero_optimization"] = {"stage": stage}
+    assert cfg["titan"]["optimizer"]["state_dtype"] == "8bit" and cfg["titan"]["optimizer"]["second_dtype"] == "4bit"
+    if stage == "3+hms":
+        nvme = str(tmp_path / "nvme")
+        cfg["zero_optimization"] = copy.deepcopy(HMS["zero_optimization"])
+        for k in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][k]["nvme_path"] = nvme
+        cfg["titan"]["hms"] = dict(HMS["titan"]["hms"], nvme_path=nvme, spill_tiers=[])
+        cfg.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
+    else:
+        cfg["zero_optimization"] = {"stage": stage}
     path = tmp_path / "balanced.json"
     path.write_text(json.dumps(cfg))
     _run(path, 1, "--steps", "6", "--metrics-out", str(tmp_path / "full.jsonl"))
