@@ -13,8 +13,9 @@ in memory at once; ``available_swap_in_buffers`` reports how many more the budge
 :class:`HMSOptimizerSwapper` implements the ZeRO-3 optimizer-swapper interface (seams 2.4). Every fp32
 sub-group is swappable, whatever its size (DeepSpeed keeps sub-groups under 1 MiB in RAM, and its resume never
 restores them: appendix A). Per sub-group the store holds ``opt/<id>/fp32``, one file per element-wise state
-tensor (``opt/<id>/state/<name>``, any name, any size) and the gradient pieces ``opt/<id>/grad/<offset>``.
-Other state values (scalars such as ``step``) stay in ``optimizer.state``. :meth:`HMSOptimizerSwapper.snapshot`
+tensor and every state tensor of at least ``SWAP_MIN_NUMEL`` elements (``opt/<id>/state/<name>``, any name, any
+dtype) and the gradient pieces ``opt/<id>/grad/<offset>``. Other state values (scalars such as ``step``, small
+tensors) stay in ``optimizer.state``. :meth:`HMSOptimizerSwapper.snapshot`
 and :meth:`HMSOptimizerSwapper.restore` write and read a self-contained per-rank checkpoint of all of it,
 with the client optimizer's hyper-parameters, which DeepSpeed's NVMe resume skips (engine.py:4456).
 """
@@ -28,6 +29,8 @@ from typing import Any, Optional
 import torch
 
 from .prefetch import Predictor
+
+SWAP_MIN_NUMEL = 4096  # a non-element-wise optimizer state tensor this large goes to the store too
 from .store import TensorStore, Tier
 
 __all__ = ["HMSParamSwapper", "HMSOptimizerSwapper", "PartitionedParamStatus"]
@@ -246,8 +249,14 @@ class HMSOptimizerSwapper:
     def flush_gradients(self) -> None:
         """Gradient writes are synchronous: nothing to flush."""
 
-    def _elementwise(self, p, name: str, value: Any) -> bool:
-        return torch.is_tensor(value) and value.numel() == self._numel.get(p.ds_id, -1) and value.numel() > 1
+    def _swapped(self, p, name: str, value: Any) -> bool:
+        """The state tensors that live in the store between steps: the element-wise ones (Adam's moments) and
+        every other of at least ``SWAP_MIN_NUMEL`` elements, whatever its shape and dtype (ASDT's momentum over
+        the active BSPS units only, its 8-/4-bit codes). Smaller ones (block scales, per-unit counters) and
+        non-tensors stay in ``optimizer.state``."""
+        if not torch.is_tensor(value) or value.numel() <= 1:
+            return False
+        return value.numel() == self._numel.get(p.ds_id, -1) or value.numel() >= SWAP_MIN_NUMEL
 
     def swap_in_optimizer_state(self, parameter, async_parameter=None) -> None:
         pid = parameter.ds_id
@@ -277,7 +286,7 @@ class HMSOptimizerSwapper:
         self.store.put(f"opt/{pid}/fp32", parameter.data, durable=False)
         names = []
         for name, value in self.optimizer.state.get(parameter, {}).items():
-            if self._elementwise(parameter, name, value):
+            if self._swapped(parameter, name, value):
                 self.store.put(f"opt/{pid}/state/{name}", value, durable=False)
                 names.append(name)
         self._state_names[pid] = names
