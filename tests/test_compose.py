@@ -12,7 +12,7 @@ from tests.helpers.launch import ROOT, clean_env, run_deepspeed, run as run_grou
 
 TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4",
         "--val-batches", "1", "--no-progress"]
-FULL = json.loads((ROOT / "ds_configs" / "titan_full.json").read_text())
+FULL = json.loads((ROOT / "ds_configs" / "titan_all.json").read_text())
 HMS = json.loads((ROOT / "ds_configs" / "titan_zero3_nvme.json").read_text())
 
 

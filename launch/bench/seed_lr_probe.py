@@ -1,4 +1,5 @@
-"""Probe: the seed table's titan_full profile with ASDT's learning rate raised from 3e-4 to 1e-3.
+"""Probe (2026-11-30): the seed table's titan_full profile of then (now ``ds_configs/titan_all.json``) with
+ASDT's learning rate raised from 3e-4 to 1e-3.
 
     python launch/bench/seed_lr_probe.py --steps 200 --out results/seed_lr_probe
 
@@ -33,7 +34,7 @@ def main() -> None:
     load = lambda n: json.loads((ROOT / "ds_configs" / f"{n}.json").read_text())  # noqa: E731
     rows = [("baseline_zero2", load("baseline_zero2"))]
     for lr in a.lrs.split(","):
-        cfg = copy.deepcopy(load("titan_full"))
+        cfg = copy.deepcopy(load("titan_all"))
         cfg["titan"]["optimizer"]["lr"] = float(lr)
         rows.append((f"titan_full_asdt_lr{lr}", cfg))
     compare(rows, steps=a.steps, out=a.out, num_ranks=a.ranks, extra_args=shlex.split(a.train_args),
