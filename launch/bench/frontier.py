@@ -16,8 +16,8 @@ Rows (``--rows`` keeps those matching its comma-separated names or shell pattern
   and a weight decay ``--lion-wd`` 3-10x above it); ``adamw8bit`` and ``adamw4bit`` (torchao's quantized-state
   AdamW, run on the CPU through torch.compile) at the best AdamW lr, as drop-in replacements of AdamW.
 - titan profiles: every ``ds_configs/titan_*.json`` as shipped (``titan_exact``, ``titan_balanced``,
-  ``titan_memory``, ``titan_full`` first). A profile without ``titan.optimizer`` trains with AdamW at the best
-  AdamW lr. A profile with gradient compression needs 2 ranks: it runs on 2 ranks at half the micro-batch each
+  ``titan_memory``, ``titan_full`` first). A profile without ``titan.optimizer`` or a ds_config ``optimizer``
+  section trains with AdamW at the best AdamW lr. A profile with gradient compression needs 2 ranks: it runs on 2 ranks at half the micro-batch each
   (the same 16 sequences per step), validated on the same batches (``--val-micro-batch``); its memory columns are
   one rank's.
 
@@ -123,9 +123,10 @@ def build_rows(a: argparse.Namespace) -> list[Row]:
         cfg = json.loads(path.read_text())
         titan = TitanConfig.from_ds_config(cfg)
         own_opt = titan is not None and titan.optimizer is not None
+        ds_opt = cfg.get("optimizer")  # e.g. titan_full: AdamW at its own lr (turned into SGD by precondition=rms)
         ranks = 2 if titan is not None and titan.compression is not None else 1
-        rows.append(Row(path.stem, "titan", cfg, ranks=ranks, inherit_lr=not own_opt,
-                        lr=titan.optimizer.lr if own_opt else None))
+        lr = titan.optimizer.lr if own_opt else float(ds_opt["params"]["lr"]) if ds_opt else None
+        rows.append(Row(path.stem, "titan", cfg, ranks=ranks, inherit_lr=not (own_opt or ds_opt), lr=lr))
     return rows
 
 
