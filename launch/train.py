@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=None,
                    help="defaults to the config's train_micro_batch_size_per_gpu (16 in the shipped configs)")
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak lr of the client optimizer")
+    p.add_argument("--lr", type=float, default=None, help="peak lr of the client optimizer (default 1e-3)")
     p.add_argument("--optimizer", choices=sorted(CLIENT_OPTIMIZERS), default=None,
                    help="client optimizer when the config has no titan.optimizer nor DeepSpeed 'optimizer' section "
                         "(default adamw)")
@@ -156,14 +156,14 @@ def _client_optimizer(model: torch.nn.Module, args: argparse.Namespace, ds: dict
     owner = "titan.optimizer" if titan is not None and titan.optimizer is not None else \
         "the ds_config's 'optimizer' section" if "optimizer" in ds else None
     if owner is not None:
-        for flag, value in (("--optimizer", args.optimizer), ("--weight-decay", args.weight_decay),
-                            ("--beta1", args.beta1)):
+        for flag, value in (("--optimizer", args.optimizer), ("--lr", args.lr),
+                            ("--weight-decay", args.weight_decay), ("--beta1", args.beta1)):
             if value is not None:
                 raise SystemExit(f"{flag} {value} conflicts with {owner} in {args.deepspeed_config}: the optimizer "
                                  f"comes from the config; drop {flag} or the config's optimizer")
         return None
     wd = DEFAULT_WEIGHT_DECAY if args.weight_decay is None else args.weight_decay
-    return make_optimizer(model, args.lr, args.optimizer or "adamw", wd, args.beta1)
+    return make_optimizer(model, 1e-3 if args.lr is None else args.lr, args.optimizer or "adamw", wd, args.beta1)
 
 
 def _sum_over_ranks(value: int, world: int) -> int:

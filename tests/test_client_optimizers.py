@@ -94,7 +94,11 @@ def test_an_unknown_optimizer_and_a_conflict_with_the_configs_optimizer_are_erro
     args = train.parse_args(["--weight-decay", "0.3"])
     with pytest.raises(SystemExit, match="--weight-decay 0.3 conflicts with the ds_config's 'optimizer' section"):
         train._client_optimizer(_model(), args, {"optimizer": {"type": "Adam"}}, None)
+    args = train.parse_args(["--lr", "3e-3"])  # titan_full's AdamW section: --lr would be ignored, so it is refused
+    with pytest.raises(SystemExit, match="--lr 0.003 conflicts with the ds_config's 'optimizer' section"):
+        train._client_optimizer(_model(), args, {"optimizer": {"type": "AdamW"}}, None)
     assert train._client_optimizer(_model(), train.parse_args([]), {"optimizer": {"type": "Adam"}}, None) is None
+    assert train._client_optimizer(_model(), train.parse_args([]), {}, None).param_groups[0]["lr"] == 1e-3
 
 
 def test_optimizer_state_bytes_are_measured_from_the_state():
