@@ -88,3 +88,5 @@ def test_bench_compress_seeds_summary_mean_spread_and_verdict(tmp_path):
     assert "| rms_100x | 1.2950 | 1.3200 / 1.2700 | +0.0150 | 0.0500 | no difference | 1.05 | 1.10 / 1.15 | 100.0 |" in md
     assert "| dense_allreduce | 1.2800 |" in md and "reference" in md
     assert "Not finished for every seed: topk_100x." in md
+    one = bc.seeds_summary({1: per_seed[1][:2]}, tmp_path / "d", "cmd", 1000)  # one seed: no spread, no verdict
+    assert "| rms_100x | 1.2700 | 1.2700 | +0.0100 | 0.0000 | one seed: no spread |" in one

@@ -141,7 +141,8 @@ def seeds_summary(per_seed: dict[int, list[dict]], out: Path, command: str, step
         vals = [by[s][n]["val_loss"] for s in seeds]
         mean, spread = sum(vals) / len(vals), max(max(vals) - min(vals), max(dense) - min(dense))
         delta = mean - sum(dense) / len(dense)
-        verdict = "reference" if n == names[0] else seed_verdict(delta, spread)
+        verdict = "reference" if n == names[0] else "one seed: no spread" if len(seeds) < 2 else \
+            seed_verdict(delta, spread)
         st = [by[s][n]["step_s"] / by[s][names[0]]["step_s"] for s in seeds]
         rss = [by[s][n]["peak_rss"] / by[s][names[0]]["peak_rss"] for s in seeds]
         wire = by[seeds[0]][n].get("titan_metrics", {}).get("wire_compression_ratio_run") or 1.0
