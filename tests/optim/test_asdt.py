@@ -161,15 +161,16 @@ def test_sketch_importance_selects_density_and_differs_from_momentum():
     assert o1.state_bytes() == sum(4 * p.numel() for p in ps) + o1.sketch.nbytes
 
 
-def _resume(hp):
+def _resume(hp, dtype=torch.float32):
     """Train 6 steps; restore the state saved after step 3 into a fresh optimizer and train 3 more: the same
-    weights (returned: the resumed optimizer, for dtype checks)."""
-    ps = _params()
+    weights, and right after the restore the same state tensors, value and dtype (returned: the resumed state's
+    dtypes). ``dtype``: of the parameters (torch casts floating state to it on load)."""
+    ps = [p.detach().to(dtype).requires_grad_() for p in _params()]
     q = [p.detach().clone().requires_grad_() for p in ps]
     opt = ASDT([(f"p{i}", p) for i, p in enumerate(ps)], **hp)
     for t in range(6):
         for p, g in zip(ps, _grads(ps, t)):
-            p.grad = g
+            p.grad = g.to(dtype)
         opt.step()
         if t == 2:
             saved = copy.deepcopy(opt.state_dict())
@@ -179,9 +180,14 @@ def _resume(hp):
         p.data.copy_(v)
     opt2.load_state_dict(saved)
     dtypes = {k: v.dtype for st in opt2.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    restored = opt2.state_dict()["state"]
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert restored[i][k].dtype == v.dtype and torch.equal(restored[i][k], v), (i, k)
     for t in range(3, 6):
         for p, g in zip(q, _grads(q, t)):
-            p.grad = g
+            p.grad = g.to(dtype)
         opt2.step()
     for a, b in zip(ps, q):
         assert torch.equal(a.data, b.data)

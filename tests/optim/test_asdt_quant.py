@@ -186,6 +186,18 @@ def test_quantized_resume_is_bit_exact():
     assert dtypes["momentum_absmax"] == dtypes["variance_absmax"] == torch.float32
 
 
+@pytest.mark.parametrize("hp", [
+    dict(state_dtype="8bit"),
+    dict(state_dtype="4bit", update="adaptive", second_moment="coordinate", second_dtype="fp32"),
+    dict(state_dtype="bf16", update="adaptive", granularity="row"),
+], ids=["8bit-absmax", "coordinate-fp32", "row-second"])
+def test_resume_with_bf16_params_keeps_fp32_state_exactly(hp):
+    """torch's load_state_dict casts floating state to a bf16 param's dtype; ASDT takes its fp32 block scales and
+    second moments again from the saved dict (before, they came back rounded to bf16 and resume was not exact)."""
+    from tests.optim.test_asdt import _resume
+    _resume(dict(lr=1e-2, density=1.0, weight_decay=0.1, **hp), dtype=torch.bfloat16)
+
+
 def test_bad_second_moment_arguments_raise():
     w = [torch.zeros(2, requires_grad=True)]
     with pytest.raises(ValueError, match="needs update"):

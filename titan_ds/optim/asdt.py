@@ -554,10 +554,19 @@ class ASDT(torch.optim.Optimizer):
         if extra is None:
             raise KeyError("not an ASDT optimizer state (no 'asdt' entry); resume with the optimizer it was saved with")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "asdt"})
+        # torch casts every floating state tensor to its param's dtype: with bf16 params that rounds the fp32
+        # block scales and second moments. Take those tensors again from the given state dict, as saved.
+        saved = state_dict.get("state", {})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]]):
+            st = self.state.get(p)
+            for key, v in (saved.get(i) or {}).items():
+                if st is not None and torch.is_tensor(v) and torch.is_tensor(st.get(key)) and st[key].dtype != v.dtype:
+                    st[key] = v.detach().clone().to(st[key].device)
         for st in self.state.values():
             _from_saved(st)
-            # torch casts every state tensor to a floating param's dtype: restore the state dtypes (quantized
-            # codes back to uint8, exactly: 0..255 survive fp32/bf16; their block absmax to fp32)
+            # a state saved under other settings: bring each buffer to this optimizer's dtype (quantized codes
+            # to uint8, exactly: 0..255 survive fp32/bf16; their block absmax to fp32)
             dtypes = {"momentum": self.state_dtype, "anchor": self.anchor_dtype, _SECOND: torch.float32,
                       _VARIANCE: self.second_dtype}
             for key, dtype in dtypes.items():
