@@ -153,6 +153,35 @@ def test_tr_svd_error_decreases_with_rank():
     assert errs[0] > 0.9 and errs[-1] < 0.4, errs  # measured: 0.987 -> 0.362
 
 
+def test_tr_svd_error_is_the_whole_ring_oracle_error_and_fits_in_memory_at_large_rank():
+    """init_error and to_linear use the two half-rings (Am @ Cm); the value equals the whole-ring oracle's. At rank 128
+    on a 576x576 layer (SmolLM2's q_proj) the oracle would hold 128^2 * 576^2 values (43 GB in float64): the init
+    must not build it (it was OOM-killed before)."""
+    w = torch.randn(48, 40, dtype=torch.float64)
+    tr = TensorRingLinear(40, 48, 3, init="tr_svd", dense_weight=w.float())
+    oracle = float((tr.reference_weight().detach().double() - w).norm() / w.norm())
+    assert tr.init_error == pytest.approx(oracle, rel=1e-5)
+    torch.testing.assert_close(tr.to_linear().weight, tr.reference_weight(), rtol=1e-5, atol=1e-6)
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, hard))  # the old path asked for 21.7 GB at once
+    try:
+        big = TensorRingLinear(576, 576, 128, init="tr_svd", dense_weight=torch.randn(576, 576))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert 0 < big.init_error < 1
+
+
+def test_rank_that_compresses_nothing_warns_naming_a_layer():
+    """A ring with as many weights as the dense matrix (or more) is allowed but warned about, once, naming a layer."""
+    with pytest.warns(UserWarning, match=r"titan.trd.rank 16 gives 2 of 8 replaced layers as many weights .*'blocks.0.proj'"):
+        apply_trd(Tiny(), TRDPolicy(rank=16))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_trd(Tiny(), TRDPolicy(rank=2))
+
+
 def test_tr_svd_wrong_shape():
     with pytest.raises(ValueError, match=r"shape \(8, 16\), expected \(16, 8\)"):
         TensorRingLinear(8, 16, 2, init="tr_svd", dense_weight=torch.randn(8, 16))

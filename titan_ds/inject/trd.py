@@ -207,7 +207,10 @@ class TensorRingLinear(nn.Module):
             pad[: f.shape[0], :, : f.shape[2]] = f
             g.copy_(pad / self.core_lr_scale)
         w = weight.detach().double()
-        return float((self.reference_weight().double() - w).norm() / w.norm().clamp_min(1e-300))
+        # W^T = Am @ Cm holds (in, out) plus the two half-rings; reference_weight's whole-ring contraction holds
+        # r_0^2 * in * out values (43 GB for a 576x576 layer at rank 128)
+        am, cm = self.merged()
+        return float(((am.double() @ cm.double()).t() - w).norm() / w.norm().clamp_min(1e-300))
 
     # ------------------------------------------------------------------ compute
     def merged(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +224,8 @@ class TensorRingLinear(nn.Module):
         return am, cm
 
     def reference_weight(self) -> torch.Tensor:
-        """The dense (out, in) weight, contracting the whole ring in order and taking the trace (test oracle)."""
+        """The dense (out, in) weight, contracting the whole ring in order and taking the trace (test oracle; it
+        holds r_0^2 * in * out values, so it is for small rings only)."""
         full = _merge(self.ring())                                 # (r_0, in*out, r_0)
         w_t = torch.diagonal(full, dim1=0, dim2=2).sum(-1)          # (in*out,)
         return w_t.reshape(self.in_features, self.out_features).t()
@@ -265,7 +269,8 @@ class TensorRingLinear(nn.Module):
         """The equivalent dense ``nn.Linear`` (for export or to undo TRD after training)."""
         g0 = self.cores[0]
         lin = nn.Linear(self.in_features, self.out_features, self.bias is not None, device=g0.device, dtype=g0.dtype)
-        lin.weight.copy_(self.reference_weight())
+        am, cm = self.merged()
+        lin.weight.copy_((am @ cm).t())
         if self.bias is not None:
             lin.bias.copy_(self.bias)
         return lin
@@ -392,11 +397,25 @@ def apply_trd(model: nn.Module, policy: TRDPolicy) -> ReplacementReport:
         warnings.warn(f"titan.trd.include pattern {pat!r} matched no nn.Linear (or HF Conv1D) with min(in, out) >= "
                       f"{policy.min_features} (qualified names look like 'blocks.0.mlp.fc' or "
                       f"'model.layers.0.self_attn.q_proj'); fix or remove it", UserWarning, stacklevel=2)
+    larger = [e.name for e in report.entries if _core_numel(model.get_submodule(e.name)) >= _dense_numel(e.name, model)]
+    if larger:
+        warnings.warn(f"titan.trd.rank {policy.rank} gives {len(larger)} of {len(report.entries)} replaced layers as many "
+                      f"weights as their dense matrix or more (first: {larger[0]!r}): they compress nothing and cost "
+                      f"more per step; lower trd.rank or exclude them", UserWarning, stacklevel=2)
     errors = init_errors(report)
     if errors:
         log.info("titan.trd: tr_svd relative reconstruction error ||W - W_tr|| / ||W|| per layer:\n%s",
                  "\n".join(f"  {n}: {err:.4g}" for n, err in errors.items()))
     return report
+
+
+def _core_numel(tr: TensorRingLinear) -> int:
+    return sum(g.ds_numel if hasattr(g, "ds_numel") else g.numel() for g in tr.cores)
+
+
+def _dense_numel(name: str, model: nn.Module) -> int:
+    tr = model.get_submodule(name)
+    return tr.in_features * tr.out_features
 
 
 def init_errors(report: ReplacementReport) -> dict[str, float]:
