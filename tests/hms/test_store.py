@@ -195,6 +195,51 @@ def test_prefetch_counts_hits_and_bytes(tmp_path):
     assert store.stats.prefetch_hits == 1 and store.stats.misses == 0
 
 
+def test_a_cache_hit_drops_the_staged_copy_of_a_finished_prefetch(tmp_path):
+    """A finished prefetch also caches its value; the get then hits the cache and must forget the staged copy
+    (before, every prefetched partition stayed staged until its next put: a second copy of the model in DRAM
+    through forward and backward)."""
+    store = TensorStore([Tier(str(tmp_path))], durable=False, dram_cache_bytes=1 << 20)
+    x = torch.randn(5000)
+    store.put("a", x)
+    store._cache_drop("a")  # as after an eviction: the next prefetch reads the file and re-caches it
+    store.prefetch("a")
+    store._staged["a"].result()
+    assert "a" in store._cache and "a" in store._staged
+    assert torch.equal(store.get("a"), x) and store.stats.cache_hits == 1
+    assert not store._staged
+
+
+def test_speculative_prefetches_are_bounded_oldest_dropped(tmp_path):
+    """Unread guesses hold at most max_speculative tensors: the oldest is dropped (its get reads the file, same
+    value); a plain prefetch is never dropped, and a plain prefetch of a guessed key makes it plain."""
+    store = TensorStore([Tier(str(tmp_path))], durable=False, max_speculative=2)
+    vals = {k: torch.randn(3000) for k in "abcdef"}
+    for k, v in vals.items():
+        store.put(k, v)
+    store.prefetch("a")                      # plain
+    for k in "bcd":
+        store.prefetch(k, speculative=True)  # b is dropped when d comes
+    assert set(store._staged) == {"a", "c", "d"} and store.stats.prefetch_dropped == 1
+    store.prefetch("c")                      # now plain: e and f push out d, then e, never c
+    for k in "ef":
+        store.prefetch(k, speculative=True)
+    assert set(store._staged) == {"a", "c", "e", "f"} and store.stats.prefetch_dropped == 2
+    for f in list(store._staged.values()):
+        f.result()
+    hits = store.stats.prefetch_hits
+    for k in "abcdef":
+        assert torch.equal(store.get(k), vals[k])
+    assert store.stats.prefetch_hits == hits + 4 and not store._staged and not store._speculative
+    unbounded = TensorStore([Tier(str(tmp_path / "u"))], durable=False)
+    for k, v in vals.items():
+        unbounded.put(k, v)
+        unbounded.prefetch(k, speculative=True)
+    assert len(unbounded._staged) == 6 and unbounded.stats.prefetch_dropped == 0
+    with pytest.raises(ValueError, match="max_speculative"):
+        TensorStore([Tier(str(tmp_path / "x"))], max_speculative=0)
+
+
 @pytest.mark.parametrize("numel", [1, 1025, (4 << 20) // 4 + 3, (4 << 20) // 4 + 1025, 2 * (4 << 20) // 4])
 def test_get_into_caller_buffer_bit_exact_and_verified(tmp_path, numel):
     # sizes around the 4 KiB alignment and the 4 MiB CRC chunk: the tail read separately continues or starts a chunk

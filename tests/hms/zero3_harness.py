@@ -111,9 +111,9 @@ def record_store_ops(store):
         ops.append(("get", key, t.numel() * t.element_size()))
         return t
 
-    def rec_prefetch(key):
+    def rec_prefetch(key, speculative=False):
         ops.append(("prefetch", key, 0))
-        return prefetch(key)
+        return prefetch(key, speculative=speculative)
 
     def rec_stage(key, tensor):
         ops.append(("stage", key, 0))

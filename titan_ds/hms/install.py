@@ -185,8 +185,10 @@ def build_param_swapper(hms, ds_config: dict[str, Any], root: str) -> HMSParamSw
         shutil.rmtree(sub, ignore_errors=True)
         tiers.append(Tier(sub, None if t.capacity_mb is None else t.capacity_mb * _MB))
     io = AsyncIOHandle(threads=hms.io_threads, direct=hms.direct_io)
+    # a predictor names prefetch_depth keys ahead after each access; twice that many unread guesses means
+    # the trace went wrong (e.g. step 2 replays DeepSpeed's differently ordered first step): drop the oldest
     store = TensorStore(tiers, dram_cache_bytes=hms.dram_cache_mb * _MB, io=io, durable=False,
-                        prefetch_workers=hms.prefetch_workers)
+                        prefetch_workers=hms.prefetch_workers, max_speculative=max(2, 2 * hms.prefetch_depth))
     buffer_count = int(ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
     return HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
                            device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,

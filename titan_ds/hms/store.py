@@ -116,6 +116,7 @@ class StoreStats:
     stall_s: float = 0.0
     bytes_prefetched: int = 0
     staged_writes: int = 0  # values kept from a put for an expected read (see TensorStore.stage)
+    prefetch_dropped: int = 0  # speculative prefetches dropped unread to stay within max_speculative
     moves: int = 0
     # key prefix ("param", "opt") -> [hits, misses, stall_s, misses whose prefetch was still in flight]
     by_kind: dict = field(default_factory=dict)
@@ -132,7 +133,7 @@ class StoreStats:
         out = {"hit_rate": hits / total if total else 0.0, "bytes_read": self.bytes_read,
                "bytes_written": self.bytes_written, "stall_s": self.stall_s,
                "bytes_prefetched": self.bytes_prefetched, "reads": self.reads, "writes": self.writes,
-               "staged_writes": self.staged_writes}
+               "staged_writes": self.staged_writes, "prefetch_dropped": self.prefetch_dropped}
         for kind, (h, m, st, late) in self.by_kind.items():
             out[f"{kind}_hit_rate"] = h / (h + m) if h + m else 0.0
             out[f"{kind}_hits"], out[f"{kind}_misses"], out[f"{kind}_stall_s"] = h, m, st
@@ -145,10 +146,17 @@ class TensorStore:
 
     ``put`` writes through (the file is always current); ``get`` returns a tensor the caller owns;
     ``prefetch`` starts a background read so that a later ``get`` does not wait.
+
+    A *speculative* prefetch (a predictor's guess, not a read the caller is about to wait for) holds its tensor
+    until a ``get`` takes it. A wrong guess is taken late or never: unbounded, such reads pile up (measured: a
+    170M-parameter HMS run held ~370 MB of them in its second step's forward, when the trace of DeepSpeed's
+    first, differently ordered step is replayed). ``max_speculative`` bounds them: beyond it the oldest unread
+    one is dropped (``stats.prefetch_dropped``); a later ``get`` of it reads the file.
     """
 
     def __init__(self, tiers: list[Tier], *, dram_cache_bytes: int = 0, io: Optional[AsyncIOHandle] = None,
-                 durable: bool = True, verify: bool = True, prefetch_workers: int = 2):
+                 durable: bool = True, verify: bool = True, prefetch_workers: int = 2,
+                 max_speculative: Optional[int] = None):
         if not tiers:
             raise ValueError("TensorStore needs at least one disk tier")
         self.tiers = tiers
@@ -162,6 +170,10 @@ class TensorStore:
         self._index: dict[str, _Entry] = {}
         self._freq: dict[str, int] = {}
         self._staged: dict[str, object] = {}
+        self._speculative: OrderedDict[str, None] = OrderedDict()  # staged by a guess, oldest first
+        if max_speculative is not None and max_speculative < 1:
+            raise ValueError(f"max_speculative must be >= 1 or None, got {max_speculative}")
+        self.max_speculative = max_speculative
         # whole-file prefetch tasks run here, never on the I/O pool they wait on (nesting would deadlock)
         self._prefetch_pool = ThreadPoolExecutor(max_workers=int(prefetch_workers),
                                                  thread_name_prefix="titan-hms-prefetch")
@@ -258,7 +270,7 @@ class TensorStore:
             self.tiers[ti].used_bytes += size
             self.stats.writes += 1
             self.stats.bytes_written += nbytes
-            self._staged.pop(key, None)
+            self._unstage(key)
             if key in self._cache:
                 self._cache_drop(key)
             if nbytes <= self.cache_budget:  # write-allocate: the next read of a fresh value hits DRAM
@@ -378,7 +390,12 @@ class TensorStore:
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 self.stats.count(key, True, 0.0)
-            staged = self._staged.pop(key, None) if cached is None else None
+            # a finished prefetch also cached its value (_maybe_cache): a cache hit must drop the staged copy too,
+            # or it is held until the key is next written (a full copy of every prefetched partition through
+            # forward and backward: the ~4 bytes/param HMS peak of issue 16)
+            staged = self._unstage(key)
+            if cached is not None:
+                staged = None
         if cached is not None:
             t = cached.clone() if out is None else out.copy_(cached)
             return t
@@ -406,9 +423,17 @@ class TensorStore:
             return out.copy_(t.reshape(out.shape) if t.numel() == out.numel() else t)
         return t
 
-    def prefetch(self, key: str) -> None:
-        """Start reading ``key`` in the background (no-op if cached, already staged, or unknown)."""
+    def _unstage(self, key: str):
+        self._speculative.pop(key, None)
+        return self._staged.pop(key, None)
+
+    def prefetch(self, key: str, speculative: bool = False) -> None:
+        """Start reading ``key`` in the background (no-op if cached, already staged, or unknown).
+        ``speculative``: a guess, bounded by ``max_speculative`` (see the class docstring); a plain prefetch of
+        a key staged by a guess makes it a plain one."""
         with self._lock:
+            if key in self._staged and not speculative:
+                self._speculative.pop(key, None)
             if key not in self._index or key in self._cache or key in self._staged:
                 return
             path, gen = self.path(key), self._index[key].gen
@@ -421,6 +446,12 @@ class TensorStore:
                 return t
 
             self._staged[key] = self._prefetch_pool.submit(load)
+            if speculative:
+                self._speculative[key] = None
+                while self.max_speculative is not None and len(self._speculative) > self.max_speculative:
+                    oldest, _ = self._speculative.popitem(last=False)
+                    self._staged.pop(oldest, None)  # an in-flight read finishes on its own and is let go
+                    self.stats.prefetch_dropped += 1
 
     def stage(self, key: str, tensor: torch.Tensor) -> None:
         """Hold ``tensor``, the value just ``put`` under ``key``, as a finished prefetch: the next ``get`` of
@@ -440,6 +471,7 @@ class TensorStore:
         """Forget prefetched-but-unused reads (after waiting for them)."""
         with self._lock:
             staged, self._staged = self._staged, {}
+            self._speculative.clear()
         for f in staged.values():
             f.result()
 
@@ -513,7 +545,7 @@ class TensorStore:
             self.tiers[e.tier].used_bytes -= e.nbytes
             if key in self._cache:
                 self._cache_drop(key)
-            self._staged.pop(key, None)
+            self._unstage(key)
         os.remove(self.path_for(key, e.tier))
 
     def path_for(self, key: str, tier: int) -> str:

@@ -178,7 +178,7 @@ class HMSParamSwapper:
     def _prefetch_predicted(self) -> None:
         for nxt in self.predictor.predict(self.prefetch_depth):
             if nxt in self.store:
-                self.store.prefetch(nxt)
+                self.store.prefetch(nxt, speculative=True)
 
     def end_step(self) -> None:
         """A training step ended: the predictor learns the boundary and the next step's first keys are read."""
