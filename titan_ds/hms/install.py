@@ -342,7 +342,7 @@ class _HMSRuntime:
         rates = {k: v for k, v in now.items() if k.endswith(("_hit_rate", "_hits", "_misses", "_misses_inflight"))}
         return {"hms": {"hit_rate": now["hit_rate"], **rates, **step,
                         "hits": st.cache_hits + st.prefetch_hits, "misses": st.misses,
-                        "staged_writes": st.staged_writes, "reads": st.reads,
+                        "staged_writes": st.staged_writes, "prefetch_dropped": st.prefetch_dropped, "reads": st.reads,
                         "disk_bytes": sum(t.used_bytes for t in self.store.tiers) +
                         (self.grad_file.bytes if self.grad_file else 0),
                         "dram_cache_bytes": self.store.cache_bytes}}
