@@ -195,6 +195,23 @@ def test_prefetch_counts_hits_and_bytes(tmp_path):
     assert store.stats.prefetch_hits == 1 and store.stats.misses == 0
 
 
+def test_store_threads_all_exist_from_the_start(tmp_path):
+    """The I/O and prefetch pools start every worker at once, so the thread count never grows mid-run (the soak
+    test's leak check saw 9 -> 10 when two reads first overlapped late)."""
+    import threading
+    before = threading.active_count()
+    store = TensorStore([Tier(str(tmp_path))], durable=False, prefetch_workers=3, io=AsyncIOHandle(threads=2))
+    assert threading.active_count() == before + 3 + 2
+    for i in range(8):
+        store.put(f"k{i}", torch.randn(70000))
+    for i in range(8):
+        store.prefetch(f"k{i}")
+    for i in range(8):
+        store.get(f"k{i}")
+    assert threading.active_count() == before + 3 + 2
+    store.close()
+
+
 def test_a_cache_hit_drops_the_staged_copy_of_a_finished_prefetch(tmp_path):
     """A finished prefetch also caches its value; the get then hits the cache and must forget the staged copy
     (before, every prefetched partition stayed staged until its next put: a second copy of the model in DRAM

@@ -38,7 +38,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import quote, unquote
@@ -46,7 +46,7 @@ from urllib.parse import quote, unquote
 import torch
 import xxhash
 
-from .io import ALIGN, AsyncIOHandle, aligned_empty, tensor_bytes
+from .io import ALIGN, AsyncIOHandle, aligned_empty, started_pool, tensor_bytes
 
 __all__ = ["Tier", "TensorStore", "ChecksumError", "StoreFullError", "StoreStats", "FORMAT_VERSION"]
 
@@ -175,8 +175,7 @@ class TensorStore:
             raise ValueError(f"max_speculative must be >= 1 or None, got {max_speculative}")
         self.max_speculative = max_speculative
         # whole-file prefetch tasks run here, never on the I/O pool they wait on (nesting would deadlock)
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=int(prefetch_workers),
-                                                 thread_name_prefix="titan-hms-prefetch")
+        self._prefetch_pool = started_pool(int(prefetch_workers), "titan-hms-prefetch")
         self._lock = threading.RLock()
         self._tmp = itertools.count()
         self.stats = StoreStats()
