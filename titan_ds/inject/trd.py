@@ -208,7 +208,7 @@ class TensorRingLinear(nn.Module):
             g.copy_(pad / self.core_lr_scale)
         w = weight.detach().double()
         # W^T = Am @ Cm holds (in, out) plus the two half-rings; reference_weight's whole-ring contraction holds
-        # r_0^2 * in * out values (43 GB for a 576x576 layer at rank 128)
+        # r_0^2 * in * out values (torch asked for 21.7 GB at once for a 576x576 layer at rank 128)
         am, cm = self.merged()
         return float(((am.double() @ cm.double()).t() - w).norm() / w.norm().clamp_min(1e-300))
 
@@ -397,7 +397,8 @@ def apply_trd(model: nn.Module, policy: TRDPolicy) -> ReplacementReport:
         warnings.warn(f"titan.trd.include pattern {pat!r} matched no nn.Linear (or HF Conv1D) with min(in, out) >= "
                       f"{policy.min_features} (qualified names look like 'blocks.0.mlp.fc' or "
                       f"'model.layers.0.self_attn.q_proj'); fix or remove it", UserWarning, stacklevel=2)
-    larger = [e.name for e in report.entries if _core_numel(model.get_submodule(e.name)) >= _dense_numel(e.name, model)]
+    replaced = [(e.name, model.get_submodule(e.name)) for e in report.entries]
+    larger = [n for n, tr in replaced if _core_numel(tr) >= tr.in_features * tr.out_features]
     if larger:
         warnings.warn(f"titan.trd.rank {policy.rank} gives {len(larger)} of {len(report.entries)} replaced layers as many "
                       f"weights as their dense matrix or more (first: {larger[0]!r}): they compress nothing and cost "
@@ -411,11 +412,6 @@ def apply_trd(model: nn.Module, policy: TRDPolicy) -> ReplacementReport:
 
 def _core_numel(tr: TensorRingLinear) -> int:
     return sum(g.ds_numel if hasattr(g, "ds_numel") else g.numel() for g in tr.cores)
-
-
-def _dense_numel(name: str, model: nn.Module) -> int:
-    tr = model.get_submodule(name)
-    return tr.in_features * tr.out_features
 
 
 def init_errors(report: ReplacementReport) -> dict[str, float]:
