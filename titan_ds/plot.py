@@ -1,7 +1,7 @@
 """Plots (matplotlib, headless): a training run's loss and memory; a memory-vs-quality frontier."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 __all__ = ["plot_run", "plot_frontier"]
 
@@ -90,9 +90,11 @@ def _place_labels(fig: Any, ax: Any, labels: list[tuple[dict[str, Any], str]]) -
 
 
 def plot_curves(curves: dict[str, list[tuple[float, float, float]]], path: str, *, title: str = "",
-                xlabel: str = "", ylabel: str = "") -> None:
+                xlabel: str = "", ylabel: str = "", style: Optional[Callable[[str], dict]] = None) -> None:
     """One line per curve name through its ``(x, y, err)`` points (sorted by x; ``err`` drawn as +-error bar), a
-    log x axis and a zero line (e.g. loss delta against a reference, by compression ratio)."""
+    log x axis and a zero line (e.g. loss delta against a reference, by compression ratio). ``style(name)``:
+    matplotlib keywords for that curve (e.g. one colour per method and one marker per worker count, where more
+    curves than the 10 default colours would repeat one)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -100,8 +102,8 @@ def plot_curves(curves: dict[str, list[tuple[float, float, float]]], path: str, 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for name, pts in curves.items():
         pts = sorted(pts)
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", ms=4,
-                    capsize=3, lw=1.2, label=name)
+        kw = {"marker": "o", "ms": 4, "capsize": 3, "lw": 1.2, **(style(name) if style else {})}
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], label=name, **kw)
     ax.axhline(0.0, c="k", lw=0.8)
     _log_x_axes(fig, ax, xlabel, ylabel, title)
     fig.savefig(path, dpi=120)

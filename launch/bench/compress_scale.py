@@ -420,12 +420,18 @@ def plot(rows: list[dict], wanted: list[tuple], path: Path, title: str) -> bool:
     if not pts:
         return False
     curves: dict[str, list[tuple[float, float, float]]] = {}
+    styles: dict[str, dict] = {}
+    methods = sorted({b["method"] for b in pts})
+    worlds = sorted({b["world"] for b in pts})
     for b in pts:
         name = (b["method"] if b["method"] != "powersgd" else "powersgd (rank 4, 2, 1)") + f", W={b['world']}"
         curves.setdefault(name, []).append((b["wire_x_recv"], b["delta"], b["spread"]))
+        w = worlds.index(b["world"])  # one colour per method, one marker and dash per W
+        styles[name] = dict(color=f"C{methods.index(b['method']) % 10}", marker="osD^v"[w % 5],
+                            ls=["-", "--", ":", "-."][w % 4])
     from titan_ds.plot import plot_curves
     plot_curves(curves, str(path), title=title, xlabel="dense ring all-reduce bytes received / the method's (log)",
-                ylabel="validation loss - dense AdamW's (nats/byte; both at their best lr)")
+                ylabel="validation loss - dense AdamW's (nats/byte; both at their best lr)", style=styles.get)
     return True
 
 
