@@ -193,7 +193,7 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
                    buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
         dram.update(optimizer=sub * (4 + 4 + S), cache=64 * 2**20)
         disk.update(parameters=w * P / N, optimizer=(4 + S) * P / N,  # fp32 masters + state
-                    gradients=4 * P / N * (2 if grads_on_disk else 1))  # swapped fp32 grads (+ the mapping)
+                    gradients=4 * P / N)  # the swapped fp32 grads, or the mapping they are read from
     if gpu:
         return {"device": dev, "dram": dram, "disk": disk}
     for k, v in dev.items():  # the CPU accelerator: the device is DRAM

@@ -11,7 +11,15 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
 
 - ``zero3_cpu``: plain DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU, torch AdamW;
 - ``hms``: ZeRO-3 with titan HMS (parameters and optimizer state on disk), torch AdamW;
-- ``hms_asdt``: the same with the titan optimizer (ASDT, bf16 state).
+- ``hms_asdt``: the same with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
+- ``hms_asdt_bf16``: ``hms_asdt`` with bf16 parameters (``bf16.enabled``; the gradients still accumulate in fp32,
+  ``data_types.grad_accum_dtype``, in the file mapping), ASDT's momentum in 8 bits, density 1 (no top-k
+  selection: its cost dominated the step of a 405M model) and lr 1e-5 (sign steps at width 4096 need it):
+  11 bytes/param on disk (bf16 partition 2, fp32 master 4, 8-bit momentum 1, fp32 gradient 4) where
+  ``hms_asdt`` writes 14. For the full-size run (issue 16).
+
+``--mode-opts 'MODE:width=W,start=N,max_layers=N'`` (``;`` between modes) gives a mode its own width and search
+bounds: a 5B model is 25 layers of 4096 (700 of 768), and one trial of it takes about half an hour here.
 
 All modes get the same ZeRO-3 buffer bounds (``titan_ds.hms.install.ZERO3_BOUNDS``; HMS sets them by default, a
 DeepSpeed user would have to), so the comparison is of where the model's bytes live, not of bucket sizes.
@@ -41,7 +49,7 @@ from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
-MODES = ("zero3_cpu", "hms", "hms_asdt")  # titan_ds.plan.MODES that stream or offload
+MODES = ("zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")  # titan_ds.plan.MODES that stream or offload, + one
 GiB = 1 << 30
 
 
@@ -50,6 +58,12 @@ def gpt_params(layers: int, width: int) -> int:
 
 
 def ds_config(mode: str, nvme: str) -> dict:
+    if mode == "hms_asdt_bf16":
+        cfg = candidate_config("hms_asdt", nvme_path=nvme, micro_batch=1)
+        cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # the mapped gradient buffer stays the master's dtype
+        cfg["titan"]["optimizer"].update(state_dtype="8bit", density=1.0, lr=1e-5)
+        return cfg
     return candidate_config(mode, nvme_path=nvme, micro_batch=1)  # what `titan-ds plan --out` writes
 
 
@@ -168,6 +182,8 @@ def main() -> None:
     ap.add_argument("--caps", default="2,4,8", help="GiB, comma list")
     ap.add_argument("--modes", default="zero3_cpu,hms")
     ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--mode-opts", default="",
+                    help="'MODE:width=W,start=N,max_layers=N[;MODE:...]': a mode's own width and search bounds")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--start", type=int, default=4, help="first depth tried")
     ap.add_argument("--max-layers", type=int, default=512)
@@ -183,6 +199,16 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     trials = Trials(out.with_suffix(".trials.jsonl"))
     kw = dict(path=a.path, steps=a.steps, timeout=a.timeout, logs=out.parent / "logs" / "hms_scale_cap")
+    opts = {m: dict(width=a.width, start=a.start, max_layers=a.max_layers) for m in MODES}
+    for item in filter(None, a.mode_opts.split(";")):
+        m, _, rest = item.partition(":")
+        try:
+            opts[m].update({k: int(v) for k, v in (kv.split("=") for kv in rest.split(","))})
+        except (KeyError, ValueError):
+            raise SystemExit(f"--mode-opts: {item!r} is not MODE:width=W,start=N,max_layers=N with MODE one of "
+                             f"{', '.join(MODES)}")
+        if set(opts[m]) != {"width", "start", "max_layers"}:
+            raise SystemExit(f"--mode-opts: {item!r}: the keys are width, start and max_layers")
     rows, prev = [], {}
     for cap in sorted(float(c) for c in a.caps.split(",")):
         base = None
@@ -190,9 +216,13 @@ def main() -> None:
             if mode not in MODES:
                 raise SystemExit(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
             # a larger cap starts where the smaller one ended
-            best = largest(trials, mode, cap, a.width, max(a.start, prev.get(mode, 0)), a.max_layers, a.rel, **kw)
+            o = opts[mode]
+            width = o["width"]
+            best = largest(trials, mode, cap, width, max(o["start"], prev.get(mode, 0)), o["max_layers"], a.rel,
+                           **kw)
             prev[mode] = best["layers"] if best else 0
-            fail = [r for r in trials.rows.values() if r["mode"] == mode and r["cap_GiB"] == cap and not r["fits"]]
+            fail = [r for r in trials.rows.values() if r["mode"] == mode and r["cap_GiB"] == cap and not r["fits"]
+                    and r["width"] == width]
             first_fail = min(fail, key=lambda r: r["layers"]) if fail else None
             row = {"cap_GiB": cap, "mode": mode}
             if best is None:
@@ -202,8 +232,8 @@ def main() -> None:
                                                      "peak_rss_GiB", "disk_GiB", "step_s", "val_loss",
                                                      "GiB_moved_per_step")})
                 row["params_M"] = best["params"] / 1e6
-                row["shape"] = f"{best['layers']}x{a.width}"
-                row["next_fails"] = (f"{first_fail['layers']}x{a.width}: {first_fail['status']}"
+                row["shape"] = f"{best['layers']}x{width}"
+                row["next_fails"] = (f"{first_fail['layers']}x{width}: {first_fail['status']}"
                                      if first_fail else "-")
                 if mode == "zero3_cpu":
                     base = best["params"]
@@ -230,7 +260,7 @@ def write(rows: list[dict], out: Path, a) -> None:
     notes = [f"Command: `PYTHONPATH=$PWD python launch/bench/hms_scale.py {' '.join(sys.argv[1:])}`",
              f"Machine: {os.cpu_count()} CPU cores (shared), "
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM; {time.strftime('%Y-%m-%d')}",
-             f"GPT of width {a.width} (heads width/64, vocab 256, context 128), micro-batch 1, {a.steps} steps, "
+             f"GPT of width {a.width} unless the shape says otherwise (heads width/64, vocab 256, context 128), micro-batch 1, {a.steps} steps, "
              f"built under titan_ds.zero_init; depth bisected to {a.rel:.0%}. All modes: ZeRO-3 with "
              f"{', '.join(f'{k} {v:.0e}' for k, v in ZERO3_BOUNDS.items())}. peak_anon: sampled max of the cgroup's "
              f"rss + shmem; max_usage: the kernel's high-water mark (includes page cache, which the cap reclaims); "

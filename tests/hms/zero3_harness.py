@@ -141,6 +141,7 @@ def main():
     ap.add_argument("--record-store", action="store_true", help="dump the HMS store's put/get/prefetch calls")
     ap.add_argument("--sync-prefetch", action="store_true", help="HMS prefetch reads complete when submitted")
     ap.add_argument("--grad-disk", action="store_true", help="titan.hms.gradient_buffer: disk")
+    ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient accumulation")
     ap.add_argument("--zero-init", action="store_true", help="build the model under titan_ds.zero_init(cfg)")
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
@@ -155,6 +156,9 @@ def main():
     cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
     if a.grad_disk:
         cfg["titan"]["hms"]["gradient_buffer"] = "disk"
+    if a.bf16:
+        cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     from titan_ds.utils import after_init_distributed
     deepspeed.init_distributed()
     after_init_distributed()
@@ -189,6 +193,8 @@ def main():
     for step in range(start, a.steps):
         for micro in range(a.gas):
             x, y = batch(step * a.gas + micro, rank, a.micro)
+            if a.bf16:
+                x, y = x.bfloat16(), y.bfloat16()
             loss = torch.nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -203,6 +209,7 @@ def main():
         res["hms"] = engine.titan.collect_metrics()["hms"]
         gb = engine.optimizer.grad_partitions_flat_buffer
         res["grad_buffer_mapped"] = gb.untyped_storage().filename is not None
+        res["grad_keys"] = sum("/grad/" in k for k in engine.titan.reports["hms"].store.keys())
         res["store_ops"] = ops
         if a.record_trace:
             import json

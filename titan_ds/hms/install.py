@@ -237,12 +237,12 @@ def before_initialize(ctx) -> None:
     store = pswap.store
     saved = (stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper, stage3.torch)
     ctx.on_abort(functools.partial(_restore_swapper_classes, saved))
-    factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank)
-    stage3.PartitionedOptimizerSwapper = stage3.PipelinedOptimizerSwapper = factory
     grad_file = None
     if hms.gradient_buffer == "disk":
         grad_file = _DiskGradientBuffer(store.tiers[0].path, saved[2])
         stage3.torch = grad_file
+    factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank, grad_file=grad_file)
+    stage3.PartitionedOptimizerSwapper = stage3.PipelinedOptimizerSwapper = factory
     runtime = _HMSRuntime(store=store, param_swapper=pswap, rank=rank, saved_globals=saved, grad_file=grad_file)
     ctx.reports["hms"] = runtime
     ctx.add_metrics(runtime.metrics)
@@ -261,12 +261,13 @@ class _DiskGradientBuffer:
     partitions, 4 bytes/param), returns a shared mapping of a sparse file instead. Its pages are page cache: the
     kernel writes them back and reclaims them under memory pressure (a cgroup cap included), where anonymous
     memory could only be swapped or OOM-killed. The file is unlinked once mapped (the space is freed with the
-    mapping). Everything else is the real ``torch``."""
+    mapping). :class:`HMSOptimizerSwapper` reads the gradient pieces of each sub-group from this mapping (ZeRO-3
+    hands it views of it) instead of writing them to the store again. Everything else is the real ``torch``."""
 
     def __init__(self, folder: str, real_torch):
         self._torch, self._folder = real_torch, folder
         self.bytes = 0
-
+        self.mapped = None  # the mapped buffer, once DeepSpeed allocated it (not .tensor: that is torch.tensor)
     def __getattr__(self, name: str):
         return getattr(self._torch, name)
 
@@ -285,7 +286,7 @@ class _DiskGradientBuffer:
             f.truncate(n * itemsize)  # sparse: reads as zeros, takes disk only as pages are written back
         t = self._torch.from_file(path, shared=True, size=n, dtype=dtype)
         os.unlink(path)
-        self.bytes = n * itemsize
+        self.bytes, self.mapped = n * itemsize, t
         log.info("titan hms: ZeRO-3 gradient partitions (%.1f MiB) in a file mapping under %s", self.bytes / _MB,
                  self._folder)
         return t
@@ -307,8 +308,22 @@ def _adopted_swapper(model: torch.nn.Module) -> HMSParamSwapper | None:
                             "arguments), or build it normally and titan converts it"])
 
 
+def _config_dtype(ds_config: dict) -> torch.dtype | None:
+    """The parameter dtype ``bf16.enabled`` / ``fp16.enabled`` ask for (None: as built)."""
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        if (ds_config.get(key) or {}).get("enabled") is True:
+            return dtype
+    return None
+
+
 def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapper) -> None:
     import deepspeed
+    # ``zero.Init(module=...)`` partitions the parameters in the dtype they have, and DeepSpeed's engine casts the
+    # module to bf16/fp16 only when it converts it itself: converted here first, a bf16 run would otherwise
+    # train fp32 partitions (measured: the gathered parameters stayed fp32). Cast as the engine would.
+    dtype = _config_dtype(ds_config)
+    if dtype is not None:
+        model.to(dtype)
     # dtype=None: Init then takes the dtype from the config; passing one hits the CPU dtype bug (seams 0.5)
     deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, param_swapper=pswap)
 

@@ -197,8 +197,14 @@ class HMSOptimizerSwapper:
     """
 
     def __init__(self, swap_config, aio_config, base_folder, optimizer, largest_numel, device, dtype, timers,
-                 *, store: TensorStore, rank: int = 0):
+                 *, store: TensorStore, rank: int = 0, grad_file: Any = None):
         self.store = store
+        # titan.hms.gradient_buffer "disk": DeepSpeed's fp32 gradient partitions already live in a file mapping
+        # (install._DiskGradientBuffer). The pieces ZeRO-3 hands to swap_out_gradients are views of it when
+        # their dtype is the master's, so they are kept as views instead of being written to the store a second
+        # time (4 bytes/param of disk and of write traffic per step).
+        self.grad_file = grad_file
+        self._grad_views: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self.optimizer = optimizer
         self.dtype = dtype
         self.device = device
@@ -271,11 +277,13 @@ class HMSOptimizerSwapper:
                 state[name].data = t
             else:
                 state[name] = t
-        pieces = self._grads.get(pid)
-        if pieces:
+        pieces, views = self._grads.get(pid), self._grad_views.get(pid)
+        if pieces or views:
             g = torch.zeros(self._numel[pid], dtype=self.dtype)
-            for off, n in pieces:
+            for off, n in pieces or ():
                 self.store.get(f"opt/{pid}/grad/{off}", out=g.narrow(0, off, n))
+            for off, v in views or ():
+                g.narrow(0, off, v.numel()).copy_(v.reshape(-1))
             parameter.grad = g
         self.stall_s += time.perf_counter() - t0
         if async_parameter is not None and async_parameter.ds_id in self._numel:
@@ -304,16 +312,35 @@ class HMSOptimizerSwapper:
             return
         self._write_state(parameter)
         self._release(parameter)
-        self._grads[parameter.ds_id] = []
+        self._forget_grads(parameter.ds_id)
+
+    def _forget_grads(self, pid) -> None:
+        self._grads[pid] = []  # their store entries stay until overwritten (a mapped view replaces them)
+        self._grad_views[pid] = []
+
+    def _is_mapped(self, t: torch.Tensor) -> bool:
+        """``t`` is a view of the gradient file mapping, in the master's dtype."""
+        m = getattr(self.grad_file, "mapped", None)
+        return (m is not None and t.dtype == self.dtype and t.is_contiguous() and
+                t.untyped_storage().data_ptr() == m.untyped_storage().data_ptr())
 
     def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors) -> None:
         pid = parameter.ds_id
         if pid not in self._numel:
             return
         pieces = self._grads.setdefault(pid, [])
+        views = self._grad_views.setdefault(pid, [])
         for off, t in zip(gradient_offsets, gradient_tensors):
-            self.store.put(f"opt/{pid}/grad/{int(off)}", t.reshape(-1).to(self.dtype), durable=False)
-            pieces[:] = [pc for pc in pieces if pc[0] != int(off)] + [(int(off), t.numel())]
+            off = int(off)
+            pieces[:] = [pc for pc in pieces if pc[0] != off]
+            views[:] = [pc for pc in views if pc[0] != off]
+            if self._is_mapped(t):
+                if f"opt/{pid}/grad/{off}" in self.store:
+                    self.store.delete(f"opt/{pid}/grad/{off}")
+                views.append((off, t))
+            else:
+                self.store.put(f"opt/{pid}/grad/{off}", t.reshape(-1).to(self.dtype), durable=False)
+                pieces.append((off, t.numel()))
 
     def release_swap_buffers(self, parameter) -> None:
         if parameter.ds_id in self._numel:
@@ -328,6 +355,8 @@ class HMSOptimizerSwapper:
         if write_gradients and parameter.grad is not None:
             for off, n in self._grads.get(pid, []):
                 self.store.put(f"opt/{pid}/grad/{off}", parameter.grad.narrow(0, off, n), durable=False)
+            for off, v in self._grad_views.get(pid, []):
+                v.reshape(-1).copy_(parameter.grad.narrow(0, off, v.numel()))
         self._release(parameter)
 
     def purge_state(self) -> None:
@@ -391,4 +420,4 @@ class HMSOptimizerSwapper:
             state.update(sg["other"])
             for name in sg["state_names"]:
                 state[name] = torch.empty(0, dtype=self.dtype)
-            self._grads[pid] = []
+            self._forget_grads(pid)
