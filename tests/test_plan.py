@@ -58,6 +58,24 @@ def test_structure_orders_the_candidates_and_scales_with_ranks():
         predict("zero2", m, ranks=1, calibration=cal).dram["parameters"]  # ZeRO-2 replicates parameters
 
 
+def test_a_parameter_larger_than_a_sub_group_is_stepped_whole_and_bf16_halves_the_partitions():
+    from titan_ds.plan import STEP_TEMP_BYTES
+    wide, narrow = model_spec("gpt:2x4096"), model_spec("gpt:24x1024")
+    assert wide.largest == 4 * 4096 * 4096 and narrow.largest == 4 * 1024 * 1024
+    opt = _structure_dram("hms_asdt_bf16", wide)["optimizer"]
+    assert opt == wide.largest * (4 + 4 + 1 + STEP_TEMP_BYTES["asdt_8bit"])  # the 67M MLP matrix, not 1e7
+    assert _structure_dram("hms_asdt_bf16", narrow)["optimizer"] == 10_000_000 * (4 + 4 + 1 + 28)
+    bf, fp = predict("hms_asdt_bf16", wide, calibration={"modes": {}}), predict("hms_asdt", wide, calibration={"modes": {}})
+    assert bf.disk["parameters"] == fp.disk["parameters"] / 2 and bf.disk_total / wide.params == pytest.approx(11)
+    assert fp.disk_total / wide.params == pytest.approx(14)  # fp32 partition, master, bf16 state, one gradient
+    assert set(load_calibration()["modes"]) == set(MODES)  # every mode is calibrated
+
+
+def _structure_dram(mode, m):
+    from titan_ds.plan import _structure
+    return _structure(mode, m, 1, 128, 1, False)["dram"]
+
+
 def test_fits_names_the_tier_that_does_not():
     m = model_spec("gpt:24x1024")
     cands = candidates(m, seq=128, micro=1, cpu_mem=2 * GiB, disk=100 * GiB)

@@ -40,15 +40,23 @@ __all__ = ["ModelSpec", "Candidate", "model_spec", "candidates", "plan", "candid
 GiB = 1 << 30
 CALIBRATION_FILE = Path(__file__).with_name("plan_calibration.json")
 # candidates, fastest first (the order in which the best fitting one is chosen)
-MODES = ("zero2", "zero3", "zero3_cpu", "hms", "hms_asdt")
-OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2}  # per parameter: AdamW exp_avg + exp_avg_sq; ASDT one bf16 buffer
-MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "hms": "adamw", "hms_asdt": "asdt_bf16"}
+MODES = ("zero2", "zero3", "zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")
+# per parameter: AdamW exp_avg + exp_avg_sq; ASDT one momentum buffer in bf16, or in 8 bits (+ a scale per block)
+OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1}
+# per element of the sub-group being stepped: the optimizer step's temporaries above its resident state, measured
+# (VmHWM over one step of a 67M-element fp32 parameter, 1 thread): torch AdamW 8; ASDT's reference update (the
+# momentum blend, the sign step and the masked write as whole-tensor temporaries) 25 with a bf16 momentum, 28 with
+# the 8-bit one (decode and encode)
+STEP_TEMP_BYTES = {"adamw": 8, "asdt_bf16": 25, "asdt_8bit": 28}
+MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "hms": "adamw", "hms_asdt": "asdt_bf16",
+                  "hms_asdt_bf16": "asdt_8bit"}
 DESCRIPTION = {
     "zero2": "ZeRO-2, torch AdamW",
     "zero3": "ZeRO-3, torch AdamW",
     "zero3_cpu": "ZeRO-3 + CPU offload (params, optimizer), torch AdamW",
     "hms": "ZeRO-3 + titan HMS (params, optimizer on disk), torch AdamW",
     "hms_asdt": "ZeRO-3 + titan HMS + titan optimizer (ASDT, bf16 state), gradient partitions in a file mapping",
+    "hms_asdt_bf16": "hms_asdt with bf16 parameters (fp32 gradients and masters) and ASDT's momentum in 8 bits",
 }
 
 
@@ -62,13 +70,16 @@ class ModelSpec:
     vocab: int
     intermediate: int
     gpt_args: Optional[list[str]] = None  # launch/train.py arguments for the reference GPT
+    largest: int = 0  # elements of the largest parameter (a ZeRO-3 sub-group never splits one)
 
 
-def _count_meta(build) -> int:
+def _count_meta(build) -> tuple[int, int]:
+    """Parameters of the model ``build`` makes, and the largest one's, counted on the meta device."""
     import torch
     with torch.device("meta"):
         m = build()
-    return sum(p.numel() for p in m.parameters())
+    sizes = [p.numel() for p in m.parameters()]
+    return sum(sizes), max(sizes, default=0)
 
 
 def model_spec(spec: str, seq: int = 128) -> ModelSpec:
@@ -84,9 +95,10 @@ def model_spec(spec: str, seq: int = 128) -> ModelSpec:
         from .models import GPT, GPTConfig
         heads = max(1, width // 64)
         cfg = GPTConfig(n_layer=layers, n_embd=width, n_head=heads, block_size=max(seq, 128), vocab_size=256)
-        return ModelSpec(spec, _count_meta(lambda: GPT(cfg)), layers, width, heads, 256, 4 * width,
+        n, largest = _count_meta(lambda: GPT(cfg))
+        return ModelSpec(spec, n, layers, width, heads, 256, 4 * width,
                          ["--layers", str(layers), "--width", str(width), "--heads", str(heads), "--context",
-                          str(max(seq, 128))])
+                          str(max(seq, 128))], largest)
     if kind == "hf":
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -94,11 +106,12 @@ def model_spec(spec: str, seq: int = 128) -> ModelSpec:
             raise ValueError("--model hf:... needs transformers: pip install 'titan-ds[hf]'") from None
         path = arg[:-len("config.json")] if arg.endswith("config.json") else arg
         cfg = AutoConfig.from_pretrained(path or ".")
-        n = _count_meta(lambda: AutoModelForCausalLM.from_config(cfg))
+        n, largest = _count_meta(lambda: AutoModelForCausalLM.from_config(cfg))
         hidden = int(getattr(cfg, "hidden_size", getattr(cfg, "n_embd", 0)))
         return ModelSpec(spec, n, int(getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0))), hidden,
                          int(getattr(cfg, "num_attention_heads", getattr(cfg, "n_head", 1))),
-                         int(cfg.vocab_size), int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden))
+                         int(cfg.vocab_size), int(getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden),
+                         largest=largest)
     raise ValueError(f"--model {spec!r}: write gpt:LAYERSxWIDTH or hf:PATH_OR_CONFIG")
 
 
@@ -125,6 +138,14 @@ def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_bat
                                 "prefetch_depth": 2}}
         if mode == "hms_asdt":
             cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-3, "density": 0.1, "state_dtype": "bf16"}
+            cfg["titan"]["hms"]["gradient_buffer"] = "disk"
+        if mode == "hms_asdt_bf16":
+            # bf16 partitions; the gradients accumulate in fp32 (the master's dtype), so the optimizer reads them
+            # from the file mapping in place; density 1 skips the top-k selection (most of the step of a 405M
+            # model); sign steps over every coordinate of a 4096-wide matrix need a small lr
+            cfg["bf16"] = {"enabled": True}
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+            cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-5, "density": 1.0, "state_dtype": "8bit"}
             cfg["titan"]["hms"]["gradient_buffer"] = "disk"
     return cfg
 
@@ -170,8 +191,10 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
     """Resident bytes per rank by tier and kind, before calibration."""
     P, N = m.params, ranks
     S = OPT_STATE_BYTES[MODE_OPTIMIZER[mode]]
-    w = 2 if gpu else 4   # parameter/gradient bytes on the device: bf16 on a GPU, fp32 on the CPU accelerator
-    sub = min(ZERO3_BOUNDS["sub_group_size"], P / N)
+    # parameter/gradient bytes on the device: bf16 on a GPU, fp32 on the CPU accelerator unless the mode is bf16
+    w = 2 if gpu or mode == "hms_asdt_bf16" else 4
+    # the optimizer step holds one sub-group; ZeRO-3 never splits a parameter, so a larger one is its own
+    sub = max(min(ZERO3_BOUNDS["sub_group_size"], P / N), min(m.largest, P / N))
     live = min(ZERO3_BOUNDS["stage3_max_live_parameters"], P)
     dev: dict[str, float] = {"activations": activation_bytes(m, seq, micro, w)}
     dram: dict[str, float] = {}
@@ -187,11 +210,12 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         dev.update(parameters=w * live, gradients=w * P / N,
                    buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
         dram.update(parameters=w * P / N, gradients=4 * P / N, optimizer=4 * P / N + S * P / N)
-    else:  # hms, hms_asdt: partitions, masters and optimizer state on disk; one sub-group in DRAM during the step
-        grads_on_disk = mode == "hms_asdt" and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
+    else:  # hms*: partitions, masters and optimizer state on disk; one sub-group in DRAM during the step
+        grads_on_disk = mode.startswith("hms_asdt") and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
         dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
-                   buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
-        dram.update(optimizer=sub * (4 + 4 + S), cache=64 * 2**20)
+                   buffers=w * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
+        # the sub-group's master, gradient and state, and the step's temporaries
+        dram.update(optimizer=sub * (4 + 4 + S + STEP_TEMP_BYTES[MODE_OPTIMIZER[mode]]), cache=64 * 2**20)
         disk.update(parameters=w * P / N, optimizer=(4 + S) * P / N,  # fp32 masters + state
                     gradients=4 * P / N)  # the swapped fp32 grads, or the mapping they are read from
     if gpu:

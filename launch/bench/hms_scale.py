@@ -49,7 +49,7 @@ from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
-MODES = ("zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")  # titan_ds.plan.MODES that stream or offload, + one
+MODES = ("zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")  # titan_ds.plan.MODES that stream or offload
 GiB = 1 << 30
 
 
@@ -58,12 +58,6 @@ def gpt_params(layers: int, width: int) -> int:
 
 
 def ds_config(mode: str, nvme: str) -> dict:
-    if mode == "hms_asdt_bf16":
-        cfg = candidate_config("hms_asdt", nvme_path=nvme, micro_batch=1)
-        cfg["bf16"] = {"enabled": True}
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # the mapped gradient buffer stays the master's dtype
-        cfg["titan"]["optimizer"].update(state_dtype="8bit", density=1.0, lr=1e-5)
-        return cfg
     return candidate_config(mode, nvme_path=nvme, micro_batch=1)  # what `titan-ds plan --out` writes
 
 

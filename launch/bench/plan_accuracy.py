@@ -42,7 +42,8 @@ from titan_ds.utils import free_port  # noqa: E402
 GiB = 1 << 30
 # the validation runs: shapes the calibration did not see, every mode, and two ranks
 VALIDATION = [("zero2", "gpt:6x1024", 1), ("zero3", "gpt:8x1024", 1), ("zero3_cpu", "gpt:12x1024", 1),
-              ("hms", "gpt:24x1024", 1), ("hms_asdt", "gpt:24x1024", 1), ("zero2", "gpt:8x640", 2)]
+              ("hms", "gpt:24x1024", 1), ("hms_asdt", "gpt:24x1024", 1), ("zero2", "gpt:8x640", 2),
+              ("hms_asdt_bf16", "gpt:24x1024", 1)]
 
 
 def measure(mode: str, spec: str, ranks: int, *, path: str, cap_gib: float, logs: Path, timeout: float) -> dict:
