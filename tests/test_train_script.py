@@ -18,11 +18,8 @@ DROP_6_STEPS, DROP_12_STEPS = 0.02, 0.07
 
 def _train(tmp, *extra, cfg="ds_configs/demo.json"):
     cmd = [sys.executable, "launch/train.py", "--deepspeed_config", cfg, *TINY, *extra]
-    # One intra-op thread, as the HMS harness runs: a fresh-clone CI once saw the first step's loss of two
-    # identical runs differ in the 7th digit (5.5657802 vs 5.5657797, before any update or checkpoint), i.e.
-    # the CPU kernels' multithreaded summation order, not the resume under test.
-    env = dict(clean_env(), OMP_NUM_THREADS="1")
-    r = run_group(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # clean_env() runs it on one intra-op thread: the resume test compares runs bit for bit
+    r = run_group(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
 

@@ -268,6 +268,7 @@ class _DiskGradientBuffer:
         self._torch, self._folder = real_torch, folder
         self.bytes = 0
         self.mapped = None  # the mapped buffer, once DeepSpeed allocated it (not .tensor: that is torch.tensor)
+
     def __getattr__(self, name: str):
         return getattr(self._torch, name)
 
