@@ -46,7 +46,7 @@ OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1}
 # per element of the sub-group being stepped: the optimizer step's temporaries above its resident state, measured
 # (VmHWM over one step of a 67M-element fp32 parameter, 1 thread): torch AdamW 8; ASDT's reference update (the
 # momentum blend, the sign step and the masked write as whole-tensor temporaries) 25 with a bf16 momentum, 28 with
-# the 8-bit one (decode and encode)
+# the 8-bit one (decode and encode); `python launch/bench/step_temp.py`, results/step_temp.md
 STEP_TEMP_BYTES = {"adamw": 8, "asdt_bf16": 25, "asdt_8bit": 28}
 MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "hms": "adamw", "hms_asdt": "asdt_bf16",
                   "hms_asdt_bf16": "asdt_8bit"}
