@@ -184,7 +184,10 @@ def main(argv=None) -> dict:
     titan = TitanConfig.from_ds_config(ds)  # validate before any work: every error at once
     micro_batch = args.micro_batch or int(ds.get("train_micro_batch_size_per_gpu", 16))
     ds["train_micro_batch_size_per_gpu"] = micro_batch
-    val_mb = args.val_micro_batch or micro_batch
+    # gradient accumulation: a step is gas micro-batches of the step's micro_batch * gas sequences (the sequences
+    # a run of gas=1 and that many per micro-batch sees), validated on batches of that size
+    gas = int(ds.get("gradient_accumulation_steps", 1))
+    val_mb = args.val_micro_batch or micro_batch * gas
     ds.pop("train_batch_size", None)
     gcfg = GPTConfig(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.context,
                      vocab_size=args.vocab)
@@ -202,7 +205,7 @@ def main(argv=None) -> dict:
     rank = engine.global_rank
     world = engine.world_size
     corpus = load_corpus(args.data)
-    batches = Batcher(corpus.train, micro_batch, args.context, seed=args.seed, rank=rank, world=world)
+    batches = Batcher(corpus.train, micro_batch * gas, args.context, seed=args.seed, rank=rank, world=world)
     start = 0
     if args.load_dir:
         path, client = engine.load_checkpoint(args.load_dir)
@@ -231,11 +234,18 @@ def main(argv=None) -> dict:
     for step in range(start + 1, args.steps + 1):
         x, y = batches.get(step)
         t0 = time.perf_counter()
-        with acts.track():
-            loss = engine(x.to(engine.device), y.to(engine.device))
-        engine.backward(loss)
-        mem = accounted_memory(engine, activations=acts.bytes)
+        losses, act_peak = [], 0
+        for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):  # engine.step applies after the last
+            with acts.track():
+                loss = engine(xm.to(engine.device), ym.to(engine.device))
+            act_peak = max(act_peak, acts.bytes)
+            engine.backward(loss)
+            losses.append(loss.detach())
+            if len(losses) < gas:
+                engine.step()
+        mem = accounted_memory(engine, activations=act_peak)
         engine.step()
+        loss = torch.stack(losses).float().mean()
         dt = time.perf_counter() - t0
         mem.optimizer_state = max(mem.optimizer_state, accounted_memory(engine).optimizer_state)
         opt_state_peak = max(opt_state_peak, optimizer_state_bytes(engine))

@@ -213,6 +213,19 @@ def test_trainer_with_section_runs_titan_optimizer_over_trainer_groups(dist_env,
     assert torch.isfinite(losses).all()
 
 
+def test_trainer_with_bf16_weights_trains_them_with_no_fp32_copy(dist_env, tmp_path, installed):
+    """titan.optimizer.weight_dtype="bf16" through the HF Trainer (bf16=False, as the refusal asks): the Trainer's
+    model is bf16 in place, ASDT steps it directly (no DeepSpeed wrapper with an fp32 master), and it learns."""
+    titan = {"optimizer": {"weight_dtype": "bf16", "update": "adaptive", "density": 1.0, "state_dtype": "8bit",
+                           "second_moment": "coordinate", "second_dtype": "4bit"}}
+    losses, params, _, trainer, snapshots = run_trainer(tmp_path, "llama", _ds_config(0, titan), steps=4)
+    engine = trainer.model_wrapped
+    assert type(engine.optimizer).__name__ == "ASDT"
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert torch.isfinite(losses).all()
+    assert any(not torch.equal(a, b) for a, b in zip(snapshots[0], params))
+
+
 def _linear_warmup(lr: float, warmup: int, total: int, step: int) -> float:
     if step < warmup:
         return lr * step / warmup

@@ -48,10 +48,11 @@ def test_shipped_config_trains_three_steps(dist_env, tmp_path, path):
     engine, *_ = titan_ds.initialize(model=model, optimizer=opt, config=cfg)
     x = torch.randint(0, 256, (2, TINY.block_size))
     losses = []
-    for _ in range(3):
-        loss = engine(x, x)
-        engine.backward(loss)
-        engine.step()
+    for _ in range(3):  # three optimizer steps (titan_memory.json accumulates 4 micro-batches a step)
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
         losses.append(float(loss))
     assert all(math.isfinite(v) for v in losses), losses
     # the same batch after two steps: the optimizer moved the model (with titan.plasticity, step 1 is BSPS's

@@ -111,6 +111,12 @@ class OptimizerConfig(_Strict):
     # update each parameter in its gradient hook during backward and free the gradient at once: the gradients
     # of the whole model never exist together (ZeRO 0, no gradient clipping, no accumulation, no BSPS)
     step_in_backward: bool = False
+    # "bf16": titan casts the model to bf16 and no fp32 master copy is kept (ZeRO stage 0, no fp16/bf16 section):
+    # each weight and its gradient take 2 bytes instead of 4. `rounding` says how ASDT writes an updated bf16
+    # weight: "stochastic" (unbiased; the default) or "nearest" (drops every update under half a bf16 step)
+    weight_dtype: Optional[Literal["bf16"]] = None
+    rounding: Literal["stochastic", "nearest"] = "stochastic"
+    rounding_seed: int = 0
     sketch_width: int = Field(default=1 << 16, ge=16)    # TGSS table (importance="sketch"): width x depth fp32
     sketch_depth: int = Field(default=3, ge=1, le=16)
 

@@ -77,6 +77,7 @@ log = get_logger("titan_ds.optim")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _QUANT = ("8bit", "4bit")  # block-wise quantized state (qstate.py): codes + one fp32 absmax per block
 _UPDATES = ("sign", "adaptive")
+_ROUNDINGS = ("stochastic", "nearest")  # how bf16 weights are written (fp32 weights: exact either way)
 _SECOND_MOMENTS = ("unit", "coordinate")
 
 
@@ -162,12 +163,18 @@ class ASDT(torch.optim.Optimizer):
                  state_dtype: str = "fp32", granularity: str = "tensor", block_size: int = 4096,
                  sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0, update: str = "sign",
                  eps: float = 1e-8, update_clip: Optional[float] = None, second_moment: str = "unit",
-                 second_dtype: str = "fp32"):
+                 second_dtype: str = "fp32", rounding: str = "stochastic", rounding_seed: int = 0):
         groups = self._groups(params)
         named = [np for g in groups for np in g["params"]]
         _check(lr, betas, density, weight_decay, importance, state_dtype, block_size, update, eps, update_clip,
                second_moment, second_dtype)
         self.update, self.eps, self.update_clip = update, eps, update_clip
+        if rounding not in _ROUNDINGS:
+            raise ValueError(f"rounding={rounding!r}: choose one of {list(_ROUNDINGS)}")
+        # bf16 weights (no fp32 master copy) are written with stochastic rounding from these generators, one per
+        # device, seeded alike on every rank (stage 0 data parallel: every rank must take the same step)
+        self.rounding, self.rounding_seed = rounding, int(rounding_seed)
+        self._generators: dict[str, torch.Generator] = {}
         self._runs: dict[Any, Any] = {}  # update="adaptive": the runs of consecutive units of each tensor
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
@@ -422,6 +429,15 @@ class ASDT(torch.optim.Optimizer):
                         torch.zeros(0, dtype=vd, device=dev))
         return by_mode
 
+    def _generator(self, t: torch.Tensor) -> Optional[torch.Generator]:
+        """The stochastic-rounding generator for ``t``'s device, when ``t`` is bf16 (else None: nothing to round)."""
+        if self.rounding != "stochastic" or t.dtype != torch.bfloat16:
+            return None
+        key = str(t.device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=t.device).manual_seed(self.rounding_seed)
+        return self._generators[key]
+
     def _update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
         self._observe(layout, t.grad.view(-1))
         self._unpack(st)
@@ -489,7 +505,7 @@ class ASDT(torch.optim.Optimizer):
             kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split),
             seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
             unit_sums=lambda x: unit_sums(x, pieces, split), update_clip=self.update_clip if adaptive else None,
-            variances=variances)
+            variances=variances, generator=self._generator(t))
 
     def _apply_adaptive(self, t: torch.Tensor, st: dict[str, Any], pieces: list[Piece], split: Layout,
                         group: dict[str, Any]) -> None:
@@ -515,7 +531,7 @@ class ASDT(torch.optim.Optimizer):
                 momenta=[st["momentum"][off:off + sum(lengths)]], lr_scales=None if scales is None else scales[lo:hi],
                 kth_largest=lambda s, ks, part=part: kth_largest(s, ks, part, split), seconds=seconds[lo:hi],
                 eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split), update_clip=self.update_clip,
-                variances=variances)
+                variances=variances, generator=self._generator(t))
 
     def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
         """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it."""
@@ -546,6 +562,7 @@ class ASDT(torch.optim.Optimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {"engine_step": self._engine_step, "last_selected": self.last_selected, "clip_coef": self._clip_coef,
+                "rounding_generators": {k: g.get_state() for k, g in self._generators.items()},
                 "sketch": self.sketch.state_dict() if self.sketch is not None else None,
                 "plasticity": self.plasticity.state_dict() if self.plasticity is not None else None}
 
@@ -587,6 +604,9 @@ class ASDT(torch.optim.Optimizer):
         self._engine_step = int(extra["engine_step"])
         self.last_selected = int(extra["last_selected"])
         self._clip_coef = float(extra.get("clip_coef", 1.0))  # step in backward's clipping of the next step
+        for key, state in (extra.get("rounding_generators") or {}).items():  # the stochastic rounding's draws
+            self._generators[key] = torch.Generator(device=key)
+            self._generators[key].set_state(state.cpu() if torch.is_tensor(state) else state)
         if self.sketch is not None:
             self.sketch.load_state_dict(extra["sketch"])
         if (extra.get("plasticity") is None) != (self.plasticity is None):

@@ -12,9 +12,33 @@ import torch
 from .bsps import FROZEN, GROWTH, SLEEPING
 from .layout import Piece
 
-__all__ = ["asdt_update", "local_kth_largest", "reference_step", "KthLargest", "IMPORTANCE"]
+__all__ = ["asdt_update", "local_kth_largest", "reference_step", "KthLargest", "IMPORTANCE", "round_to",
+           "stochastic_round"]
 
 IMPORTANCE = ("momentum", "grad_weight", "sketch")
+
+
+def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (fp32) rounded to bf16 at random, up or down with the probabilities that make it unbiased
+    (``E[round(x)] = x``): a uniform 16-bit integer is added to the low half of each fp32 bit pattern, which is
+    then cut off. A value bf16 holds exactly comes back unchanged; infinities and NaNs stay what they are."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round takes fp32, got {x.dtype}")
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator, device=bits.device)
+    out = torch.where(torch.isfinite(x), (bits + noise) & -65536, bits).view(torch.float32)
+    return out.to(torch.bfloat16)  # exact: the low 16 bits are 0
+
+
+def round_to(dtype: torch.dtype, x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """``x`` (fp32) in ``dtype``: stochastically rounded when ``generator`` is given and ``dtype`` is bf16 (weights
+    kept in bf16 with no fp32 master copy, where rounding to nearest drops every update under half a bf16 step),
+    else ``x.to(dtype)``."""
+    if generator is not None and dtype == torch.bfloat16:
+        return stochastic_round(x.float(), generator)
+    return x.to(dtype)
+
+
 def _scores(importance: str, c: torch.Tensor, g: torch.Tensor, w: torch.Tensor,
             sketch_est: Optional[torch.Tensor]) -> torch.Tensor:
     if importance == "momentum":
@@ -35,8 +59,11 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
                    modes: Optional[list[int]] = None, lr_scales: Optional[list[float]] = None,
                    elastic_pull: float = 0.0, sketch_est: Optional[list[torch.Tensor]] = None,
                    update: str = "sign", eps: float = 1e-8, update_clip: Optional[float] = None,
-                   second_moment: str = "unit", second_dtype: torch.dtype = torch.float32) -> None:
-    """The docstring's steps, one unit at a time: ``units`` is ``[(w_view, g, state)]`` (1-D fp32 views).
+                   second_moment: str = "unit", second_dtype: torch.dtype = torch.float32,
+                   generator: Optional[torch.Generator] = None) -> None:
+    """The docstring's steps, one unit at a time: ``units`` is ``[(w_view, g, state)]`` (1-D views: fp32, or bf16
+    weights; the new weights are computed in fp32, then written in the weights' dtype, with
+    :func:`stochastic_round` when ``generator`` is given: one draw per element of the unit, unit by unit).
 
     ``state`` holds ``momentum`` (Growth) or ``anchor`` (Elastic), created here on first use, and with
     ``update="adaptive"`` a Growth unit's ``v`` and ``t`` (Python floats); with ``second_moment="coordinate"``
@@ -66,7 +93,9 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
             s = _scores(importance, c, g, w, None if sketch_est is None else sketch_est[i])
             tau = torch.topk(s, _k(density, s.numel())).values[-1]
             mask = (s >= tau) & (s > 0)
-            w[mask] = w[mask] - (c[mask] + weight_decay * w[mask]) * (lr * scale)
+            wf = w.float()
+            wf[mask] = wf[mask] - (c[mask] + weight_decay * wf[mask]) * (lr * scale)
+            w.copy_(torch.where(mask, round_to(w.dtype, wf, generator), w))
             st["momentum"] = m.to(state_dtype)
             continue
         if mode == GROWTH:
@@ -78,12 +107,14 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
         s = _scores(importance, c, g, w, None if sketch_est is None else sketch_est[i])
         tau = torch.topk(s, _k(density, s.numel())).values[-1]
         mask = (s >= tau) & (s > 0)
-        w[mask] = w[mask] - (torch.sign(c[mask]) + weight_decay * w[mask]) * (lr * scale)
+        wf = w.float()
+        wf[mask] = wf[mask] - (torch.sign(c[mask]) + weight_decay * wf[mask]) * (lr * scale)
         if mode == GROWTH:
             st["momentum"] = (m * b2 + g * (1 - b2)).to(state_dtype)
         else:
             a = st["anchor"].float()
-            w[mask] = w[mask] + (a[mask] - w[mask]) * elastic_pull
+            wf[mask] = wf[mask] + (a[mask] - wf[mask]) * elastic_pull
+        w.copy_(torch.where(mask, round_to(w.dtype, wf, generator), w))
 
 
 KthLargest = Callable[[list[torch.Tensor], list[int]], list[torch.Tensor]]
@@ -102,7 +133,7 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
                 seconds: Optional[torch.Tensor] = None, eps: float = 1e-8,
                 unit_sums: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                 lengths: Optional[list[int]] = None, update_clip: Optional[float] = None,
-                variances: Optional[list[torch.Tensor]] = None) -> int:
+                variances: Optional[list[torch.Tensor]] = None, generator: Optional[torch.Generator] = None) -> int:
     """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed.
 
     ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
@@ -119,6 +150,8 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
     consecutive slices (fewer, longer tensors: the same arithmetic without a loop over units). ``variances``
     (adaptive only): each element's own second moment (``second_moment="coordinate"``), slices like
     ``momenta``, updated in place; ``seconds`` then only counts each unit's steps (its ``v`` stays 0).
+    ``generator``: bf16 weights are written with :func:`stochastic_round` (fp32 weights: no effect), one draw per
+    element of each slice, slice after slice: the draws of :func:`reference_step` unit by unit.
     """
     if seconds is not None:
         if momenta is None:
@@ -126,7 +159,8 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
         return _adaptive_update(weights, grads, momenta, seconds, lr=lr, betas=betas, density=density,
                                 weight_decay=weight_decay, unit_numels=unit_numels, importance=importance, eps=eps,
                                 lr_scales=lr_scales, scores=scores, kth_largest=kth_largest, unit_sums=unit_sums,
-                                lengths=lengths, update_clip=update_clip, variances=variances)
+                                lengths=lengths, update_clip=update_clip, variances=variances,
+                                generator=generator)
     if variances is not None:
         raise ValueError("asdt_update: variances (second_moment='coordinate') go with seconds (update='adaptive')")
     if (momenta is None) == (anchors is None):
@@ -147,11 +181,12 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
     for i, w in enumerate(weights):
         mask = (ss[i] >= taus[i]) & (ss[i] > 0) if taus is not None else ss[i] > 0
         selected += int(mask.sum())
-        new = w - (torch.sign(cs[i]) + weight_decay * w) * (lr * (1.0 if lr_scales is None else lr_scales[i]))
+        wf = w.float()
+        new = wf - (torch.sign(cs[i]) + weight_decay * wf) * (lr * (1.0 if lr_scales is None else lr_scales[i]))
         if anchors is not None:
             a = anchors[i].float()
             new = new + (a - new) * elastic_pull
-        w.copy_(torch.where(mask, new, w))
+        w.copy_(torch.where(mask, round_to(w.dtype, new, generator), w))
         if momenta is not None:
             m = momenta[i]
             m.copy_((m.float() * b2 + gs[i] * (1 - b2)).to(m.dtype))
@@ -163,7 +198,8 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
                      weight_decay: float, unit_numels: list[int], importance: str, eps: float,
                      lr_scales: Optional[list[float]], scores: Optional[list[torch.Tensor]], kth_largest: KthLargest,
                      unit_sums: Callable[[torch.Tensor], torch.Tensor], lengths: Optional[list[int]] = None,
-                     update_clip: Optional[float] = None, variances: Optional[list[torch.Tensor]] = None) -> int:
+                     update_clip: Optional[float] = None, variances: Optional[list[torch.Tensor]] = None,
+                     generator: Optional[torch.Generator] = None) -> int:
     """Steps 1' and 4' of the module docstring, vectorised over the slices (one concatenation, no per-unit loop
     except the top-k of ``density < 1`` and the write-back)."""
     b1, b2 = betas
@@ -210,9 +246,10 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
     scale = lr if lr_scales is None else \
         torch.tensor([lr * x for x in lr_scales], dtype=torch.float32).repeat_interleave(lens)
     new = torch.where(mask, w - (c + weight_decay * w) * scale, w)
-    for dsts, src in ((weights, new), (momenta, m)):
-        for dst, part in zip(dsts, torch.split(src, [x.numel() for x in dsts])):
-            dst.copy_(part)
+    for dst, part in zip(weights, torch.split(new, [x.numel() for x in weights])):
+        dst.copy_(round_to(dst.dtype, part, generator))  # unchanged elements: exact, so they stay as they were
+    for dst, part in zip(momenta, torch.split(m, [x.numel() for x in momenta])):
+        dst.copy_(part)
     return int(mask.sum())
 
 

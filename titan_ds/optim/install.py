@@ -69,7 +69,8 @@ def _asdt_kwargs(cfg: Any) -> dict[str, Any]:
                 weight_decay=cfg.weight_decay, importance=cfg.importance, state_dtype=cfg.state_dtype,
                 granularity=cfg.granularity, block_size=cfg.block_size, sketch_width=cfg.sketch_width,
                 sketch_depth=cfg.sketch_depth, update=cfg.update, eps=cfg.eps, update_clip=cfg.update_clip,
-                second_moment=cfg.second_moment, second_dtype=cfg.second_dtype)
+                second_moment=cfg.second_moment, second_dtype=cfg.second_dtype, rounding=cfg.rounding,
+                rounding_seed=cfg.rounding_seed)
 
 
 def replace_optimizer(model: torch.nn.Module, cfg: Any, passed: torch.optim.Optimizer) -> ASDT:
@@ -173,6 +174,32 @@ def _step_in_backward_problems(ctx: Any) -> list[str]:
     return out
 
 
+def _bf16_weight_problems(ctx: Any) -> list[str]:
+    """What in the configs rules out ``titan.optimizer.weight_dtype="bf16"``, each with its fix."""
+    head = "titan.optimizer.weight_dtype=\"bf16\""
+    out = []
+    if ctx.zero_stage() != 0:
+        out.append(f"{head} needs ZeRO stage 0: ZeRO-{ctx.zero_stage()} steps on fp32 master partitions of its own "
+                   f"(DeepSpeed's bf16.bf16_master_weights_and_grads keeps them in bf16); set zero_optimization.stage "
+                   f"to 0 or remove weight_dtype")
+    for key in ("fp16", "bf16"):
+        if (ctx.ds_config.get(key) or {}).get("enabled") in (True, "auto"):
+            out.append(f"{head} with {key}.enabled: DeepSpeed's {key} optimizer keeps an fp32 master copy of every "
+                       f"weight, which is what weight_dtype removes; set {key}.enabled to false (HF Trainer: "
+                       f"TrainingArguments({key}=False)): titan casts the model to bf16 itself")
+    if ctx.titan.hms is not None:
+        out.append(f"{head} with titan.hms: HMS runs under ZeRO-3; remove one of them")
+    return out
+
+
+def _cast_weights(model: torch.nn.Module) -> None:
+    """The model's floating parameters and buffers to bf16, in place (the Parameter objects stay the same, so an
+    optimizer already built over them, as the HF Trainer's, still holds them)."""
+    n = sum(p.numel() for p in model.parameters() if p.is_floating_point())
+    model.to(torch.bfloat16)
+    log.info("titan.optimizer.weight_dtype=bf16: the model's %d weights are bf16, with no fp32 master copy", n)
+
+
 def before_initialize(ctx: Any) -> None:
     """Build ASDT (+BSPS) from ``titan.optimizer`` / ``titan.plasticity``, in place of an optimizer passed to
     initialize (:func:`replace_optimizer`); set the ZeRO flags it needs."""
@@ -184,6 +211,11 @@ def before_initialize(ctx: Any) -> None:
     if "optimizer" in ctx.ds_config:
         raise TitanConfigError(["titan.optimizer is set and the ds_config has an \"optimizer\" section too; "
                                 "remove one (titan builds ASDT itself)"])
+    if cfg.weight_dtype == "bf16":
+        problems = _bf16_weight_problems(ctx)
+        if problems:
+            raise TitanConfigError(problems)
+        _cast_weights(ctx.model)
     passed = ctx.optimizer
     if passed is not None and not isinstance(passed, torch.optim.Optimizer):
         raise TitanConfigError([f"titan.optimizer is set and initialize() was given optimizer={passed!r}, which "
