@@ -58,20 +58,24 @@ def _lion(groups: list[dict], lr: float) -> torch.optim.Optimizer:
     return Lion(groups, lr=lr, betas=(0.9, 0.99))  # the paper's betas; weight decay: p *= 1 - lr * wd
 
 
-def _torchao(cls_name: str):
+def _torchao(cls_name: str, bf16_stochastic_round: bool = False):
     def build(groups: list[dict], lr: float) -> torch.optim.Optimizer:
         try:
             import torchao.optim
         except ImportError as e:
             raise SystemExit(f"--optimizer {cls_name.lower()} needs torchao ({e}); install it with "
                              "`pip install --no-deps torchao==0.18.0` or `pip install -e .[bench]`") from e
-        return getattr(torchao.optim, cls_name)(groups, lr=lr, betas=(0.9, 0.95))  # AdamW's betas here
+        return getattr(torchao.optim, cls_name)(groups, lr=lr, betas=(0.9, 0.95),  # AdamW's betas here
+                                                bf16_stochastic_round=bf16_stochastic_round)
     return build
 
 
 # name -> builder(param groups, lr): the one list of client optimizers (the --optimizer choices)
 CLIENT_OPTIMIZERS = {"adamw": _adamw, "adafactor": _adafactor, "lion": _lion,
-                     "adamw8bit": _torchao("AdamW8bit"), "adamw4bit": _torchao("AdamW4bit")}
+                     "adamw8bit": _torchao("AdamW8bit"), "adamw4bit": _torchao("AdamW4bit"),
+                     # torchao's own recipe for bf16 training with no fp32 copy: bf16 weights, stochastic rounding
+                     "adamw4bit_bf16": _torchao("AdamW4bit", bf16_stochastic_round=True)}
+BF16_WEIGHTS = {"adamw4bit_bf16"}  # the model is cast to bf16 before the optimizer is built over it
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, name: str = "adamw",
@@ -163,6 +167,11 @@ def _client_optimizer(model: torch.nn.Module, args: argparse.Namespace, ds: dict
                                  f"comes from the config; drop {flag} or the config's optimizer")
         return None
     wd = DEFAULT_WEIGHT_DECAY if args.weight_decay is None else args.weight_decay
+    if args.optimizer in BF16_WEIGHTS:
+        if any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
+            raise SystemExit(f"--optimizer {args.optimizer} trains bf16 weights with no fp32 copy; the ds_config's "
+                             f"bf16/fp16 section would add one: remove it")
+        model.to(torch.bfloat16)
     return make_optimizer(model, 1e-3 if args.lr is None else args.lr, args.optimizer or "adamw", wd, args.beta1)
 
 

@@ -134,3 +134,14 @@ def test_quantized_states_count_their_inner_tensors(bits):
     per_param = optimizer_state_bytes(opt) / w.numel()
     assert 2 * bits / 8 <= per_param < 2 * bits / 8 + 0.1, per_param
     assert math.isfinite(per_param)
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install -e .[test])")
+def test_adamw4bit_bf16_casts_the_model_and_refuses_a_bf16_section():
+    args = train.parse_args(["--optimizer", "adamw4bit_bf16"])
+    with pytest.raises(SystemExit, match="remove it"):
+        train._client_optimizer(_model(), args, {"bf16": {"enabled": True}}, None)
+    model = _model()
+    opt = train._client_optimizer(model, args, {}, None)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert opt.bf16_stochastic_round

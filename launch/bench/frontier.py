@@ -14,7 +14,9 @@ Rows (``--rows`` keeps those matching its comma-separated names or shell pattern
   the relative step, grid ``--adafactor-lrs``, weight decay ``--adafactor-wd``); ``lion_lr<lr>`` (Lion from the
   lion-pytorch package, the paper's betas 0.9/0.99; Lion's rules: an lr grid ``--lion-lrs`` 3-10x below AdamW's
   and a weight decay ``--lion-wd`` 3-10x above it); ``adamw8bit`` and ``adamw4bit`` (torchao's quantized-state
-  AdamW, run on the CPU through torch.compile) at the best AdamW lr, as drop-in replacements of AdamW.
+  AdamW, run on the CPU through torch.compile) at the best AdamW lr, as drop-in replacements of AdamW;
+  ``adamw4bit_bf16`` (torchao's recipe for bf16 training: the model in bf16 with no fp32 copy, ``AdamW4bit`` with
+  ``bf16_stochastic_round=True``), the peer of ``titan_memory``'s bf16 weights.
 - titan profiles: every ``ds_configs/titan_*.json`` as shipped (``titan_exact``, ``titan_balanced``,
   ``titan_memory``, ``titan_full`` first). A profile without ``titan.optimizer`` or a ds_config ``optimizer``
   section trains with AdamW at the best AdamW lr. A profile with gradient compression needs 2 ranks: it runs on 2 ranks at half the micro-batch each
@@ -118,7 +120,7 @@ def build_rows(a: argparse.Namespace) -> list[Row]:
     rows += [Row(f"lion_lr{lr}", "peer", base, ["--optimizer", "lion", "--lr", lr, "--weight-decay", str(a.lion_wd)],
                  lr=float(lr)) for lr in _floats(a.lion_lrs, "--lion-lrs")]
     rows += [Row(n, "peer", base, ["--optimizer", n, "--weight-decay", "0.1"], inherit_lr=True)
-             for n in ("adamw8bit", "adamw4bit")]
+             for n in ("adamw8bit", "adamw4bit", "adamw4bit_bf16")]
     for path in _profiles():
         cfg = json.loads(path.read_text())
         titan = TitanConfig.from_ds_config(cfg)
