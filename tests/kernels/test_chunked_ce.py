@@ -73,3 +73,18 @@ def test_errors():
         ChunkedLMLoss(chunk=0)
     with pytest.raises(TypeError, match="nn.Linear"):
         ChunkedLMLoss()(h, nn.Identity(), torch.zeros(4, dtype=torch.long))
+
+
+def test_lm_loss_module_returns_the_fp32_sum_for_bf16_activations():
+    """ChunkedLMLoss stands in for the GPT's LMLoss, which returns an fp32 loss from bf16 logits: the loss is the
+    fp32 sum unrounded (a bf16 loss would be a multiple of 2^-7 near 2), and the function keeps torch's dtype rule."""
+    torch.manual_seed(0)
+    head = nn.Linear(16, 40).bfloat16()
+    h = torch.randn(3, 8, 16).bfloat16()
+    t = torch.randint(0, 40, (3, 8))
+    loss = ChunkedLMLoss(chunk=5)(h, head, t)
+    logits = h.float() @ head.weight.float().t() + head.bias.float()  # the kernel's fp32 logits of bf16 inputs
+    ref = nn.functional.cross_entropy(logits.reshape(-1, 40), t.reshape(-1))
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    assert chunked_linear_cross_entropy(h, head.weight, t, head.bias).dtype == torch.bfloat16

@@ -126,7 +126,7 @@ def _causal_lm_loss(hidden: Tensor, head: nn.Linear, labels: Tensor, opts: dict,
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = chunked_linear_cross_entropy(hidden, head.weight, shift_labels, head.bias, ignore_index=ignore_index,
                                         reduction=reduction, chunk=opts["chunk"],
-                                        vocab_chunk=opts["vocab_chunk"]).float()  # HF returns an fp32 loss
+                                        vocab_chunk=opts["vocab_chunk"], out_dtype=torch.float32)  # as HF's
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

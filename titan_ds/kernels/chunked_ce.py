@@ -37,7 +37,7 @@ def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], c0: int, c1: int) -> Tens
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, w: Tensor, b: Optional[Tensor], t: Tensor, ignore_index: int, reduction: str,
-                chunk: int, vchunk: int) -> Tensor:
+                chunk: int, vchunk: int, out_dtype: torch.dtype) -> Tensor:
         n, vocab = h.shape[0], w.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         picked = torch.zeros(n, dtype=torch.float32, device=h.device)
@@ -67,7 +67,7 @@ class _ChunkedCE(torch.autograd.Function):
             loss = per_row
         ctx.save_for_backward(h, w, b, t, lse, count)
         ctx.ignore_index, ctx.reduction, ctx.chunk, ctx.vchunk = ignore_index, reduction, chunk, vchunk
-        return loss.to(h.dtype)
+        return loss.to(out_dtype)
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -98,15 +98,17 @@ class _ChunkedCE(torch.autograd.Function):
                 if db is not None:
                     db[c0:c1] += p.sum(0)
         return (dh.to(h.dtype), dw.to(w.dtype), None if db is None else db.to(b.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunked_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor] = None,
                                  *, ignore_index: int = -100, reduction: str = "mean", chunk: int = 4096,
-                                 vocab_chunk: Optional[int] = None) -> Tensor:
+                                 vocab_chunk: Optional[int] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, targets)`` without materialising all logits (module docstring).
 
     ``chunk``: tokens per row chunk; ``vocab_chunk``: classes per vocabulary chunk (None: the whole vocabulary).
+    ``out_dtype``: the loss's dtype (None: ``hidden``'s, as ``F.cross_entropy`` of logits in it; the sum is fp32
+    either way, so ``torch.float32`` returns it unrounded for bf16 activations).
     Returns a scalar for mean/sum and a tensor of ``targets.shape`` for none.
     """
     if reduction not in REDUCTIONS:
@@ -124,7 +126,7 @@ def chunked_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor
                          f"{targets[bad][:5].tolist()}")
     vchunk = weight.shape[0] if vocab_chunk is None else vocab_chunk
     loss = _ChunkedCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(),
-                            ignore_index, reduction, chunk, vchunk)
+                            ignore_index, reduction, chunk, vchunk, out_dtype or hidden.dtype)
     return loss.reshape(targets.shape) if reduction == "none" else loss
 
 
@@ -143,8 +145,10 @@ class ChunkedLMLoss(nn.Module):
     def forward(self, hidden: Tensor, head: nn.Module, targets: Tensor) -> Tensor:
         if not isinstance(head, nn.Linear):
             raise TypeError(f"ChunkedLMLoss needs the head as nn.Linear (weight (V, d)), got {type(head).__name__}")
+        # fp32, as the reference GPT's LMLoss (and HF's loss) returns it from logits of any dtype
         return chunked_linear_cross_entropy(hidden, head.weight, targets, head.bias, ignore_index=self.ignore_index,
-                                            reduction=self.reduction, chunk=self.chunk, vocab_chunk=self.vocab_chunk)
+                                            reduction=self.reduction, chunk=self.chunk, vocab_chunk=self.vocab_chunk,
+                                            out_dtype=torch.float32)
 
     def extra_repr(self) -> str:
         return (f"chunk={self.chunk}, vocab_chunk={self.vocab_chunk}, ignore_index={self.ignore_index}, "
