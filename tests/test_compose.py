@@ -134,3 +134,18 @@ def test_titan_balanced_adaptive_asdt_resume_bit_exact(tmp_path, stage):
     full = _losses(tmp_path / "full.jsonl")
     assert _losses(tmp_path / "a.jsonl") == full[:3] and _losses(tmp_path / "b.jsonl") == full[3:]
     assert len(set(full)) == 6  # it trains
+
+
+@pytest.mark.slow
+def test_titan_memory_two_ranks_hold_one_model(tmp_path):
+    """ds_configs/titan_memory.json (bf16 weights with stochastic rounding, 4 micro-batches a step) on 2
+    data-parallel ranks: both ranks draw the same roundings, so they hold one model. Checked through resume: the
+    checkpoint holds rank 0's weights, which both ranks load; had rank 1's weights drifted from rank 0's in the
+    unbroken run, its gradients (averaged into rank 0's) would differ from step 5 on, and so would the losses."""
+    cfg = ROOT / "ds_configs" / "titan_memory.json"
+    _run(cfg, 2, "--steps", "6", "--metrics-out", str(tmp_path / "full.jsonl"))
+    _run(cfg, 2, "--steps", "3", "--save-dir", str(tmp_path / "ck"), "--metrics-out", str(tmp_path / "a.jsonl"))
+    _run(cfg, 2, "--steps", "6", "--load-dir", str(tmp_path / "ck"), "--metrics-out", str(tmp_path / "b.jsonl"))
+    full = _losses(tmp_path / "full.jsonl")
+    assert _losses(tmp_path / "a.jsonl") == full[:3]
+    assert _losses(tmp_path / "b.jsonl") == full[3:]
