@@ -145,13 +145,11 @@ def test_dgc_and_powersgd_keys_are_checked(comp, needle):
 
 
 def test_dgc_and_powersgd_keys_reach_the_reducer():
-    from titan_ds.comm import hooks
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
 
     def reducer(**comp):
         c = InitContext(titan=TitanConfig(compression=comp), ds_config={}, model=None, world_size=2)
-        hooks.before_initialize(c)
-        return c.reports["compression"]
+        return prepare(c)[-1].reducer
 
     r = reducer(method="topk", ratio=300, momentum=0.9, momentum_masking=False, local_clip=0.5,
                 ratio_warmup_steps=40, ratio_warmup_start=4, warmup_steps=3)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import titan_ds
-from titan_ds.engine import PILLARS, Pillar, _import_pillar
+from titan_ds.engine import PILLARS, Pillar, _pillar_class
 from tests.helpers.equal_run import compare
 from tests.helpers.launch import run_deepspeed
 
@@ -20,7 +20,7 @@ def test_no_titan_section_is_bitwise_deepspeed_two_ranks():
 
 def test_missing_pillar_raises_naming_issue():
     with pytest.raises(NotImplementedError, match=r"titan.fake .*issue #99"):
-        _import_pillar(Pillar("fake", "titan_ds.no_such_pillar_module", "issue #99"))
+        _pillar_class(Pillar("fake", "titan_ds.no_such_pillar_module", "issue #99"))
 
 
 def test_pillar_order_is_documented():
@@ -31,12 +31,16 @@ def test_titan_state_rides_in_checkpoints(dist_env, tmp_path, monkeypatch):
     """A pillar's registered state is saved in client_state and restored by engine.load_checkpoint."""
     import types
     store = {"value": torch.arange(3.0)}
+    from titan_ds.pillar import Pillar as PillarBase
     fake = types.ModuleType("titan_ds._fake_pillar")
 
-    def before_initialize(ctx):
-        ctx.add_state("fake", lambda: {"v": store["value"].clone()}, lambda s: store.update(value=s["v"]))
-        ctx.add_metrics(lambda: {"trd_compression_ratio": 2.0, "custom": 1})
-    fake.before_initialize = before_initialize
+    class Fake(PillarBase):
+        key = "trd"
+
+        def apply(self, ctx):
+            ctx.add_state("fake", lambda: {"v": store["value"].clone()}, lambda s: store.update(value=s["v"]))
+            ctx.add_metrics(lambda: {"trd_compression_ratio": 2.0, "custom": 1})
+    fake.PILLAR = Fake
     monkeypatch.setitem(__import__("sys").modules, "titan_ds._fake_pillar", fake)
     monkeypatch.setattr("titan_ds.engine.PILLARS", (Pillar("trd", "titan_ds._fake_pillar", "test"),))
     from tests.helpers.equal_run import TINY, ds_config
@@ -51,11 +55,13 @@ def test_titan_state_rides_in_checkpoints(dist_env, tmp_path, monkeypatch):
     assert torch.equal(store["value"], torch.arange(3.0))
 
 
-def test_user_config_conflicting_with_pillar_flag_raises():
-    from titan_ds.config import TitanConfig, TitanConfigError
-    from titan_ds.engine import InitContext
-    ctx = InitContext(titan=TitanConfig(), ds_config={"zero_allow_untested_optimizer": False}, model=torch.nn.Linear(1, 1))
+def test_user_config_conflicting_with_pillar_flag_raises(dist_env):
+    from titan_ds.config import TitanConfigError
+    from tests.helpers.equal_run import TINY, ds_config
+    from titan_ds.models import GPT
+    cfg = dict(ds_config(1, {"optimizer": {}}), zero_allow_untested_optimizer=False)
     with pytest.raises(TitanConfigError, match="zero_allow_untested_optimizer=False .* conflicts"):
-        ctx.set_ds_flag("zero_allow_untested_optimizer", True, "the titan optimizer")
-    ctx.set_ds_flag("zero_force_ds_cpu_optimizer", False, "the titan optimizer")
-    assert ctx.ds_config["zero_force_ds_cpu_optimizer"] is False
+        titan_ds.initialize(model=GPT(TINY), config=cfg)
+    cfg.pop("zero_allow_untested_optimizer")
+    engine, *_ = titan_ds.initialize(model=GPT(TINY), config=cfg)  # titan sets the flag it needs
+    assert engine.config["zero_allow_untested_optimizer"] is True

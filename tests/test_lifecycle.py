@@ -43,39 +43,45 @@ def test_remover_unregisters_and_unknown_kind_raises():
         lc.register("after_save", lambda: None)
 
 
-def test_abort_undoes_last_first_and_survives_a_failing_undo():
-    lc, log = Lifecycle(), []
-    lc.register("abort", lambda: log.append("undo 1"))
-    lc.register("abort", lambda: (_ for _ in ()).throw(OSError("undo 2 failed")))
-    lc.register("abort", lambda: log.append("undo 3"))
-    lc.run_abort()
-    assert log == ["undo 3", "undo 1"] and lc.abort == []
-    lc.run_abort()  # the stack was cleared: nothing runs twice
+def test_rollback_undoes_last_first_and_survives_a_failing_undo():
+    from titan_ds.transaction import Transaction
+    txn, log = Transaction(torch.nn.Linear(2, 2)), []
+    txn.on_undo("one", lambda: log.append("undo 1"))
+    txn.on_undo("two", lambda: (_ for _ in ()).throw(OSError("undo 2 failed")))
+    txn.on_undo("three", lambda: log.append("undo 3"))
+    err = RuntimeError("boom")
+    txn.rollback(err)
+    assert log == ["undo 3", "undo 1"] and "undoing two failed" in err.__notes__[0]
+    txn.rollback()  # closed: nothing runs twice
     assert log == ["undo 3", "undo 1"]
 
 
 # ------------------------------------------------------------------ fake pillars on a real DeepSpeed engine
 def _fake_pillars(monkeypatch, log: list, *, raise_in: str | None = None) -> None:
     """Two pillars ("trd" then "mlme" in PILLARS) that log every callback; ``raise_in`` fails one phase."""
+    from titan_ds.pillar import Pillar as PillarBase
     pillars = []
     for key in ("trd", "mlme"):
         mod = types.ModuleType(f"titan_ds._fake_{key}")
 
-        def before(ctx, key=key):
-            if raise_in == f"{key}.before":
-                raise RuntimeError(f"{key} failed in before_initialize")
-            with pytest.raises(RuntimeError, match="registered in after_initialize"):
-                ctx.on_after_step(lambda: None)  # no engine yet: the order would not follow PILLARS
+        class Fake(PillarBase):
+            def apply(self, ctx):
+                if raise_in == f"{self.key}.before":
+                    raise RuntimeError(f"{self.key} failed in apply")
+                with pytest.raises(RuntimeError, match="registered in attach"):
+                    ctx.on_after_step(lambda: None)  # no engine yet: the order would not follow PILLARS
 
-        def after(ctx, key=key):
-            ctx.on_before_step(lambda: log.append(f"{key} before_step"))
-            ctx.on_after_step(lambda: log.append(f"{key} after_step"))
-            ctx.on_save(lambda d, t: log.append(f"{key} save {t}"))
-            ctx.on_load(lambda d, t, o: log.append(f"{key} load {t}"))
-            if raise_in == f"{key}.after":
-                raise RuntimeError(f"{key} failed in after_initialize")
+            def attach(self, ctx):
+                k = self.key
+                ctx.on_before_step(lambda: log.append(f"{k} before_step"))
+                ctx.on_after_step(lambda: log.append(f"{k} after_step"))
+                ctx.on_save(lambda d, t: log.append(f"{k} save {t}"))
+                ctx.on_load(lambda d, t, o: log.append(f"{k} load {t}"))
+                if raise_in == f"{k}.after":
+                    raise RuntimeError(f"{k} failed in attach")
 
-        mod.before_initialize, mod.after_initialize = before, after
+        Fake.key = key
+        mod.PILLAR = Fake
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
         pillars.append(Pillar(key, mod.__name__, "test"))
     monkeypatch.setattr("titan_ds.engine.PILLARS", tuple(pillars))
@@ -131,8 +137,14 @@ def test_a_failing_save_callback_fails_the_save_and_keeps_latest(dist_env, tmp_p
         if fail["on"]:
             raise OSError(28, "No space left on device")
 
-    mod.before_initialize = lambda ctx: None
-    mod.after_initialize = lambda ctx: ctx.on_save(on_save)
+    from titan_ds.pillar import Pillar as PillarBase
+
+    class Saver(PillarBase):
+        key = "trd"
+
+        def attach(self, ctx):
+            ctx.on_save(on_save)
+    mod.PILLAR = Saver
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     monkeypatch.setattr("titan_ds.engine.PILLARS", (Pillar("trd", mod.__name__, "test"),))
     engine = _tiny_engine(0, {"trd": {"rank": 2}})
@@ -176,7 +188,7 @@ def test_hms_and_compression_register_callbacks_and_uninstall_removes_compressio
     hms, hooks = engine.titan.reports["hms"], engine.titan.reports["compression"]
     lc = engine.titan.lifecycle
     assert lc.before_step == [hms.before_step, hooks._before_step]  # PILLARS order: HMS innermost
-    assert lc.after_step == [hms.after_step, hooks._after_step] and lc.save == [hms.save] and lc.abort == []
+    assert lc.after_step == [hms.after_step, hooks._after_step] and lc.save == [hms.save]
     ends = []
     real_end_step = hms.param_swapper.end_step
 
@@ -195,8 +207,7 @@ def test_hms_and_compression_register_callbacks_and_uninstall_removes_compressio
     assert_wrapped_once(engine)
 
 
-@pytest.mark.parametrize("fail_at", ["deepspeed.initialize", "later pillar before_initialize",
-                                     "after every after_initialize"])
+@pytest.mark.parametrize("fail_at", ["deepspeed.initialize", "later pillar apply", "after every attach"])
 def test_failed_initialize_restores_every_patched_global(dist_env, tmp_path, monkeypatch, fail_at):
     import deepspeed
 
@@ -207,9 +218,16 @@ def test_failed_initialize_restores_every_patched_global(dist_env, tmp_path, mon
             assert _stage3_globals()[0] is not original[0]  # HMS's swapper factory is in place during the call
             raise RuntimeError("injected failure")
         monkeypatch.setattr(deepspeed, "initialize", boom)
-    elif fail_at == "later pillar before_initialize":
+    elif fail_at == "later pillar apply":
+        from titan_ds.pillar import Pillar as PillarBase
         bad = types.ModuleType("titan_ds._fake_failing")
-        bad.before_initialize = lambda ctx: (_ for _ in ()).throw(RuntimeError("injected failure"))
+
+        class Failing(PillarBase):
+            key = "compression"
+
+            def apply(self, ctx):
+                raise RuntimeError("injected failure")
+        bad.PILLAR = Failing
         monkeypatch.setitem(sys.modules, bad.__name__, bad)
         monkeypatch.setattr(te, "PILLARS", (te.PILLARS[0], Pillar("compression", bad.__name__, "test")))
     else:  # compression installed its ZeRO-3 dispatcher (a module global) before this

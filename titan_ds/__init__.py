@@ -1,9 +1,13 @@
 """titan_ds: train models that do not fit the accelerator, with DeepSpeed and a ``"titan"`` config section."""
-from .config import TITANConfig, TitanConfig, TitanConfigError
-from .engine import initialize
-from .integrations import install, is_installed, uninstall
-from .metrics import MemoryBreakdown, StepMetrics
-from .trainer import TitanTrainer, build_titan_trainer
+from .deepspeed_compat import check_version as _check_deepspeed
+
+_check_deepspeed()  # a DeepSpeed outside the supported range fails here, naming both (titan_ds.deepspeed_compat)
+
+from .config import TITANConfig, TitanConfig, TitanConfigError  # noqa: E402
+from .engine import initialize  # noqa: E402
+from .integrations import install, is_installed, uninstall  # noqa: E402
+from .metrics import MemoryBreakdown, StepMetrics  # noqa: E402
+from .trainer import TitanTrainer, build_titan_trainer  # noqa: E402
 
 __version__ = "0.1.0"
 

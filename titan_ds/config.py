@@ -29,6 +29,7 @@ __all__ = [
     "TRDConfig",
     "MLMEConfig",
     "load_ds_config",
+    "ds_precision",
 ]
 
 SECTION = "titan"
@@ -127,6 +128,16 @@ class OptimizerConfig(_Strict):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _lion(self) -> "OptimizerConfig":
+        if self.name == "lion" and self.update != "sign":
+            raise ValueError(f"has update=\"{self.update}\" with name \"lion\": Lion is the sign update; use name "
+                             f"\"asdt\" for update \"adaptive\"")
+        if self.name == "lion" and "density" in self.model_fields_set and self.density != 1.0:
+            raise ValueError(f"has density={self.density} with name \"lion\": Lion is the dense (density 1) "
+                             f"sign-momentum optimizer; use name \"asdt\" for a sparse one")
+        return self
 
 
 class PlasticityConfig(_Strict):
@@ -373,6 +384,27 @@ class TitanConfig(_Strict):
 
 
 TITANConfig = TitanConfig
+
+
+_TRUE = {"true", "1", "yes", "on", "t", "y", "auto"}
+
+
+def _flag_on(value: Any) -> bool:
+    """A ds_config ``enabled`` value as DeepSpeed's (pydantic) config reads it; ``"auto"`` (HF accelerate fills it
+    from TrainingArguments) counts as on, so the rules that refuse a precision also refuse what may become it."""
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE
+    return bool(value)
+
+
+def ds_precision(ds: Mapping[str, Any]) -> str:
+    """The one reader of a ds_config's precision sections: ``"fp16"``, ``"bf16"`` (also DeepSpeed's alias
+    ``"bfloat16"``) or ``"fp32"``, by their ``enabled`` flags (:func:`_flag_on`)."""
+    for key, name in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16")):
+        section = ds.get(key)
+        if isinstance(section, Mapping) and _flag_on(section.get("enabled", False)):
+            return name
+    return "fp32"
 
 
 def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any], None]) -> dict[str, Any]:

@@ -1,24 +1,36 @@
 """``titan_ds.initialize``: the one place that wires the pillars into ``deepspeed.initialize``.
 
-Order (each pillar's module exposes ``before_initialize(ctx)`` and, optionally, ``after_initialize(ctx)``):
+Protocol (:mod:`titan_ds.pillar`): each pillar module exposes ``PILLAR``, a :class:`titan_ds.pillar.Pillar`
+subclass built from the ``"titan"`` section, with ``validate`` (pure), ``apply`` (before
+``deepspeed.initialize``) and ``attach`` (after). ``initialize``:
+
+1. **validates** everything first: every pillar's ``validate`` and the cross-field rules (:mod:`titan_ds.rules`)
+   see the whole section, a copy of the ds_config, the model, what was passed and the world size; all problems
+   are raised together as one :class:`TitanConfigError` before any file, model or global is touched;
+2. opens a :class:`~titan_ds.transaction.Transaction` (snapshot of the model, the passed optimizer and scheduler;
+   the undo stack), runs every ``apply`` in :data:`PILLARS` order, sets the DeepSpeed flags the pillars need
+   (:func:`titan_ds.rules.required_ds_flags`), calls ``deepspeed.initialize``, runs every ``attach`` and wraps the
+   engine's ``step``/``save_checkpoint``/``load_checkpoint`` once;
+3. on any exception rolls the transaction back (DeepSpeed's symbols, process settings, files, the user's
+   objects and model; see :mod:`titan_ds.transaction`) and re-raises; on success commits it.
+
+Order of :data:`PILLARS`:
 
 1. ``hms``         titan_ds.hms.install     HMS swappers for ZeRO-3 NVMe offload; converts the model under zero.Init
                                             and publishes its parameter swapper in ``ctx.zero_init_kwargs``
 2. ``trd``         titan_ds.inject.trd      replace nn.Linear by tensor-ring layers (under ZeRO-3 built inside
                                             zero.Init(**ctx.zero_init_kwargs), so new cores stream through HMS too)
 3. ``mlme``        titan_ds.inject.mlme     tiled attention / StripeFFN / chunked loss / block recompute
-4. ``optimizer``   titan_ds.optim.install   build ASDT (+BSPS) when the user passed no optimizer; ZeRO flags
+4. ``optimizer``   titan_ds.optim.install   build ASDT (+BSPS), or replace the passed optimizer by it
 5. ``compression`` titan_ds.comm.hooks      compressor on DeepSpeed's reduce path (after the engine exists)
 
-HMS comes first because every parameter created afterwards under ZeRO-3 must use its swapper (DeepSpeed's own
-would need the aio op); module replacement comes before the optimizer so that it is built over the final
-parameters; the compressor is installed last because it hooks the engine instance. With no ``"titan"`` section this is exactly
-``deepspeed.initialize``.
+HMS comes first because every parameter created afterwards under ZeRO-3 must use its swapper; module replacement
+comes before the optimizer so that it is built over the final parameters; the compressor is attached last because
+it hooks the engine instance. With no ``"titan"`` section this is exactly ``deepspeed.initialize``.
 
 Lifecycle (:mod:`titan_ds.lifecycle`): pillars act around ``engine.step``, save and load only through callbacks
-registered on the :class:`InitContext`; this module wraps the three engine methods once and runs them. A pillar
-that patches a global registers its undo with ``ctx.on_abort``; if anything in ``initialize`` raises after that,
-the undo runs before the error propagates.
+registered on the :class:`InitContext` in ``attach``; this module wraps the three engine methods once and runs
+them.
 """
 from __future__ import annotations
 
@@ -31,11 +43,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import deepspeed_compat as dsc
+from . import rules
 from .config import TitanConfig, TitanConfigError, load_ds_config
-from .lifecycle import AbortAction, Lifecycle, LoadCallback, Remove, SaveCallback, StepCallback
+from .lifecycle import Lifecycle, LoadCallback, Remove, SaveCallback, StepCallback
+from .pillar import View
+from .transaction import Transaction
 from .utils import after_init_distributed
 
-__all__ = ["initialize", "InitContext", "TitanRuntime", "PILLARS"]
+__all__ = ["initialize", "prepare", "validate", "InitContext", "TitanRuntime", "PILLARS"]
 
 log = logging.getLogger("titan_ds")
 
@@ -43,7 +59,7 @@ log = logging.getLogger("titan_ds")
 @dataclass(frozen=True)
 class Pillar:
     key: str       # key of the "titan" section
-    module: str    # module exposing before_initialize(ctx) [and after_initialize(ctx)]
+    module: str    # module exposing PILLAR, a titan_ds.pillar.Pillar subclass
     issue: str     # where it is built, for the NotImplementedError of a missing pillar
 
 
@@ -58,15 +74,15 @@ PILLARS: tuple[Pillar, ...] = (
 
 @dataclass
 class InitContext:
-    """Everything a pillar may read or change while ``initialize`` runs.
+    """What a pillar may read or change in ``apply`` and ``attach`` (after every ``validate`` passed).
 
-    Pillars change ``model``/``optimizer``/``model_parameters``/``ds_config`` in ``before_initialize``; after
-    ``deepspeed.initialize`` they find the engine in ``engine``. They publish what they did through
-    ``reports[key]`` (anything with a readable repr), per-step metric fields through ``add_metrics`` and
-    checkpointable state through ``add_state``. A pillar that must act around ``engine.step``, save or load
-    registers a callback (``on_before_step``, ``on_after_step``, ``on_save``, ``on_load``) in ``after_initialize``;
-    one that patches a global registers its undo with ``on_abort`` before patching. Order and rules:
-    :mod:`titan_ds.lifecycle`.
+    In ``apply`` pillars change ``model``/``optimizer``/``model_parameters``/``ds_config``; every other change
+    (DeepSpeed's symbols, process settings, files) goes through ``txn``
+    (:class:`~titan_ds.transaction.Transaction`), which undoes it if ``initialize`` fails. In ``attach`` they find
+    the engine in ``engine`` and register per-step metric fields (``add_metrics``), checkpointable state
+    (``add_state``) and callbacks around ``engine.step``, save and load (``on_before_step``, ``on_after_step``,
+    ``on_save``, ``on_load``; order and rules: :mod:`titan_ds.lifecycle`). ``reports[key]`` is what a pillar
+    publishes on ``engine.titan.reports`` (output only: nothing in titan reads it back).
     """
 
     titan: TitanConfig
@@ -78,6 +94,7 @@ class InitContext:
     args: Any = None
     engine: Any = None
     world_size: int = 1
+    txn: Optional[Transaction] = None
     reports: dict[str, Any] = field(default_factory=dict)
     metric_sources: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
     state_sources: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = field(default_factory=dict)
@@ -98,8 +115,8 @@ class InitContext:
 
     def _engine_callback(self, kind: str, fn: Callable[..., None]) -> Remove:
         if self.engine is None:
-            raise RuntimeError(f"titan: {kind} callbacks are registered in after_initialize (the engine exists "
-                               f"then, and pillars run in PILLARS order there)")
+            raise RuntimeError(f"titan: {kind} callbacks are registered in attach (the engine exists then, and "
+                               f"pillars run in PILLARS order there)")
         return self.lifecycle.register(kind, fn)
 
     def on_before_step(self, fn: StepCallback) -> Remove:
@@ -120,22 +137,12 @@ class InitContext:
         registered state (``add_state``) is restored. Registration order."""
         return self._engine_callback("load", fn)
 
-    def on_abort(self, fn: AbortAction) -> Remove:
-        """``fn()`` undoes a global change the pillar is about to make; it runs if ``initialize`` raises later
-        (reverse registration order). Register it before patching."""
-        return self.lifecycle.register("abort", fn)
+    def patch(self, p: dsc.Patch) -> dsc.Patch:
+        """Apply a DeepSpeed patch; it is undone if ``initialize`` fails (no transaction: applied for good)."""
+        return self.txn.patch(p) if self.txn is not None else p.apply()
 
     def zero_stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
-
-    def set_ds_flag(self, key: str, value: Any, why: str) -> None:
-        """Set a top-level DeepSpeed key that a pillar needs, logging once, never overriding the user."""
-        if key in self.ds_config and self.ds_config[key] != value:
-            raise TitanConfigError([f"{key}={self.ds_config[key]!r} in the ds_config conflicts with {why}, "
-                                    f"which needs {key}={value!r}; set it to {value!r} or remove it"])
-        if key not in self.ds_config:
-            self.ds_config[key] = value
-            log.info("titan: set %s=%r (%s)", key, value, why)
 
 
 @dataclass
@@ -184,9 +191,9 @@ def _deepspeed_initialize() -> Callable[..., Any]:
     return getattr(deepspeed.initialize, "__titan_original__", deepspeed.initialize)
 
 
-def _import_pillar(p: Pillar):
+def _pillar_class(p: Pillar):
     try:
-        return importlib.import_module(p.module)
+        return importlib.import_module(p.module).PILLAR
     except ModuleNotFoundError as e:
         if e.name and p.module.startswith(e.name):
             raise NotImplementedError(f"titan.{p.key} is configured but that pillar is not built yet: it lands "
@@ -232,7 +239,7 @@ def _wrap_engine(engine: Any, runtime: TitanRuntime) -> None:
     for name, wrapper, inner in (("step", titan_step, step), ("save_checkpoint", save_checkpoint, save),
                                  ("load_checkpoint", load_checkpoint, load)):
         wrapper.__wrapped__ = inner  # one level: tests check that nothing else wrapped the method on the instance
-        setattr(engine, name, wrapper)
+        dsc.override(engine, name, wrapper).apply()  # the engine is the user's only once initialize returns
 
 
 def _install_nonfinite_guard(engine: Any) -> None:
@@ -241,11 +248,11 @@ def _install_nonfinite_guard(engine: Any) -> None:
     behaviour: a MAX all-reduce of a local non-finite flag over the data-parallel group, and on a hit no update
     and ``optimizer.overflow = True``, which DeepSpeed reads to count the skip and hold the lr schedule."""
     opt = engine.optimizer
-    if engine.zero_optimization_stage() != 0 or opt is None or opt is not engine.basic_optimizer:
+    if engine.zero_optimization_stage() != 0 or opt is None or opt is not dsc.engine_basic_optimizer(engine):
         return
     import deepspeed.comm as dist
     inner_step = opt.step
-    group = getattr(engine, "data_parallel_group", None)
+    group = dsc.data_parallel_group(engine)
 
     def step(*a: Any, **kw: Any):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
@@ -270,10 +277,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
                config: Any = None, **kwargs: Any):
     """Same signature and return value as ``deepspeed.initialize``: ``(engine, optimizer, dataloader, scheduler)``.
 
-    Reads the ``"titan"`` section from ``config`` (dict or json path) or ``args.deepspeed_config``, validates
-    it (all errors at once, :class:`TitanConfigError`), applies the switched-on pillars in the order of
-    :data:`PILLARS`, then calls ``deepspeed.initialize``. Without a ``"titan"`` section the call is passed
-    through unchanged.
+    Reads the ``"titan"`` section from ``config`` (dict or json path) or ``args.deepspeed_config``; validates it
+    against the ds_config, the model and what was passed (all problems at once, :class:`TitanConfigError`,
+    before anything is touched); applies the switched-on pillars in the order of :data:`PILLARS`, then calls
+    ``deepspeed.initialize``. If anything fails after validation, every change is undone (see the module
+    docstring). Without a ``"titan"`` section the call is passed through unchanged.
     """
     if config is None:  # DeepSpeed's older name for config=, which accelerate passes
         config = kwargs.pop("config_params", None)
@@ -289,31 +297,65 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         raise ValueError("titan_ds.initialize needs model=; the titan pillars act on the model")
     ds_config = load_ds_config(raw)
     titan_section = ds_config.pop("titan")
+    world = _world_size()
+    pillars = [_pillar_class(p)(titan) for p in PILLARS if getattr(titan, p.key) is not None]
+    view = View.of(titan, ds_config, model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                   model_parameters=model_parameters, world_size=world)
+    validate(pillars, view)
     ctx = InitContext(titan=titan, ds_config=ds_config, model=model, optimizer=optimizer,
-                      model_parameters=model_parameters, lr_scheduler=lr_scheduler, args=args,
-                      world_size=_world_size())
-    active = [p for p in PILLARS if getattr(titan, p.key) is not None]
-    if titan.plasticity is not None and titan.optimizer is None:  # caught by config; kept as a guard
-        raise TitanConfigError(["titan.plasticity needs titan.optimizer"])
+                      model_parameters=model_parameters, lr_scheduler=lr_scheduler, args=args, world_size=world,
+                      txn=Transaction(model, optimizer, lr_scheduler, keep_data=view.zero_stage() < 3))
     try:
-        out = _apply_pillars(ctx, active, titan_section, args, training_data, kwargs)
-    except BaseException:
-        ctx.lifecycle.run_abort()  # whatever a pillar patched globally goes back before the error surfaces
+        out = _apply_pillars(ctx, pillars, view, titan_section, args, training_data, kwargs)
+    except BaseException as e:
+        ctx.txn.rollback(e)
         raise
-    ctx.lifecycle.abort.clear()  # initialized: the pillars' global changes stand (or were undone by themselves)
+    ctx.txn.commit()
+    ctx.txn = None
     return out
 
 
-def _apply_pillars(ctx: InitContext, active: list[Pillar], titan_section: dict[str, Any], args: Any,
-                   training_data: Any, kwargs: dict[str, Any]):
-    """``before_initialize`` of each pillar, ``deepspeed.initialize``, ``after_initialize`` of each pillar, then
-    the engine's once-only wrappers. Raises through ``initialize``, which runs the registered abort actions."""
-    import deepspeed
+def prepare(ctx: InitContext) -> list[Any]:
+    """What ``initialize`` does before ``deepspeed.initialize``, on a context built by hand (tests, tools):
+    validate everything (raises :class:`TitanConfigError`), then every switched-on pillar's ``apply``. Returns the
+    pillar objects (their state, e.g. the compression pillar's ``reducer``)."""
+    pillars = [_pillar_class(p)(ctx.titan) for p in PILLARS if getattr(ctx.titan, p.key) is not None]
+    view = View.of(ctx.titan, ctx.ds_config, ctx.model, optimizer=ctx.optimizer, lr_scheduler=ctx.lr_scheduler,
+                   model_parameters=ctx.model_parameters, world_size=ctx.world_size)
+    validate(pillars, view)
+    for p in pillars:
+        p.apply(ctx)
+    _set_required_flags(ctx, view)
+    return pillars
 
-    modules = {p.key: _import_pillar(p) for p in active}
-    for p in active:
-        modules[p.key].before_initialize(ctx)
-    log.info("titan: pillars on: %s", ", ".join(p.key for p in active) or "none")
+
+def validate(pillars: list[Any], view: View) -> None:
+    """Every pillar's ``validate`` and the cross-field rules; raises one :class:`TitanConfigError` with all."""
+    problems: list[str] = []
+    for p in pillars:
+        problems += p.validate(view)
+    problems += rules.problems(view)
+    if problems:
+        raise TitanConfigError(list(dict.fromkeys(problems)))
+
+
+def _set_required_flags(ctx: InitContext, view: View) -> None:
+    """The DeepSpeed keys the pillars need (:func:`titan_ds.rules.required_ds_flags`; conflicts were refused by
+    validation), set where the user left them out."""
+    for key, value, why in rules.required_ds_flags(view):
+        if key not in ctx.ds_config:
+            ctx.ds_config[key] = value
+            log.info("titan: set %s=%r (%s)", key, value, why)
+
+
+def _apply_pillars(ctx: InitContext, pillars: list[Any], view: View, titan_section: dict[str, Any], args: Any,
+                   training_data: Any, kwargs: dict[str, Any]):
+    """``apply`` of each pillar, ``deepspeed.initialize``, ``attach`` of each pillar, then the engine's once-only
+    wrappers. Raises through ``initialize``, which rolls the transaction back."""
+    for p in pillars:
+        p.apply(ctx)
+    _set_required_flags(ctx, view)
+    log.info("titan: pillars on: %s", ", ".join(p.key for p in pillars) or "none")
     ds_config = ctx.ds_config
     ds_config["titan"] = titan_section  # DeepSpeed keeps unknown top-level keys; checkpoints record it
     if args is not None and getattr(args, "deepspeed_config", None):
@@ -324,10 +366,8 @@ def _apply_pillars(ctx: InitContext, active: list[Pillar], titan_section: dict[s
         training_data=training_data, lr_scheduler=ctx.lr_scheduler, config=ds_config, **kwargs)
     after_init_distributed()
     ctx.engine = engine
-    for p in active:
-        after = getattr(modules[p.key], "after_initialize", None)
-        if after is not None:
-            after(ctx)
+    for p in pillars:
+        p.attach(ctx)
     runtime = TitanRuntime(config=ctx.titan, reports=ctx.reports, metric_sources=ctx.metric_sources,
                            state_sources=ctx.state_sources, lifecycle=ctx.lifecycle)
     engine.titan = runtime

@@ -19,6 +19,7 @@ import inspect
 import logging
 from typing import Any, Callable, Optional
 
+from . import deepspeed_compat as dsc
 from .engine import initialize as titan_initialize
 
 __all__ = ["install", "uninstall", "is_installed"]
@@ -26,6 +27,7 @@ __all__ = ["install", "uninstall", "is_installed"]
 log = logging.getLogger("titan_ds")
 
 _routed: Optional[Callable[..., Any]] = None  # the function install() put in deepspeed.initialize's place
+_patch: Optional[dsc.Patch] = None
 
 
 def _route(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,7 +52,7 @@ def _replaced_message(current: Any, then: str) -> str:
 
 def install() -> None:
     """Route every later ``deepspeed.initialize`` call through :func:`titan_ds.initialize` (idempotent)."""
-    global _routed
+    global _routed, _patch
     import deepspeed
 
     if _routed is not None:
@@ -58,22 +60,22 @@ def install() -> None:
             raise RuntimeError(_replaced_message(deepspeed.initialize, "call titan_ds.install() again"))
         return
     _routed = _route(deepspeed.initialize)
-    deepspeed.initialize = _routed
+    _patch = dsc.Patch("deepspeed.initialize (titan_ds.install)", deepspeed, "initialize", _routed).apply()
     log.info("titan: installed; deepspeed.initialize now applies the \"titan\" section of its config "
              "(titan_ds.uninstall() undoes it)")
 
 
 def uninstall() -> None:
     """Put back the ``deepspeed.initialize`` that :func:`install` replaced (nothing to do when not installed)."""
-    global _routed
+    global _routed, _patch
     import deepspeed
 
     if _routed is None:
         return
     if deepspeed.initialize is not _routed:
         raise RuntimeError(_replaced_message(deepspeed.initialize, "call titan_ds.uninstall()"))
-    deepspeed.initialize = _routed.__titan_original__  # type: ignore[attr-defined]
-    _routed = None
+    _patch.undo()
+    _routed = _patch = None
     log.info("titan: uninstalled; deepspeed.initialize is DeepSpeed's again")
 
 

@@ -14,6 +14,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
+from . import deepspeed_compat as dsc
+
 __all__ = ["StepMetrics", "MemoryBreakdown", "accounted_memory", "ActivationCounter", "peak_rss_bytes",
            "optimizer_state_bytes"]
 
@@ -153,7 +155,7 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     ``optimizer`` is a torch optimizer or a DeepSpeed engine (its ``basic_optimizer``: the client optimizer,
     which under ZeRO holds the state of this rank's partition only). ZeRO's fp32 master copies are not
     optimizer state here (:func:`accounted_memory` counts them under ``optimizer_state``)."""
-    optimizer = getattr(optimizer, "basic_optimizer", optimizer)
+    optimizer = dsc.engine_basic_optimizer(optimizer, optimizer)
     return _sum_unique(_state_tensors(optimizer), set())
 
 
@@ -169,16 +171,13 @@ def _module_params(engine: Any) -> list[torch.Tensor]:
 def _optimizer_tensors(engine: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(master weights, their grads, state tensors) held by the optimizer (ZeRO wrapper + client optimizer)."""
     opt = getattr(engine, "optimizer", None)
-    basic = getattr(engine, "basic_optimizer", opt)
+    basic = dsc.engine_basic_optimizer(engine, opt)
     masters, grads, state = [], [], []
-    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3 masters
-        for t in getattr(opt, attr, None) or []:
-            masters.append(t)
-            if getattr(t, "grad", None) is not None:
-                grads.append(t.grad)
-    averaged = getattr(opt, "averaged_gradients", None)  # ZeRO-1/2: reduced grad partitions by group
-    for g in (averaged.values() if isinstance(averaged, dict) else []):
-        grads.extend(x for x in (g or []) if isinstance(x, torch.Tensor))
+    for t in dsc.zero_fp32_masters(opt):  # ZeRO-1/2, ZeRO-3 masters
+        masters.append(t)
+        if getattr(t, "grad", None) is not None:
+            grads.append(t.grad)
+    grads.extend(dsc.zero12_reduced_gradients(opt))  # ZeRO-1/2: reduced grad partitions by group
     if basic is not None and hasattr(basic, "state"):
         state = _state_tensors(basic)
     return masters, grads, state
@@ -187,7 +186,7 @@ def _optimizer_tensors(engine: Any) -> tuple[list[torch.Tensor], list[torch.Tens
 def _backward_step_grads(engine: Any) -> int:
     """ASDT's step in backward frees each gradient in its hook, so none is left in ``.grad`` when this runs;
     count the largest one held at once during the backward instead (titan_ds.optim.asdt)."""
-    opt = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+    opt = dsc.engine_basic_optimizer(engine) or getattr(engine, "optimizer", None)
     return opt.held_grad_bytes() if hasattr(opt, "held_grad_bytes") else 0
 
 

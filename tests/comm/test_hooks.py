@@ -11,7 +11,7 @@ import pytest
 from tests.helpers.launch import run as run_group
 from titan_ds.comm import hooks
 from titan_ds.config import TitanConfig, TitanConfigError
-from titan_ds.engine import InitContext
+from titan_ds.engine import InitContext, prepare
 from titan_ds.utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,10 +24,9 @@ def ctx(world: int = 2, ds: dict | None = None, **comp) -> InitContext:
 
 def test_one_rank_is_a_clear_error_before_any_work():
     with pytest.raises(TitanConfigError, match=r"titan.compression.method='hge' needs at least 2 data-parallel"):
-        hooks.before_initialize(ctx(world=1))
+        prepare(ctx(world=1))
     c = ctx(world=1, method="none")  # the dense path is allowed anywhere
-    hooks.before_initialize(c)
-    assert c.reports["compression"].method == "none"
+    assert prepare(c)[-1].reducer.method == "none"
 
 
 @pytest.mark.parametrize("ds,needle", [
@@ -37,13 +36,12 @@ def test_one_rank_is_a_clear_error_before_any_work():
 ])
 def test_conflicting_deepspeed_options_raise(ds, needle):
     with pytest.raises(TitanConfigError, match=needle):
-        hooks.before_initialize(ctx(ds=ds))
+        prepare(ctx(ds=ds))
 
 
 def test_reducer_built_from_config():
     c = ctx(method="tgss", ratio=30, sketch_rows=2, warmup_steps=5, seed=4, error_feedback=False)
-    hooks.before_initialize(c)
-    r = c.reports["compression"]
+    r = prepare(c)[-1].reducer
     assert (r.method, r.ratio, r.warmup_steps, r.seed, r.error_feedback, r.compressor.rows) == \
         ("tgss", 30, 5, 4, False, 2)
 
@@ -56,14 +54,16 @@ def test_step_callbacks_commit_residuals_only_after_an_applied_step_and_uninstal
     import torch
     from titan_ds.comm.compressor import GradientReducer
     engine = types.SimpleNamespace(module=torch.nn.Linear(2, 2), optimizer=None, global_steps=0)
+    from titan_ds.transaction import Transaction
     c = ctx(world=1, method="none")
-    c.engine = engine
+    c.engine, c.txn = engine, Transaction(torch.nn.Linear(1, 1))
     reducer = GradientReducer("none", 1.0)
     ends = []
     reducer.end_step = lambda: ends.append(engine.global_steps)
     h = hooks.CompressionHooks(engine, reducer, stage=0).install(c)
     lc = c.lifecycle
-    assert lc.before_step == [h._before_step] and lc.after_step == [h._after_step] and lc.abort == [h.uninstall]
+    assert lc.before_step == [h._before_step] and lc.after_step == [h._after_step]
+    assert [fn for _, fn in c.txn._undo] == [h.uninstall] and vars(engine)["allreduce_bucket"] is not None
     lc.run_before_step()
     lc.run_after_step()  # skipped step: global_steps unchanged
     lc.run_before_step()
@@ -71,7 +71,7 @@ def test_step_callbacks_commit_residuals_only_after_an_applied_step_and_uninstal
     lc.run_after_step()
     assert ends == [1]
     h.uninstall()
-    assert lc.before_step == lc.after_step == lc.abort == [] and "allreduce_bucket" not in vars(engine)
+    assert lc.before_step == lc.after_step == c.txn._undo == [] and "allreduce_bucket" not in vars(engine)
 
 
 def test_unused_keys_are_errors():

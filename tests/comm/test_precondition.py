@@ -11,10 +11,9 @@ import torch
 from tests.helpers.collectives import run_ranks
 from titan_ds.comm import GradientReducer, Segment
 from titan_ds.comm.base import LocalCollective
-from titan_ds.comm.hooks import _sgd_for_precondition
 from titan_ds.comm.precondition import RMSOptions, rms_normalize_
 from titan_ds.config import TitanConfig, TitanConfigError
-from titan_ds.engine import InitContext
+from titan_ds.engine import InitContext, prepare
 
 SIZES = {"a": 700, "b": 300, "c": 1000}
 
@@ -173,6 +172,12 @@ def test_config_refusals():
 def _ctx(ds: dict, optimizer=None, compression=None):
     titan = TitanConfig(compression=compression or {"method": "topk", "ratio": 50, "precondition": "rms"})
     return InitContext(titan=titan, ds_config=ds, model=None, optimizer=optimizer, world_size=2)
+
+
+def _sgd_for_precondition(ctx) -> RMSOptions:
+    """What initialize does before DeepSpeed (every rule validated, the compression pillar applied); the options
+    the reducer got."""
+    return prepare(ctx)[-1].reducer.precondition
 
 
 def test_ds_config_adamw_becomes_sgd_and_lends_its_beta2():

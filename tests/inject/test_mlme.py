@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from titan_ds.config import MLMEConfig, TitanConfig, TitanConfigError
-from titan_ds.inject.mlme import SDPAttention, apply_mlme, before_initialize, mlme_policies
+from titan_ds.inject.mlme import SDPAttention, apply_mlme, mlme_policies
 from titan_ds.inject.policy import apply_policies
 from titan_ds.kernels.attention import TiledAttention
 from titan_ds.kernels.chunked_ce import ChunkedLMLoss
@@ -98,10 +98,10 @@ def test_wrong_mlp_layout_is_caught():
         apply_mlme(model, MLMEConfig(attention="off", chunked_loss=False))
 
 
-def test_before_initialize_publishes_report():
-    from titan_ds.engine import InitContext
+def test_apply_publishes_report():
+    from titan_ds.engine import InitContext, prepare
     ctx = InitContext(model=GPT(TINY), titan=TitanConfig(mlme={"tile": 16}), ds_config={})
-    before_initialize(ctx)
+    prepare(ctx)
     assert len(ctx.reports["mlme"].entries) == 2 * TINY.n_layer + 1
     assert isinstance(ctx.model.blocks[0].attn.core, TiledAttention)
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from titan_ds.config import TitanConfig, TitanConfigError, TRDConfig
-from titan_ds.inject.trd import (TensorRingLinear, TRDPolicy, apply_trd, before_initialize, factorize, path_flops)
+from titan_ds.engine import InitContext, prepare
+from titan_ds.inject.trd import TensorRingLinear, TRDPolicy, apply_trd, factorize, path_flops
 
 
 @pytest.fixture(autouse=True)
@@ -287,26 +288,17 @@ def test_mode_size_and_path_change_the_layer():
 
 
 # ---------------------------------------------------------------- pillar hook (no DeepSpeed engine needed)
-class _Ctx:
-    def __init__(self, model, trd, optimizer=None, model_parameters=None, stage=0):
-        self.titan = TitanConfig(trd=trd)
-        self.model, self.optimizer, self.model_parameters = model, optimizer, model_parameters
-        self.ds_config = {"zero_optimization": {"stage": stage}}
-        self.reports, self.metric_sources = {}, []
-
-    def add_metrics(self, fn):
-        self.metric_sources.append(fn)
-
-    def zero_stage(self):
-        return self.ds_config["zero_optimization"]["stage"]
+def _Ctx(model, trd, optimizer=None, model_parameters=None, stage=0):
+    return InitContext(titan=TitanConfig(trd=trd), ds_config={"zero_optimization": {"stage": stage}}, model=model,
+                       optimizer=optimizer, model_parameters=model_parameters)
 
 
-def test_before_initialize_report_metrics_and_param_remap():
+def test_apply_report_metrics_and_param_remap():
     model = Tiny()
     dense_ids = {id(p) for p in model.parameters()}
     given = list(model.parameters())
     ctx = _Ctx(model, {"rank": 4}, model_parameters=given)
-    before_initialize(ctx)
+    prepare(ctx)
     rep = ctx.reports["trd"]
     m = ctx.metric_sources[0]()
     assert m == {"trd_compression_ratio": rep.compression_ratio, "trd_model_compression_ratio": rep.model_compression_ratio}
@@ -314,13 +306,13 @@ def test_before_initialize_report_metrics_and_param_remap():
     assert {id(p) for p in ctx.model_parameters} == {id(p) for p in model.parameters()} != dense_ids
 
 
-def test_before_initialize_remaps_optimizer_instance_keeping_groups():
+def test_apply_remaps_optimizer_instance_keeping_groups():
     model = Tiny()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
     ctx = _Ctx(model, {"rank": 4}, optimizer=opt, model_parameters=[{"params": decay}, {"params": no_decay}])
-    before_initialize(ctx)
+    prepare(ctx)
     fc = model.blocks[0].mlp.fc
     g0, g1 = ({id(p) for p in g["params"]} for g in opt.param_groups)
     assert {id(c) for c in fc.cores} <= g0 and id(fc.bias) in g1 and id(model.head.weight) in g0
@@ -331,13 +323,13 @@ def test_before_initialize_remaps_optimizer_instance_keeping_groups():
     opt.step()  # trains the TR cores
 
 
-def test_before_initialize_rejects_optimizer_that_has_stepped():
+def test_apply_rejects_optimizer_that_has_stepped():
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randint(0, 32, (2, 3))).sum().backward()
     opt.step()
     with pytest.raises(ValueError, match="already has state for 16 of them"):
-        before_initialize(_Ctx(model, {"rank": 4}, optimizer=opt))
+        prepare(_Ctx(model, {"rank": 4}, optimizer=opt))
 
 
 def test_trd_off_means_model_unchanged():
@@ -345,7 +337,7 @@ def test_trd_off_means_model_unchanged():
     assert TitanConfig().trd is None
     model = Tiny()
     ctx = _Ctx(model, {"rank": 4})
-    before_initialize(ctx)
+    prepare(ctx)
     assert any(isinstance(m, TensorRingLinear) for m in model.modules())
     assert not any(isinstance(m, TensorRingLinear) for m in Tiny().modules())
 

@@ -102,36 +102,36 @@ def test_builds_asdt_and_sets_zero_flags(dist_env):
 
 
 def test_offload_sets_force_ds_cpu_optimizer_false(dist_env):
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     ctx = InitContext(titan=TitanConfig(optimizer={}), ds_config=ds, model=GPT(TINY))
-    install.before_initialize(ctx)
+    prepare(ctx)
     assert ds["zero_force_ds_cpu_optimizer"] is False and ds["zero_allow_untested_optimizer"] is True
     assert isinstance(ctx.optimizer, ASDT) and ctx.optimizer.plasticity is None
 
 
 def test_conflicts_and_nonsense_raise(dist_env):
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     model = GPT(TINY)
     with pytest.raises(TitanConfigError, match="weight_decay=0.1 is set and an optimizer was passed"):
-        install.before_initialize(InitContext(titan=TitanConfig(optimizer={"weight_decay": 0.1}), ds_config={},
+        prepare(InitContext(titan=TitanConfig(optimizer={"weight_decay": 0.1}), ds_config={},
                                               model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1)))
     with pytest.raises(TitanConfigError, match="not a torch.optim.Optimizer"):
-        install.before_initialize(InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model,
+        prepare(InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model,
                                               optimizer=lambda params: None))
     with pytest.raises(TitanConfigError, match="not parameters of the model"):
-        install.before_initialize(InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model,
+        prepare(InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model,
                                               optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=1)))
     with pytest.raises(TitanConfigError, match="\"optimizer\" section"):
-        install.before_initialize(InitContext(titan=TitanConfig(optimizer={}), ds_config={"optimizer": {}},
+        prepare(InitContext(titan=TitanConfig(optimizer={}), ds_config={"optimizer": {}},
                                               model=model))
     with pytest.raises(TitanConfigError, match="Lion is the dense"):
-        install.before_initialize(InitContext(titan=TitanConfig(optimizer={"name": "lion", "density": 0.1}),
+        prepare(InitContext(titan=TitanConfig(optimizer={"name": "lion", "density": 0.1}),
                                               ds_config={}, model=model))
     with pytest.raises(TitanConfigError, match="Lion is the sign"):
-        install.before_initialize(InitContext(titan=TitanConfig(optimizer={"name": "lion", "update": "adaptive"}),
+        prepare(InitContext(titan=TitanConfig(optimizer={"name": "lion", "update": "adaptive"}),
                                               ds_config={}, model=model))
     with pytest.raises(TitanConfigError) as e:
         TitanConfig(optimizer={"density": 1.5, "betas": [0.9, 1.2], "state_dtype": "fp8"},
@@ -155,14 +155,14 @@ def _warmup(step):
 
 @pytest.mark.parametrize("titan_lr", [None, 3e-3])
 def test_passed_optimizer_is_replaced_over_its_groups(titan_lr, caplog):
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     model = GPT(TINY)
     passed = _passed(model)
     opt_cfg = {} if titan_lr is None else {"lr": titan_lr}
     ctx = InitContext(titan=TitanConfig(optimizer=opt_cfg), ds_config={}, model=model, optimizer=passed)
-    with caplog.at_level("INFO", logger="titan_ds.optim"):
-        install.before_initialize(ctx)
+    with caplog.at_level("INFO", logger="titan_ds"):
+        prepare(ctx)
     opt = ctx.optimizer
     assert isinstance(opt, ASDT) and opt is not passed
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
@@ -172,21 +172,21 @@ def test_passed_optimizer_is_replaced_over_its_groups(titan_lr, caplog):
                                               [np for np in named if np[1].dim() < 2])):
         assert len(group["params"]) == len(want) and all(p is q for p, (_, q) in zip(group["params"], want))
     assert opt.names == [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
-    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
-    assert "replaced the AdamW passed to initialize by asdt" in caplog.records[0].message
+    said = [r.message for r in caplog.records if "passed to initialize is replaced" in r.message]
+    assert len(said) == 1 and said[0].startswith("titan: the AdamW passed to initialize is replaced by ASDT")
 
 
 @pytest.mark.parametrize("titan_lr", [None, 3e-3])
 def test_scheduler_given_to_initialize_is_repointed(titan_lr):
     """A LambdaLR built over the passed optimizer (and already at warm-up step 0) drives ASDT from then on."""
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     model = GPT(TINY)
     passed = _passed(model)
     sched = torch.optim.lr_scheduler.LambdaLR(passed, _warmup)
     ctx = InitContext(titan=TitanConfig(optimizer={} if titan_lr is None else {"lr": titan_lr}), ds_config={},
                       model=model, optimizer=passed, lr_scheduler=sched)
-    install.before_initialize(ctx)
+    prepare(ctx)
     opt, base = ctx.optimizer, titan_lr or 1e-2
     assert sched.optimizer is opt and sched.base_lrs == [base, base]
     for step in range(6):
@@ -198,7 +198,7 @@ def test_scheduler_given_to_initialize_is_repointed(titan_lr):
 def test_deepspeed_scheduler_given_to_initialize_is_repointed():
     """DeepSpeed's WarmupLR (absolute lrs, set on the passed optimizer at construction) drives ASDT."""
     from deepspeed.runtime.lr_schedules import WarmupLR
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     model = GPT(TINY)
     passed = _passed(model)
@@ -208,7 +208,7 @@ def test_deepspeed_scheduler_given_to_initialize_is_repointed():
     oracle_sched = WarmupLR(oracle, **kw)
     ctx = InitContext(titan=TitanConfig(optimizer={"lr": 3e-3}), ds_config={}, model=model, optimizer=passed,
                       lr_scheduler=sched)
-    install.before_initialize(ctx)
+    prepare(ctx)
     opt = ctx.optimizer
     assert sched.optimizer is opt
     seen = []
@@ -224,16 +224,16 @@ def test_deepspeed_scheduler_given_to_initialize_is_repointed():
 def test_scheduler_not_given_still_drives_asdt_and_refuses_another_lr():
     """accelerator.prepare(model, opt, dl, sched) does not hand sched to deepspeed.initialize: ASDT takes the
     passed groups' place, so sched still sets its lr; a titan lr that sched cannot know is refused."""
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     model = GPT(TINY)
     passed = _passed(model)
     sched = torch.optim.lr_scheduler.LambdaLR(passed, _warmup)
     with pytest.raises(TitanConfigError, match="scheduler that initialize\\(\\) was not given"):
-        install.before_initialize(InitContext(titan=TitanConfig(optimizer={"lr": 3e-3}), ds_config={},
+        prepare(InitContext(titan=TitanConfig(optimizer={"lr": 3e-3}), ds_config={},
                                               model=model, optimizer=passed))
     ctx = InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model, optimizer=passed)
-    install.before_initialize(ctx)
+    prepare(ctx)
     opt = ctx.optimizer
     for step in range(6):
         assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 * _warmup(step)] * 2, rel=1e-12), step
@@ -242,21 +242,21 @@ def test_scheduler_not_given_still_drives_asdt_and_refuses_another_lr():
 
 
 def test_lion_is_dense(dist_env):
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     ctx = InitContext(titan=TitanConfig(optimizer={"name": "lion"}), ds_config={}, model=GPT(TINY))
-    install.before_initialize(ctx)
+    prepare(ctx)
     assert all(g["density"] == 1.0 for g in ctx.optimizer.param_groups)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("asdt*.json")), ids=lambda p: p.name)
 def test_shipped_configs_load_and_build(dist_env, path):
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     ds = json.loads(path.read_text())
     titan = TitanConfig.from_ds_config(ds)
     assert titan.optimizer is not None and "gradient_clipping" in ds
     ds.pop("titan")
     ctx = InitContext(titan=titan, ds_config=ds, model=GPT(TINY))
-    install.before_initialize(ctx)
+    prepare(ctx)
     assert isinstance(ctx.optimizer, ASDT)

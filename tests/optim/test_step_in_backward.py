@@ -183,19 +183,19 @@ def test_engine_clips_in_the_hooks_and_resumes_bit_exact(dist_env, tmp_path):
 
 
 def test_configs_that_need_every_gradient_first_are_refused(dist_env):
-    from titan_ds.engine import InitContext
+    from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install
     titan = TitanConfig(optimizer={"step_in_backward": True, "importance": "sketch"}, plasticity={},
                         compression={"method": "topk"})
     ds = {"gradient_accumulation_steps": 2, "bf16": {"enabled": True},
           "zero_optimization": {"stage": 2}}
     with pytest.raises(TitanConfigError) as e:
-        install.before_initialize(InitContext(titan=titan, ds_config=ds, model=GPT(TINY)))
+        prepare(InitContext(titan=titan, ds_config=ds, model=GPT(TINY)))
     msg = str(e.value)
     for what in ("ZeRO stage 0", "gradient_accumulation_steps=1", "bf16.enabled",
                  "titan.plasticity", "importance=\"sketch\"", "titan.compression"):
         assert what in msg, what
     ok = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 0}}  # clipping: by the previous step's norm
     ctx = InitContext(titan=TitanConfig(optimizer={"step_in_backward": True}), ds_config=ok, model=GPT(TINY))
-    install.before_initialize(ctx)  # nothing to refuse
+    prepare(ctx)  # nothing to refuse
     assert isinstance(ctx.optimizer, ASDT)

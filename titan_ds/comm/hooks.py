@@ -13,9 +13,13 @@ Seams (deepspeed_seams.md 3.1/3.3; each measured to carry all gradient bytes of 
   other caller gets DeepSpeed's function unchanged.
 
 Everything else is instance attributes on the engine's optimizer (or, ZeRO-0, the engine's ``allreduce_bucket``):
-``uninstall()`` deletes them and the class methods apply again. Around ``engine.step`` the hooks register
+``uninstall()`` deletes them and the class methods apply again. Every one of these changes is a
+:class:`~titan_ds.deepspeed_compat.Patch` of the seam module. Around ``engine.step`` the hooks register
 lifecycle callbacks on the init context (:mod:`titan_ds.lifecycle`), which ``uninstall()`` removes; if
-``initialize`` fails after the install, the context's abort stack uninstalls (the ZeRO-3 global included).
+``initialize`` fails after the install, its transaction uninstalls (the ZeRO-3 global included).
+
+The pillar (:class:`CompressionPillar`) has no ``validate`` of its own: its rules (world size, ZeRO options,
+``precondition``) read the ds_config and are in :mod:`titan_ds.rules`.
 
 A ``dist.reduce`` to one owner (``rank=dst``) is done as a compressed all-reduce: the same bytes per rank are
 handed over, and every rank keeps its residual consistent.
@@ -29,13 +33,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..config import TitanConfigError
+from .. import deepspeed_compat as dsc
+from ..pillar import Pillar
+from ..replace_optimizer import replace_ds_optimizer_section, replace_passed_optimizer
 from .base import Segment
 from .compressor import GradientReducer
 from .dgc import DGCOptions
 from .precondition import RMSOptions
 
-__all__ = ["before_initialize", "after_initialize", "CompressionHooks", "DistCollective"]
+__all__ = ["CompressionPillar", "PILLAR", "CompressionHooks", "DistCollective", "rms_options"]
 
 log = logging.getLogger("titan_ds.comm")
 
@@ -70,30 +76,27 @@ class DistCollective:
 
 # ------------------------------------------------------------------------------- ZeRO-3 dispatcher
 _Z3 = threading.local()
-_Z3_INSTALLS = {"count": 0, "original": None}
+_Z3_INSTALLS: dict[str, Any] = {"count": 0, "patch": None}
 
 
 def _z3_dispatch(tensors, group=None):
     hooks = getattr(_Z3, "active", None)
     if hooks is None:
-        return _Z3_INSTALLS["original"](tensors, group)
+        return _Z3_INSTALLS["patch"].original(tensors, group)
     return hooks._reduce_scatter(tensors, group)
 
 
 def _z3_acquire() -> None:
-    from deepspeed.runtime.zero import stage3
     if _Z3_INSTALLS["count"] == 0:
-        _Z3_INSTALLS["original"] = stage3.reduce_scatter_coalesced
-        stage3.reduce_scatter_coalesced = _z3_dispatch
+        _Z3_INSTALLS["patch"] = dsc.z3_reduce_scatter(_z3_dispatch).apply()
     _Z3_INSTALLS["count"] += 1
 
 
 def _z3_release() -> None:
-    from deepspeed.runtime.zero import stage3
     _Z3_INSTALLS["count"] -= 1
     if _Z3_INSTALLS["count"] == 0:
-        stage3.reduce_scatter_coalesced = _Z3_INSTALLS["original"]
-        _Z3_INSTALLS["original"] = None
+        _Z3_INSTALLS["patch"].undo()
+        _Z3_INSTALLS["patch"] = None
 
 
 # ------------------------------------------------------------------------------- the hooks
@@ -105,7 +108,7 @@ class CompressionHooks:
         self.names = {id(p): n for n, p in engine.module.named_parameters()}
         self._ipg: Optional[tuple[int, int, int, list[Segment]]] = None  # (base ptr, elsize, numel, segments)
         self._z3_params: Optional[list[Any]] = None
-        self._installed: list[tuple[Any, str]] = []
+        self._installed: list[dsc.Patch] = []
         self._removers: list[Callable[[], None]] = []  # the lifecycle callbacks' removers
         self._z3_held = False
         self._steps_before = 0
@@ -118,32 +121,25 @@ class CompressionHooks:
                 f"precondition={r.precondition}, seam_calls={self.seam_calls})")
 
     # ---------------------------------------------------------------- install / uninstall
-    def _set(self, obj: Any, name: str, fn: Any) -> None:
-        if name in vars(obj):
-            raise RuntimeError(f"{type(obj).__name__}.{name} is already overridden on this instance "
-                               f"(titan compression installed twice?)")
-        setattr(obj, name, fn)
-        self._installed.append((obj, name))
+    def _set(self, patch: dsc.Patch) -> None:
+        self._installed.append(patch.apply())
 
     def install(self, ctx: Any) -> "CompressionHooks":
-        """Override the reduce seams of this engine's stage; register the step callbacks and the abort undo on
-        ``ctx`` (an :class:`~titan_ds.engine.InitContext` in ``after_initialize``)."""
+        """Override the reduce seams of this engine's stage; register the step callbacks on ``ctx`` (an
+        :class:`~titan_ds.engine.InitContext` in ``attach``) and the uninstall with its transaction."""
         eng, opt = self.engine, self.engine.optimizer
-        self._removers.append(ctx.on_abort(self.uninstall))  # first: a failure from here on undoes the install
+        if ctx.txn is not None:  # first: a failure from here on undoes the install
+            self._removers.append(ctx.txn.on_undo("uninstall titan.compression", self.uninstall))
         if self.stage == 0:
-            self._set(eng, "allreduce_bucket", self._z0_allreduce_bucket)
+            self._set(dsc.z0_allreduce_bucket(eng, self._z0_allreduce_bucket))
         elif self.stage in (1, 2):
-            self._set(opt, "average_tensor", self._z12_average_tensor(opt.average_tensor))
-            self._set(opt, "allreduce_bucket", self._z12_allreduce_bucket)
-            self._set(opt, "gradient_reduction_w_predivide", self._z12_predivide)
-        elif self.stage == 3:
-            name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
-            self._set(opt, name, self._z3_avg_scatter(getattr(opt, name)))
+            for p in dsc.z12_reduce_seams(opt, self._z12_average_tensor, self._z12_allreduce_bucket,
+                                          self._z12_predivide):
+                self._set(p)
+        else:
+            self._set(dsc.z3_avg_scatter(opt, self._z3_avg_scatter))
             _z3_acquire()
             self._z3_held = True
-        else:
-            raise TitanConfigError([f"zero_optimization.stage={self.stage} is not a ZeRO stage titan.compression "
-                                    f"knows (0, 1, 2, 3)"])
         self._removers += [ctx.on_before_step(self._before_step), ctx.on_after_step(self._after_step)]
         return self
 
@@ -160,8 +156,8 @@ class CompressionHooks:
         for remove in self._removers:
             remove()
         self._removers.clear()
-        for obj, name in reversed(self._installed):
-            delattr(obj, name)
+        for patch in reversed(self._installed):
+            patch.undo()
         self._installed.clear()
         if self._z3_held:
             _z3_release()
@@ -224,12 +220,12 @@ class CompressionHooks:
     def _z0_allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         eng = self.engine
         self._count("engine.allreduce_bucket")
-        flat = eng.flatten(bucket)
+        flat = dsc.flatten(eng, bucket)
         layout = self._layout(list(bucket))
         comm = self._comm(dp_group)
         world = dp_world_size if dp_world_size is not None else comm.world_size
         summed = self.reducer.reduce(flat, layout, comm, eng.global_steps, consume=_owned(flat, bucket))
-        if eng.gradient_average:
+        if dsc.gradient_average(eng):
             summed.div_(world)
         return summed
 
@@ -237,11 +233,9 @@ class CompressionHooks:
     def _z12_average_tensor(self, original):
         opt = self.engine.optimizer
 
-        def average_tensor(tensor, communication_data_type):
-            bucket = opt.ipg_buckets[communication_data_type]
+        def titan_average_tensor(tensor, communication_data_type):
             segs, off = [], 0
-            for group_idx, idx_in_group, _ in bucket.params:
-                p = opt.bit16_groups[group_idx][idx_in_group]
+            for p in dsc.ipg_bucket_params(opt, communication_data_type):
                 segs.append(Segment(self._key(p), 0, off, p.numel(), p.numel(), self._shape(p)))
                 off += p.numel()
             if off != tensor.numel():
@@ -253,19 +247,19 @@ class CompressionHooks:
             finally:
                 self._ipg = None
 
-        return average_tensor
+        return titan_average_tensor
 
     def _z12_allreduce_bucket(self, bucket, communication_data_type, rank=None, log=None, divide=True,
                               process_group=None):
         opt = self.engine.optimizer
         self._count("zero.allreduce_bucket" + ("" if rank is None else "(reduce)"))
-        group = opt.dp_process_group if process_group is None else process_group
+        group = dsc.zero_dp_group(opt) if process_group is None else process_group
         comm = self._comm(group)
-        flat = opt.flatten(bucket)
+        flat = dsc.flatten(opt, bucket)
         prescale = 1.0
-        if divide and opt.gradient_average:
-            prescale = float(getattr(opt, "sequence_parallel_size", 1)) / comm.world_size
-            flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
+        if divide and dsc.gradient_average(opt):
+            prescale = dsc.sequence_parallel_size(opt) / comm.world_size
+            flat.div_(comm.world_size / dsc.sequence_parallel_size(opt))
         return self.reducer.reduce(flat, self._layout(list(bucket)), comm, self.engine.global_steps,
                                    prescale=prescale, consume=_owned(flat, bucket))
 
@@ -274,12 +268,12 @@ class CompressionHooks:
         if tensor.numel() == 0:
             return tensor
         self._count("zero.gradient_reduction_w_predivide")
-        comm = self._comm(opt.dp_process_group)
+        comm = self._comm(dsc.zero_dp_group(opt))
         flat = tensor.detach().clone()
         prescale = 1.0
-        if opt.gradient_average:
-            prescale = float(getattr(opt, "sequence_parallel_size", 1)) / comm.world_size
-            flat.div_(comm.world_size / float(getattr(opt, "sequence_parallel_size", 1)))
+        if dsc.gradient_average(opt):
+            prescale = dsc.sequence_parallel_size(opt) / comm.world_size
+            flat.div_(comm.world_size / dsc.sequence_parallel_size(opt))
         summed = self.reducer.reduce(flat, self._layout([tensor]), comm, self.engine.global_steps,
                                      prescale=prescale, consume=True)
         tensor.copy_(summed)
@@ -326,8 +320,7 @@ class CompressionHooks:
 
     # ---------------------------------------------------------------- checkpoint state
     def _dp_group(self) -> Any:
-        opt = self.engine.optimizer
-        return getattr(opt, "dp_process_group", None) or getattr(self.engine, "seq_data_parallel_group", None)
+        return dsc.zero_dp_group(self.engine.optimizer) or dsc.seq_data_parallel_group(self.engine)
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's residuals (gathered: DeepSpeed writes client_state from one rank only)."""
@@ -349,124 +342,63 @@ class CompressionHooks:
         self.reducer.load_state_dict(state["per_rank"][dist.get_rank(group=group)])
 
 
-# ------------------------------------------------------------------------------- pillar entry points
-def _check(ctx: Any) -> None:
-    cfg = ctx.titan.compression
-    errors = []
-    if cfg.method != "none" and ctx.world_size < 2:
-        errors.append(f"titan.compression.method={cfg.method!r} needs at least 2 data-parallel ranks (there is "
-                      f"nothing to communicate with {ctx.world_size}); launch with `deepspeed --num_gpus 2` or "
-                      f"more, or remove \"compression\"")
-    zero = ctx.ds_config.get("zero_optimization", {}) or {}
-    stage = ctx.zero_stage()
-    if stage == 3 and zero.get("reduce_scatter", True) is False:
-        errors.append("zero_optimization.reduce_scatter=false with stage 3 reduces gradients outside the seam "
-                      "titan.compression hooks (stage3 __avg_scatter_contiguous_grads); remove it or set it to true")
-    if zero.get("zero_quantized_gradients"):
-        errors.append("zero_optimization.zero_quantized_gradients (ZeRO++ qgZ) and titan.compression both compress "
-                      "gradients; switch one off")
-    if ctx.ds_config.get("sparse_gradients"):
-        errors.append("sparse_gradients=true sends sparse embedding gradients around titan.compression; remove it")
-    if errors:
-        raise TitanConfigError(errors)
-
-
-def _enabled(section: Any) -> bool:
-    return isinstance(section, dict) and bool(section.get("enabled", False))
-
-
-def _sgd_for_precondition(ctx: Any) -> RMSOptions:
+# ------------------------------------------------------------------------------- the pillar
+def rms_options(ctx: Any) -> RMSOptions:
     """``precondition='rms'``: the reduced sum is an Adam-scaled update, so the optimizer must be plain SGD.
 
-    Turns the ds_config's ``Adam``/``AdamW`` section (or an Adam/AdamW instance passed to initialize, the HF
-    ``Trainer``'s) into SGD without momentum, same lr and weight decay (SGD's decay on an update is AdamW's
-    decoupled one), logged; keeps an SGD without momentum; refuses anything else, fp16/bf16 (a loss scale or
-    low-precision reduction would not cancel in the normalization; untested) and gradient clipping (it would
-    clip the summed update). Returns the preconditioner's options: ``precondition_beta2``/``eps`` where the
-    section sets them, else the Adam's ``betas[1]``/``eps``, else Adam's defaults."""
+    The ds_config's ``Adam``/``AdamW`` section becomes SGD without momentum (same lr and weight decay; SGD's
+    decay on an update is AdamW's decoupled one), and so does an Adam/AdamW instance passed to initialize (the HF
+    ``Trainer``'s), over the same group dicts, through the one replacement path
+    (:mod:`titan_ds.replace_optimizer`). An SGD without momentum is kept; anything else was refused by
+    :mod:`titan_ds.rules`. Returns the preconditioner's options: ``precondition_beta2``/``eps`` where the section
+    sets them, else the Adam's ``betas[1]``/``eps``, else Adam's defaults."""
     cfg, ds = ctx.titan.compression, ctx.ds_config
-    errors, beta2, eps = [], None, None
-    if ctx.titan.optimizer is not None:
-        errors.append("titan.compression.precondition='rms' hands the optimizer Adam-scaled updates to apply with "
-                      "plain SGD; it cannot run with titan.optimizer (ASDT); remove one of them")
-    for key in ("fp16", "bf16"):
-        if _enabled(ds.get(key)):
-            errors.append(f"titan.compression.precondition='rms' with {key}.enabled: the loss scale / low-precision "
-                          f"reduction is not handled by the normalization (untested); train in fp32 or remove "
-                          f"precondition")
-    if float(ds.get("gradient_clipping", 0) or 0) > 0:
-        errors.append(f"gradient_clipping={ds['gradient_clipping']} would clip the summed Adam-scaled update, not a "
-                      f"gradient, under titan.compression.precondition='rms'; set gradient_clipping to 0 (HF: "
-                      f"TrainingArguments(max_grad_norm=0)) and clip each rank's gradient with local_clip if wanted")
+    beta2 = eps = None
     section = ds.get("optimizer")
-    if section is not None:
-        kind = str(section.get("type", "")).lower()
+    why = "titan.compression.precondition='rms': the Adam's beta2/eps drive the per-rank second moment"
+    if section is not None and str(section.get("type", "")).lower() in ("adam", "adamw"):
         params = dict(section.get("params", {}) or {})
-        if kind in ("adam", "adamw"):
-            if kind == "adam" and params.get("adam_w_mode") is False:
-                errors.append("the ds_config's Adam has adam_w_mode=false (L2 in the gradient); "
-                              "precondition='rms' applies decoupled weight decay: use AdamW")
-            betas = params.get("betas")
-            beta2 = float(betas[1]) if isinstance(betas, (list, tuple)) and len(betas) == 2 else None
-            eps = float(params["eps"]) if "eps" in params else None
-            new = {"type": "SGD", "params": {"lr": params.get("lr", 1e-3),
-                                             "weight_decay": params.get("weight_decay", 0.0)}}
-            log.info("titan.compression.precondition='rms': the ds_config's optimizer %s becomes %s (its beta2/eps "
-                     "drive the per-rank second moment)", section, new)
-            ds["optimizer"] = new
-        elif kind == "sgd":
-            if float(params.get("momentum", 0) or 0) != 0:
-                errors.append(f"the ds_config's SGD has momentum={params['momentum']}: under precondition='rms' "
-                              f"error feedback is the accumulation; set momentum to 0")
-        else:
-            errors.append(f"titan.compression.precondition='rms' needs the optimizer to be Adam/AdamW (titan turns it "
-                          f"into SGD) or SGD without momentum, not {section.get('type')!r}")
+        betas = params.get("betas")
+        beta2 = float(betas[1]) if isinstance(betas, (list, tuple)) and len(betas) == 2 else None
+        eps = float(params["eps"]) if "eps" in params else None
+        replace_ds_optimizer_section(ds, {"type": "SGD", "params": {"lr": params.get("lr", 1e-3),
+                                                                    "weight_decay": params.get("weight_decay", 0.0)}},
+                                     why)
     passed = ctx.optimizer
-    if passed is not None and ctx.titan.optimizer is None:
-        if isinstance(passed, (torch.optim.Adam, torch.optim.AdamW)):
-            g0 = passed.param_groups[0]
-            beta2 = beta2 if beta2 is not None else float(g0["betas"][1])
-            eps = eps if eps is not None else float(g0["eps"])
-            # the same group dicts: a scheduler built over ``passed`` keeps setting the lr SGD reads
-            ctx.optimizer = torch.optim.SGD(passed.param_groups, lr=g0["lr"], momentum=0.0)
-            log.info("titan.compression.precondition='rms': the %s passed to initialize is replaced by SGD over its "
-                     "%d param groups (same lr and weight decay; its beta2=%g, eps=%g drive the per-rank second "
-                     "moment)", type(passed).__name__, len(passed.param_groups), beta2, eps)
-        elif isinstance(passed, torch.optim.SGD):
-            if any(g.get("momentum", 0) for g in passed.param_groups):
-                errors.append("the SGD passed to initialize has momentum: under precondition='rms' error feedback "
-                              "is the accumulation; use momentum=0")
-        else:
-            errors.append(f"titan.compression.precondition='rms' needs Adam/AdamW (titan turns it into SGD) or SGD "
-                          f"without momentum; initialize() was given {type(passed).__name__}")
-    if errors:
-        raise TitanConfigError(errors)
-    if ctx.zero_stage() >= 1:  # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS has Adam/AdamW/Adagrad/Lion, not SGD
-        ctx.set_ds_flag("zero_allow_untested_optimizer", True,
-                        "titan.compression.precondition='rms' (plain SGD applies the normalized sums)")
+    if isinstance(passed, (torch.optim.Adam, torch.optim.AdamW)):
+        g0 = passed.param_groups[0]
+        beta2 = beta2 if beta2 is not None else float(g0["betas"][1])
+        eps = eps if eps is not None else float(g0["eps"])
+        # the same group dicts: a scheduler built over ``passed`` keeps setting the lr SGD reads
+        replace_passed_optimizer(ctx, lambda p: torch.optim.SGD(p.param_groups, lr=p.param_groups[0]["lr"],
+                                                                momentum=0.0), why)
     fields = cfg.model_fields_set
     return RMSOptions(beta2=cfg.precondition_beta2 if "precondition_beta2" in fields or beta2 is None else beta2,
                       eps=cfg.precondition_eps if "precondition_eps" in fields or eps is None else eps)
 
 
-def before_initialize(ctx: Any) -> None:
-    """Check the combination before any work starts; build the reducer (installed after initialize)."""
-    _check(ctx)
-    cfg = ctx.titan.compression
-    precondition = _sgd_for_precondition(ctx) if cfg.precondition == "rms" else None
-    ctx.reports[_REPORT_KEY] = GradientReducer(
-        cfg.method, cfg.ratio, error_feedback=cfg.error_feedback, warmup_steps=cfg.warmup_steps, rows=cfg.sketch_rows,
-        seed=cfg.seed, rank=cfg.rank, min_compression=cfg.min_compression,
-        dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
-        ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start,
-        precondition=precondition)
+class CompressionPillar(Pillar):
+    """``titan.compression``: build the reducer (``apply``), install it on the engine (``attach``)."""
+
+    key = "compression"
+
+    def apply(self, ctx: Any) -> None:
+        cfg = self.cfg
+        precondition = rms_options(ctx) if cfg.precondition == "rms" else None
+        self.reducer = GradientReducer(
+            cfg.method, cfg.ratio, error_feedback=cfg.error_feedback, warmup_steps=cfg.warmup_steps,
+            rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank, min_compression=cfg.min_compression,
+            dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
+            ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start,
+            precondition=precondition)
+
+    def attach(self, ctx: Any) -> None:
+        """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""
+        hooks = CompressionHooks(ctx.engine, self.reducer, ctx.zero_stage()).install(ctx)
+        ctx.reports[_REPORT_KEY] = hooks
+        ctx.add_metrics(self.reducer.take_metrics)
+        ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)
+        log.info("titan: %r", hooks)
 
 
-def after_initialize(ctx: Any) -> None:
-    """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""
-    reducer = ctx.reports[_REPORT_KEY]
-    hooks = CompressionHooks(ctx.engine, reducer, ctx.zero_stage()).install(ctx)
-    ctx.reports[_REPORT_KEY] = hooks
-    ctx.add_metrics(reducer.take_metrics)
-    ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)
-    log.info("titan: %r", hooks)
+PILLAR = CompressionPillar

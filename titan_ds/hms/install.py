@@ -1,34 +1,36 @@
-"""Wire HMS into ``deepspeed.initialize`` (the ``hms`` pillar of :mod:`titan_ds.engine`).
+"""Wire HMS into ``deepspeed.initialize`` (the ``hms`` pillar of :mod:`titan_ds.engine`): :class:`HMSPillar`.
 
-``before_initialize(ctx)``:
+``validate`` (pure): ``titan.hms.nvme_path`` and every ``spill_tiers[i].path`` must be a folder that exists or
+can be created in a writable parent (checked with ``stat``/``access``, nothing written); a model built under
+plain ``deepspeed.zero.Init`` (DeepSpeed's swapper) is refused. The ds_config conflicts (another ZeRO stage,
+another offload device, ``fast_init``) are cross-field rules: :func:`configure_ds_config`, run by
+:mod:`titan_ds.rules` on a copy.
 
-1. checks ``titan.hms.nvme_path`` (and every ``spill_tiers[i].path``): it must exist or be creatable, and be
-   writable; otherwise a :class:`TitanConfigError` names the key;
-2. makes the ds_config ZeRO-3 with parameters and optimizer state offloaded to ``nvme`` (sets what is missing,
-   raises naming the key for what contradicts it: another stage, another offload device, ``fast_init``), and
-   bounds ZeRO-3's working buffers (``ZERO3_BOUNDS``: bucket sizes, live parameters, optimizer sub-group) where
-   the user left them unset or ``"auto"``; every value it sets is logged;
-   with a client optimizer it sets ``zero_force_ds_cpu_optimizer: false`` and
-   ``zero_allow_untested_optimizer: true`` (seams 1.2);
-3. builds the store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache), the predictor and the
-   :class:`HMSParamSwapper`, and converts the user's ordinary model with
-   ``deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, param_swapper=swapper)``: the dtype then
-   comes from the config, not from the CPU dtype bug (seams 0.5), and ZeRO's own conversion inside
-   ``deepspeed.initialize`` finds the parameters already converted;
-4. points ``stage3.PartitionedOptimizerSwapper`` / ``PipelinedOptimizerSwapper`` at :class:`HMSOptimizerSwapper`
-   for the duration of ``deepspeed.initialize`` (restored in ``after_initialize``, and by ``ctx.on_abort`` if
-   initialization fails anywhere later);
-5. registers the ``hms`` metrics (hit rate, bytes read/written, stall seconds, per step) and the ``hms``
-   checkpoint state.
+``apply``:
 
-``after_initialize(ctx)`` restores the stage3 globals and registers lifecycle callbacks: after each step that
-ends a gradient-accumulation boundary it tells the predictor where the step ended; on save and load every rank
-writes/reads its HMS snapshot under ``<dir>/<tag>/hms/rank<r>`` (DeepSpeed writes ``client_state`` on DP rank 0
-only, and its own NVMe resume skips the optimizer state: seams appendix A).
+1. creates the folders (through the transaction: removed again if ``initialize`` fails) and probes them by
+   writing a file;
+2. makes the ds_config ZeRO-3 with parameters and optimizer state offloaded to ``nvme`` and bounds ZeRO-3's
+   working buffers (``ZERO3_BOUNDS``) where the user left them unset or ``"auto"``; every value it sets is logged;
+3. bounds glibc's retention of freed buffers (``mallopt``; put back to glibc's defaults on failure);
+4. builds the store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache; swap files of an earlier run are
+   moved aside and deleted only once ``initialize`` succeeded), the predictor and the :class:`HMSParamSwapper`,
+   and converts the user's ordinary model with ``deepspeed.zero.Init(module=model, config_dict_or_path=ds_config,
+   param_swapper=swapper)`` (this consumes the model: see :mod:`titan_ds.transaction`);
+5. for the duration of ``deepspeed.initialize``, points ZeRO-3's optimizer swapper classes at
+   :class:`HMSOptimizerSwapper` and, with ``gradient_buffer: "disk"``, has ZeRO-3 allocate its gradient
+   partitions in a file mapping (seams in :mod:`titan_ds.deepspeed_compat`).
+
+``attach`` undoes those two patches, checks that DeepSpeed used them, and registers the lifecycle callbacks:
+after each step that ends a gradient-accumulation boundary it tells the predictor where the step ended; on save
+and load every rank writes/reads its HMS snapshot under ``<dir>/<tag>/hms/rank<r>`` (DeepSpeed writes
+``client_state`` on DP rank 0 only, and its own NVMe resume skips the optimizer state: docs/deepspeed_seams.md);
+the ``hms`` metrics (hit rate, bytes read/written, stall seconds, per step) and checkpoint state.
 """
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
@@ -37,29 +39,56 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import TitanConfigError
+from .. import deepspeed_compat as dsc
+from ..config import TitanConfigError, ds_precision
+from ..pillar import Pillar, View
 from ..utils import after_init_distributed
 from .io import AsyncIOHandle
 from .prefetch import make_predictor
 from .store import Tier, TensorStore
 from .swapper import HMSOptimizerSwapper, HMSParamSwapper
 
-__all__ = ["before_initialize", "after_initialize", "validate_folder", "configure_ds_config", "zero_init",
-           "build_param_swapper", "ZERO3_BOUNDS"]
+__all__ = ["HMSPillar", "PILLAR", "folder_problems", "configure_ds_config", "zero_init", "build_param_swapper",
+           "ZERO3_BOUNDS"]
 
 log = logging.getLogger("titan_ds.hms")
 _MB = 1 << 20
 
 
-def validate_folder(path: str, key: str) -> str:
-    """Create ``path`` if needed and check that it is writable; errors name ``key``."""
+def folder_problems(path: str, key: str) -> list[str]:
+    """Whether ``path`` is (or can be created as) a writable folder, by ``stat``/``access`` only; errors name
+    ``key``."""
     full = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(full) and not os.path.isdir(full):
-        raise TitanConfigError([f"{key}={path!r} exists but is not a folder; point it at a folder"])
+    if os.path.exists(full):
+        if not os.path.isdir(full):
+            return [f"{key}={path!r} exists but is not a folder; point it at a folder"]
+        if not _writable(full):
+            return [f"{key}={path!r} is not writable; fix its permissions or choose another folder"]
+        return []
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [f"{key}={path!r} cannot be created: {parent!r} is not a folder; point it at a writable folder"]
+    if not _writable(parent):
+        return [f"{key}={path!r} cannot be created: {parent!r} is not writable; point it at a writable folder"]
+    return []
+
+
+def _writable(folder: str) -> bool:
+    """Permissions and a read-only mount (root passes every permission check but not that one)."""
+    return os.access(folder, os.W_OK | os.X_OK) and not os.statvfs(folder).f_flag & os.ST_RDONLY
+
+
+def _make_folder(path: str, key: str, txn: Any = None) -> str:
+    """Create ``path`` (through ``txn`` when given: removed again on rollback) and probe it with a write."""
     try:
-        os.makedirs(full, exist_ok=True)
+        full = txn.make_dirs(path) if txn is not None else os.path.abspath(os.path.expanduser(path))
+        if txn is None:
+            os.makedirs(full, exist_ok=True)
     except OSError as e:
-        raise TitanConfigError([f"{key}={path!r} cannot be created ({e.strerror}); point it at a writable folder"])
+        raise TitanConfigError([f"{key}={path!r} cannot be created ({e.strerror}); point it at a writable folder"]) \
+            from None
     probe = os.path.join(full, f".titan_write_probe.{os.getpid()}")
     try:
         with open(probe, "wb") as f:
@@ -67,7 +96,7 @@ def validate_folder(path: str, key: str) -> str:
         os.remove(probe)
     except OSError as e:
         raise TitanConfigError([f"{key}={path!r} is not writable ({e.strerror}); fix its permissions or choose "
-                                f"another folder"])
+                                f"another folder"]) from None
     return full
 
 
@@ -87,8 +116,9 @@ ZERO3_BOUNDS: dict[str, int] = {
 }
 
 
-def configure_ds_config(ds: dict[str, Any], nvme_path: str, *, client_optimizer: bool) -> list[str]:
-    """Make ``ds`` ZeRO-3 with nvme offload of params and optimizer; returns what was set. Raises on conflicts."""
+def configure_ds_config(ds: dict[str, Any], nvme_path: str) -> list[str]:
+    """Make ``ds`` ZeRO-3 with nvme offload of params and optimizer; returns what was set. Raises on conflicts
+    (:mod:`titan_ds.rules` runs it on a copy during validation, so ``initialize`` never gets that far)."""
     errors, changed = [], []
     zero = ds.setdefault("zero_optimization", {})
     stage = zero.get("stage")
@@ -121,36 +151,41 @@ def configure_ds_config(ds: dict[str, Any], nvme_path: str, *, client_optimizer:
         if zero.get(key, "auto") == "auto":  # HF's "auto" would be filled from the hidden size, unbounded
             zero[key] = value
             changed.append(f"zero_optimization.{key}={value:.0e}")
-    if client_optimizer:
-        for key, value in (("zero_force_ds_cpu_optimizer", False), ("zero_allow_untested_optimizer", True)):
-            if ds.get(key, value) != value:
-                raise TitanConfigError([f"{key}={ds[key]!r} conflicts with titan.hms with a client optimizer "
-                                        f"(offloaded state on the CPU), which needs {value!r}; set it"])
-            if key not in ds:
-                ds[key] = value
-                changed.append(f"{key}={value}")
     return changed
 
 
-def _bound_allocator_retention() -> bool:
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8
+_GLIBC_DEFAULTS = {_M_MMAP_THRESHOLD: 128 * 1024, _M_ARENA_MAX: 0}  # glibc's documented defaults (0: 8 x cores)
+
+
+def _mallopt() -> Any:
+    import ctypes
+    import ctypes.util
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+def _bound_allocator_retention(txn: Any = None) -> bool:
     """Make glibc return freed large blocks to the OS (HMS allocates a fresh tensor per read on its I/O threads).
 
     By default glibc raises its mmap threshold after frees (up to 32 MiB) and keeps one arena per thread, so
     freed read buffers stay in the process: measured +1.2 GiB peak RSS on the 85M-parameter GPT (4.98 vs
     3.75 GiB with ``MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_ARENA_MAX=2``). Same settings, via ``mallopt``.
-    Returns False where the C library is not glibc (nothing changed).
+    If ``initialize`` then fails, ``txn`` puts glibc's documented defaults back (128 KiB, arenas by core count;
+    glibc has no way to read the old values or to turn its dynamic threshold back on, so a value the process had
+    set before is not restored). Returns False where the C library is not glibc (nothing changed).
     """
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    m_mmap_threshold, m_arena_max = -3, -8
-    ok = bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_arena_max, 2))
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, 1 << 20)) and bool(mallopt(_M_ARENA_MAX, 2))
     if ok:
         log.info("titan hms: glibc mmap threshold 1 MiB, 2 malloc arenas (freed I/O buffers go back to the OS)")
+        if txn is not None:
+            txn.on_undo("glibc mallopt back to its defaults",
+                        lambda: [mallopt(k, v) for k, v in _GLIBC_DEFAULTS.items()] and None)
     return ok
 
 
@@ -159,36 +194,47 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def _prepare(hms, ds_config: dict[str, Any], *, client_optimizer: bool) -> str:
-    """Check the folders, make ``ds_config`` ZeRO-3 + NVMe with bounded buffers, set up the process."""
+def _prepare(hms, ds_config: dict[str, Any], txn: Any = None) -> str:
+    """Create and probe the folders, make ``ds_config`` ZeRO-3 + NVMe with bounded buffers, set up the process."""
     import deepspeed
-    root = validate_folder(hms.nvme_path, "titan.hms.nvme_path")
+    root = _make_folder(hms.nvme_path, "titan.hms.nvme_path", txn)
     for i, t in enumerate(hms.spill_tiers):
-        validate_folder(t.path, f"titan.hms.spill_tiers[{i}].path")
-    for c in configure_ds_config(ds_config, root, client_optimizer=client_optimizer):
+        _make_folder(t.path, f"titan.hms.spill_tiers[{i}].path", txn)
+    for c in configure_ds_config(ds_config, root):
         log.info("titan hms: set %s", c)
-    _bound_allocator_retention()
+    _bound_allocator_retention(txn)
     deepspeed.init_distributed()
     after_init_distributed()
     return root
 
 
-def build_param_swapper(hms, ds_config: dict[str, Any], root: str) -> HMSParamSwapper:
-    """This rank's store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache) and parameter swapper.
-    The rank's folders are emptied first: swap files of an earlier run are stale (checkpoints live elsewhere)."""
+def _fresh_folder(folder: str, txn: Any) -> None:
+    """Swap files of an earlier run in ``folder`` are stale (checkpoints live elsewhere): moved aside and deleted
+    once ``initialize`` succeeded (``txn``), or deleted now (``titan_ds.zero_init``, no transaction)."""
+    if txn is not None:
+        txn.move_aside(folder)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def build_param_swapper(hms, ds_config: dict[str, Any], root: str, txn: Any = None) -> HMSParamSwapper:
+    """This rank's store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache) and parameter swapper,
+    in folders emptied of an earlier run's swap files (:func:`_fresh_folder`)."""
     rank = _rank()
     folder = os.path.join(root, "titan_hms", f"rank{rank}")
-    shutil.rmtree(folder, ignore_errors=True)
+    _fresh_folder(folder, txn)
     tiers = [Tier(folder, None if hms.nvme_capacity_mb is None else hms.nvme_capacity_mb * _MB)]
     for t in hms.spill_tiers:
         sub = os.path.join(os.path.abspath(os.path.expanduser(t.path)), "titan_hms", f"rank{rank}")
-        shutil.rmtree(sub, ignore_errors=True)
+        _fresh_folder(sub, txn)
         tiers.append(Tier(sub, None if t.capacity_mb is None else t.capacity_mb * _MB))
     io = AsyncIOHandle(threads=hms.io_threads, direct=hms.direct_io)
     # a predictor names prefetch_depth keys ahead after each access; twice that many unread guesses means
     # the trace went wrong (e.g. step 2 replays DeepSpeed's differently ordered first step): drop the oldest
     store = TensorStore(tiers, dram_cache_bytes=hms.dram_cache_mb * _MB, io=io, durable=False,
                         prefetch_workers=hms.prefetch_workers, max_speculative=max(2, 2 * hms.prefetch_depth))
+    if txn is not None:
+        txn.on_undo("close the HMS store (its I/O threads)", store.close)
     buffer_count = int(ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
     return HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
                            device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
@@ -215,79 +261,44 @@ def zero_init(ds_config: Any, **init_kwargs: Any):
     plain = {k: v for k, v in ds.items() if k != "titan"}
     if titan is None or titan.hms is None:
         return deepspeed.zero.Init(config_dict_or_path=plain, **init_kwargs)
-    # client_optimizer=True: the flags a client (or titan) optimizer needs are harmless for DeepSpeed's own
-    root = _prepare(titan.hms, plain, client_optimizer=True)
+    problems = [m for i, path in enumerate([titan.hms.nvme_path] + [t.path for t in titan.hms.spill_tiers])
+                for m in folder_problems(path, "titan.hms.nvme_path" if i == 0 else f"titan.hms.spill_tiers[{i - 1}].path")]
+    try:
+        configure_ds_config(json.loads(json.dumps(plain)), titan.hms.nvme_path)
+    except TitanConfigError as e:
+        problems += e.errors
+    if problems:
+        raise TitanConfigError(problems)
+    root = _prepare(titan.hms, plain)
     for k, v in plain.items():
         ds[k] = v
     pswap = build_param_swapper(titan.hms, plain, root)
     return deepspeed.zero.Init(config_dict_or_path=plain, param_swapper=pswap, **init_kwargs)
 
 
-def before_initialize(ctx) -> None:
-    from deepspeed.runtime.zero import stage3
-
-    hms = ctx.titan.hms
-    root = _prepare(hms, ctx.ds_config, client_optimizer=ctx.optimizer is not None or ctx.titan.optimizer is not None)
-    pswap = _adopted_swapper(ctx.model)  # built under titan_ds.zero_init: its parameters already live in HMS
-    if pswap is None:
-        pswap = build_param_swapper(hms, ctx.ds_config, root)
-        _convert_model(ctx.model, ctx.ds_config, pswap)
-    ctx.zero_init_kwargs["param_swapper"] = pswap  # parameters later pillars create (TRD cores) stream via HMS
-    rank = _rank()
-    store = pswap.store
-    saved = (stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper, stage3.torch)
-    ctx.on_abort(functools.partial(_restore_swapper_classes, saved))
-    grad_file = None
-    if hms.gradient_buffer == "disk":
-        grad_file = _DiskGradientBuffer(store.tiers[0].path, saved[2])
-        stage3.torch = grad_file
-    factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank, grad_file=grad_file)
-    stage3.PartitionedOptimizerSwapper = stage3.PipelinedOptimizerSwapper = factory
-    runtime = _HMSRuntime(store=store, param_swapper=pswap, rank=rank, saved_globals=saved, grad_file=grad_file)
-    ctx.reports["hms"] = runtime
-    ctx.add_metrics(runtime.metrics)
-    ctx.add_state("hms", runtime.state, runtime.load_state)
-
-
-def _restore_swapper_classes(saved: tuple[Any, Any, Any]) -> None:
-    from deepspeed.runtime.zero import stage3
-    stage3.PartitionedOptimizerSwapper, stage3.PipelinedOptimizerSwapper, stage3.torch = saved
-
-
 class _DiskGradientBuffer:
-    """Stands for ``torch`` in DeepSpeed's stage3 module during ``deepspeed.initialize`` (``titan.hms.
-    gradient_buffer: "disk"``). Its one change: the ``torch.zeros`` in ``_setup_for_real_optimizer``, the only one
-    there (DeepSpeed 0.19.8), which allocates ``grad_partitions_flat_buffer`` (this rank's fp32 gradient
-    partitions, 4 bytes/param), returns a shared mapping of a sparse file instead. Its pages are page cache: the
-    kernel writes them back and reclaims them under memory pressure (a cgroup cap included), where anonymous
-    memory could only be swapped or OOM-killed. The file is unlinked once mapped (the space is freed with the
-    mapping). :class:`HMSOptimizerSwapper` reads the gradient pieces of each sub-group from this mapping (ZeRO-3
-    hands it views of it) instead of writing them to the store again. Everything else is the real ``torch``."""
+    """``titan.hms.gradient_buffer: "disk"``: ZeRO-3's fp32 gradient partitions of this rank
+    (``grad_partitions_flat_buffer``, 4 bytes/param) in a shared mapping of a sparse file instead of anonymous
+    memory (:func:`titan_ds.deepspeed_compat.z3_gradient_partitions_allocator` has ZeRO-3 call :meth:`alloc`).
+    Its pages are page cache: the kernel writes them back and reclaims them under memory pressure (a cgroup cap
+    included), where anonymous memory could only be swapped or OOM-killed. The file is unlinked once mapped (the
+    space is freed with the mapping). :class:`HMSOptimizerSwapper` reads the gradient pieces of each sub-group
+    from this mapping (ZeRO-3 hands it views of it) instead of writing them to the store again."""
 
-    def __init__(self, folder: str, real_torch):
-        self._torch, self._folder = real_torch, folder
+    def __init__(self, folder: str):
+        self._folder = folder
         self.bytes = 0
-        self.mapped = None  # the mapped buffer, once DeepSpeed allocated it (not .tensor: that is torch.tensor)
+        self.mapped = None  # the mapped buffer, once DeepSpeed allocated it
 
-    def __getattr__(self, name: str):
-        return getattr(self._torch, name)
-
-    def zeros(self, *size, **kw):
-        import sys
-        caller = sys._getframe(1).f_code.co_name
-        dtype, device = kw.get("dtype") or self._torch.get_default_dtype(), kw.get("device", "cpu")
-        if caller != "_setup_for_real_optimizer" or self._torch.device(device).type != "cpu" or self.bytes:
-            return self._torch.zeros(*size, **kw)
-        n = int(size[0] if len(size) == 1 and not isinstance(size[0], (tuple, list)) else
-                torch.Size(size[0] if len(size) == 1 else size).numel())
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         os.makedirs(self._folder, exist_ok=True)
         path = os.path.join(self._folder, f"grad_buffer.{os.getpid()}.bin")
-        itemsize = self._torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
         with open(path, "wb") as f:
-            f.truncate(n * itemsize)  # sparse: reads as zeros, takes disk only as pages are written back
-        t = self._torch.from_file(path, shared=True, size=n, dtype=dtype)
+            f.truncate(numel * itemsize)  # sparse: reads as zeros, takes disk only as pages are written back
+        t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         os.unlink(path)
-        self.bytes, self.mapped = n * itemsize, t
+        self.bytes, self.mapped = numel * itemsize, t
         log.info("titan hms: ZeRO-3 gradient partitions (%.1f MiB) in a file mapping under %s", self.bytes / _MB,
                  self._folder)
         return t
@@ -296,11 +307,10 @@ class _DiskGradientBuffer:
 def _adopted_swapper(model: torch.nn.Module) -> HMSParamSwapper | None:
     """The HMS swapper of a model built under :func:`zero_init`; None for an ordinary model. Raises for a model
     built under plain ``deepspeed.zero.Init`` (its parameters use DeepSpeed's swapper) or a mix."""
-    from deepspeed.runtime.zero.partition_parameters import is_zero_param
-    converted = [p for p in model.parameters() if is_zero_param(p)]
+    converted = [p for p in model.parameters() if dsc.is_zero_param(p)]
     if not converted:
         return None
-    swappers = {id(getattr(p, "nvme_swapper", None)): getattr(p, "nvme_swapper", None) for p in converted}
+    swappers = {id(dsc.param_swapper_of(p)): dsc.param_swapper_of(p) for p in converted}
     only = next(iter(swappers.values()))
     if len(swappers) == 1 and isinstance(only, HMSParamSwapper) and len(converted) == len(list(model.parameters())):
         return only
@@ -309,12 +319,7 @@ def _adopted_swapper(model: torch.nn.Module) -> HMSParamSwapper | None:
                             "arguments), or build it normally and titan converts it"])
 
 
-def _config_dtype(ds_config: dict) -> torch.dtype | None:
-    """The parameter dtype ``bf16.enabled`` / ``fp16.enabled`` ask for (None: as built)."""
-    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
-        if (ds_config.get(key) or {}).get("enabled") is True:
-            return dtype
-    return None
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapper) -> None:
@@ -322,21 +327,69 @@ def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapp
     # ``zero.Init(module=...)`` partitions the parameters in the dtype they have, and DeepSpeed's engine casts the
     # module to bf16/fp16 only when it converts it itself: converted here first, a bf16 run would otherwise
     # train fp32 partitions (measured: the gathered parameters stayed fp32). Cast as the engine would.
-    dtype = _config_dtype(ds_config)
+    dtype = _DTYPES.get(ds_precision(ds_config))
     if dtype is not None:
         model.to(dtype)
     # dtype=None: Init then takes the dtype from the config; passing one hits the CPU dtype bug (seams 0.5)
     deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, param_swapper=pswap)
 
 
+class HMSPillar(Pillar):
+    """``titan.hms``: see the module docstring."""
+
+    key = "hms"
+
+    def validate(self, view: View) -> list[str]:
+        out = folder_problems(self.cfg.nvme_path, "titan.hms.nvme_path")
+        for i, t in enumerate(self.cfg.spill_tiers):
+            out += folder_problems(t.path, f"titan.hms.spill_tiers[{i}].path")
+        try:
+            _adopted_swapper(view.model)
+        except TitanConfigError as e:
+            out += e.errors
+        return out
+
+    def apply(self, ctx: Any) -> None:
+        hms, txn = self.cfg, ctx.txn
+        root = _prepare(hms, ctx.ds_config, txn)
+        pswap = _adopted_swapper(ctx.model)  # built under titan_ds.zero_init: its parameters already live in HMS
+        if pswap is None:
+            pswap = build_param_swapper(hms, ctx.ds_config, root, txn)
+            _convert_model(ctx.model, ctx.ds_config, pswap)
+        ctx.zero_init_kwargs["param_swapper"] = pswap  # parameters later pillars create (TRD cores) stream via HMS
+        rank = _rank()
+        grad_file = _DiskGradientBuffer(pswap.store.tiers[0].path) if hms.gradient_buffer == "disk" else None
+        factory = functools.partial(HMSOptimizerSwapper, store=pswap.store, rank=rank, grad_file=grad_file)
+        # only for the duration of deepspeed.initialize: attach undoes them
+        self.patches = [ctx.patch(p) for p in dsc.route_optimizer_swapper(factory)]
+        if grad_file is not None:
+            self.patches.append(ctx.patch(dsc.z3_gradient_partitions_allocator(grad_file.alloc)))
+        self.runtime = _HMSRuntime(store=pswap.store, param_swapper=pswap, rank=rank, grad_file=grad_file)
+
+    def attach(self, ctx: Any) -> None:
+        for p in reversed(self.patches):
+            p.undo()
+        runtime = self.runtime
+        runtime.attach(ctx.engine)
+        ctx.on_before_step(runtime.before_step)
+        ctx.on_after_step(runtime.after_step)
+        ctx.on_save(runtime.save)
+        ctx.on_load(runtime.load)
+        ctx.add_metrics(runtime.metrics)
+        ctx.add_state("hms", runtime.state, runtime.load_state)
+        ctx.reports["hms"] = runtime
+
+
+PILLAR = HMSPillar
+
+
 class _HMSRuntime:
     """What HMS keeps after initialize: the store, the swappers, metrics and lifecycle callbacks."""
 
-    def __init__(self, *, store: TensorStore, param_swapper: HMSParamSwapper, rank: int, saved_globals,
+    def __init__(self, *, store: TensorStore, param_swapper: HMSParamSwapper, rank: int,
                  grad_file: "_DiskGradientBuffer | None" = None):
         self.store, self.param_swapper, self.rank = store, param_swapper, rank
         self.grad_file = grad_file
-        self.saved_globals = saved_globals
         self.engine = None
         self.opt_swapper = None
         self.snapshot_id = None
@@ -375,13 +428,12 @@ class _HMSRuntime:
 
     # ------------------------------------------------------------------ lifecycle callbacks
     def attach(self, engine) -> None:
-        _restore_swapper_classes(self.saved_globals)
         if self.grad_file is not None and not self.grad_file.bytes:
             raise RuntimeError("titan hms: gradient_buffer \"disk\" did not find DeepSpeed's gradient buffer "
                                "allocation (stage3._setup_for_real_optimizer); this DeepSpeed version differs from "
                                "0.19.8: set titan.hms.gradient_buffer to \"dram\"")
         self.engine = engine
-        self.opt_swapper = getattr(engine.optimizer, "optimizer_swapper", None)
+        self.opt_swapper = dsc.z3_optimizer_swapper(engine.optimizer)
         if not isinstance(self.opt_swapper, HMSOptimizerSwapper):
             raise RuntimeError("titan hms: DeepSpeed did not build the HMS optimizer swapper; is "
                                "zero_optimization.offload_optimizer.device \"nvme\"?")
@@ -399,7 +451,7 @@ class _HMSRuntime:
         folder = os.path.join(save_dir, tag, "hms", f"rank{self.rank}")
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
-        self.opt_swapper.snapshot(folder, self.engine.optimizer.fp32_partitioned_groups_flat)
+        self.opt_swapper.snapshot(folder, dsc.z3_fp32_masters(self.engine.optimizer))
         with open(os.path.join(folder, "SNAPSHOT_ID"), "w") as f:
             f.write(self.snapshot_id)
 
@@ -412,9 +464,9 @@ class _HMSRuntime:
         if options.get("load_module_only"):
             raise RuntimeError("titan hms: load_module_only is not supported with HMS (parameters live in the "
                                "optimizer's fp32 masters); load the full checkpoint")
-        self.opt_swapper.restore(folder, self.engine.optimizer.fp32_partitioned_groups_flat,
+        self.opt_swapper.restore(folder, dsc.z3_fp32_masters(self.engine.optimizer),
                                  load_optimizer_states=options.get("load_optimizer_states", True))
-        self.engine.optimizer.reset_swap_buffers()  # rewrite every parameter partition from its restored fp32 master
+        dsc.z3_reset_swap_buffers(self.engine.optimizer)  # every parameter partition from its restored fp32 master
         if options.get("load_optimizer_states", True):
             self._restore_optimizer_extra(load_dir, tag)
         with open(os.path.join(folder, "SNAPSHOT_ID")) as f:
@@ -424,7 +476,7 @@ class _HMSRuntime:
 
     def _client_optimizer(self) -> Any:
         """The optimizer the user (or titan.optimizer) gave DeepSpeed, inside its ZeRO-3 optimizer."""
-        return getattr(self.engine.optimizer, "optimizer", None)
+        return dsc.zero_client_optimizer(self.engine.optimizer)
 
     def _restore_optimizer_extra(self, load_dir: str, tag: str) -> None:
         """Under NVMe optimizer offload DeepSpeed writes the client optimizer's ``state_dict()`` into each rank's
@@ -434,7 +486,7 @@ class _HMSRuntime:
         load = getattr(self._client_optimizer(), "load_extra_state", None)
         if load is None:
             return
-        path = self.engine._get_zero_ckpt_name(load_dir, tag)
+        path = dsc.zero_checkpoint_file(self.engine, load_dir, tag)
         shard = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # mmap: only what is read
         load(shard["optimizer_state_dict"]["optimizer_state_dict"])
 
@@ -443,12 +495,3 @@ def _barrier() -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def after_initialize(ctx) -> None:
-    runtime = ctx.reports["hms"]
-    runtime.attach(ctx.engine)
-    ctx.on_before_step(runtime.before_step)
-    ctx.on_after_step(runtime.after_step)
-    ctx.on_save(runtime.save)
-    ctx.on_load(runtime.load)

@@ -2,7 +2,8 @@
 
 ``mlme_policies(cfg)`` builds the policies for an :class:`~titan_ds.config.MLMEConfig`; ``apply_mlme(model, cfg)``
 applies them (``titan_ds.inject.policy.apply_policies``) and returns the ``ReplacementReport``;
-``before_initialize(ctx)`` does that to ``ctx.model`` and stores the report in ``ctx.reports["mlme"]``.
+:class:`MLMEPillar` validates that every switched-on part matches a module (``mlme_problems``, before anything is
+touched), then does that to ``ctx.model`` and publishes the report in ``ctx.reports["mlme"]``.
 
 What is replaced (every replacement keeps the state-dict names of the module it replaces):
 
@@ -32,7 +33,8 @@ from ..kernels.attention import TiledAttention, tiled_attention
 from ..kernels.chunked_ce import ChunkedLMLoss
 from ..kernels.stripe_ffn import StripeFFN
 from .hf_loss import CapturingHead, HFChunkedLossPolicy
-from .policy import ReplacementReport, apply_policies
+from ..pillar import Pillar, View
+from .policy import ReplacementReport, apply_policies, planned
 from .recompute import BlockRecomputePolicy
 
 __all__ = ["SDPAttention", "AttentionCorePolicy", "HFAttentionPolicy", "StripeFFNPolicy", "ChunkedLossPolicy",
@@ -331,6 +333,43 @@ _OFF = {"mlme.attention": "attention (\"off\")", "mlme.stripe_ffn": "stripe_ffn 
         "mlme.chunked_loss": "chunked_loss (false)"}
 
 
+def _no_block(model: nn.Module) -> str:
+    return (f"titan.mlme.recompute_blocks matched no block of {type(model).__name__} (names 'blocks.N', "
+            f"'layers.N' or 'h.N'); set it to false")
+
+
+def _unmatched(model: nn.Module, missing: list[str]) -> str:
+    return (f"titan.mlme is on but {', '.join(missing)} matched no module of {type(model).__name__} (MLME knows "
+            f"titan_ds.models.gpt.GPT and HF GPT-2, Llama, Qwen2/3, Mistral and Gemma causal LMs); switch off " +
+            ", ".join(f"titan.mlme.{_OFF[m]}" for m in missing))
+
+
+def _missing(policies: list, done: set[str]) -> list[str]:
+    for p in policies:
+        if getattr(p, "already", None):
+            done.add(p.name)
+    return list(dict.fromkeys(p.name for p in policies if p.name not in done))  # one name per key
+
+
+def mlme_problems(model: nn.Module, cfg: Any) -> list[str]:
+    """What :func:`apply_mlme` would refuse, found without changing ``model`` (``matches`` only)."""
+    try:
+        policies = mlme_policies(cfg, model)
+        done = {p.name for _, _, p in planned(model, policies)}
+    except ValueError as e:
+        return [str(e)]
+    out = []
+    missing = _missing(policies, done)
+    if missing:
+        out.append(_unmatched(model, missing))
+    if cfg.recompute_blocks:
+        rec = BlockRecomputePolicy()
+        if not any(n and (rec.matches(n, m) or getattr(m, "_titan_recompute", False))
+                   for n, m in model.named_modules()):
+            out.append(_no_block(model))
+    return out
+
+
 def apply_mlme(model: nn.Module, cfg: Any) -> ReplacementReport:
     """Apply the MLME policies of ``cfg`` to ``model`` in place; raises if a switched-on part replaced nothing."""
     policies = mlme_policies(cfg, model)
@@ -340,19 +379,14 @@ def apply_mlme(model: nn.Module, cfg: Any) -> ReplacementReport:
         # not visited, so blocks must come after them)
         rec = apply_policies(model, [BlockRecomputePolicy()])
         if not any(getattr(m, "_titan_recompute", False) for m in model.modules()):
-            raise ValueError(f"titan.mlme.recompute_blocks matched no block of {type(model).__name__} (names "
-                             f"'blocks.N', 'layers.N' or 'h.N'); set it to false")
+            raise ValueError(_no_block(model))
         report.entries.extend(rec.entries)
-    done = {e.policy for e in report.entries}
     for p in policies:
         if getattr(p, "already", None):
             log.info("titan: %s: %d modules already use %r (nothing to replace)", p.name, len(p.already), p.impl)
-            done.add(p.name)
-    missing = list(dict.fromkeys(p.name for p in policies if p.name not in done))  # one name per key
+    missing = _missing(policies, {e.policy for e in report.entries})
     if missing:
-        raise ValueError(f"titan.mlme is on but {', '.join(missing)} matched no module of {type(model).__name__} "
-                         f"(MLME knows titan_ds.models.gpt.GPT and HF GPT-2, Llama, Qwen2/3, Mistral and Gemma "
-                         f"causal LMs); switch off " + ", ".join(f"titan.mlme.{_OFF[m]}" for m in missing))
+        raise ValueError(_unmatched(model, missing))
     return report
 
 
@@ -360,7 +394,7 @@ def _register_zero3_external_params(model: nn.Module) -> int:
     """Under ZeRO-3 a module's parameters are gathered only around that module's own forward. StripeFFN reads
     its ``fc``/``out`` children's weights inside one autograd Function, and the chunked loss reads the LM head's
     weight: tell ZeRO-3 to gather those around the MLME module's forward and backward."""
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+    from ..deepspeed_compat import register_external_parameter
     n = 0
     for module in model.modules():
         if isinstance(module, StripeFFN):
@@ -379,9 +413,19 @@ def _register_zero3_external_params(model: nn.Module) -> int:
     return n
 
 
-def before_initialize(ctx: Any) -> None:
-    """Pillar hook: swap MLME modules into ``ctx.model`` before DeepSpeed wraps it; report in ``ctx.reports``."""
-    ctx.reports["mlme"] = apply_mlme(ctx.model, ctx.titan.mlme)
-    if ctx.zero_stage() == 3:
-        n = _register_zero3_external_params(ctx.model)
-        log.info("titan.mlme: %d parameters registered with ZeRO-3 as used outside their module", n)
+class MLMEPillar(Pillar):
+    """``titan.mlme``: swap MLME modules into the model before DeepSpeed wraps it; report in ``reports["mlme"]``."""
+
+    key = "mlme"
+
+    def validate(self, view: View) -> list[str]:
+        return mlme_problems(view.model, self.cfg)
+
+    def apply(self, ctx: Any) -> None:
+        ctx.reports["mlme"] = apply_mlme(ctx.model, self.cfg)
+        if ctx.zero_stage() == 3:
+            n = _register_zero3_external_params(ctx.model)
+            log.info("titan.mlme: %d parameters registered with ZeRO-3 as used outside their module", n)
+
+
+PILLAR = MLMEPillar

@@ -130,6 +130,22 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+def planned(model: nn.Module, policies: Sequence[Policy]) -> list[tuple[str, nn.Module, Policy]]:
+    """``(name, module, policy)`` for every submodule that :func:`apply_policies` would replace, in its order,
+    without replacing anything (first match wins; a matched module's children are not visited; never the root).
+    Replacing does not change what is visited: the module list is taken before the first replacement."""
+    out: list[tuple[str, nn.Module, Policy]] = []
+    skip_prefixes: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not name or any(name.startswith(s) for s in skip_prefixes):
+            continue
+        policy = next((p for p in policies if p.matches(name, module)), None)
+        if policy is not None:
+            out.append((name, module, policy))
+            skip_prefixes.append(name + ".")
+    return out
+
+
 def apply_policies(model: nn.Module, policies: Sequence[Policy]) -> ReplacementReport:
     """Replace, in place, every submodule of ``model`` that one of ``policies`` matches (first match wins).
 
@@ -142,13 +158,7 @@ def apply_policies(model: nn.Module, policies: Sequence[Policy]) -> ReplacementR
             raise TypeError(f"{p!r} is not a policy: it needs name, matches(name, module) and replace(name, module)")
     before = count_params(model.parameters())
     entries: list[Replacement] = []
-    skip_prefixes: list[str] = []
-    for name, module in list(model.named_modules()):
-        if not name or any(name.startswith(s) for s in skip_prefixes):
-            continue
-        policy = next((p for p in policies if p.matches(name, module)), None)
-        if policy is None:
-            continue
+    for name, module, policy in planned(model, policies):
         new = policy.replace(name, module)
         if policy.matches(name, new):
             raise RuntimeError(f"policy {policy.name!r} matches its own replacement of {name!r} "
@@ -158,7 +168,6 @@ def apply_policies(model: nn.Module, policies: Sequence[Policy]) -> ReplacementR
         entries.append(Replacement(name, policy.name, type(module).__name__, type(new).__name__,
                                    count_params(module.parameters()), count_params(new.parameters()), detail))
         _set_submodule(model, name, new)
-        skip_prefixes.append(name + ".")
         log.debug("titan: %s replaced %s (%s -> %s)", policy.name, name, type(module).__name__, type(new).__name__)
     report = ReplacementReport(entries, before, count_params(model.parameters()))
     if entries:

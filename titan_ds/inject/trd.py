@@ -40,8 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import deepspeed_compat as dsc
 from ..config import TRD_DEFAULT_INCLUDE
-from .policy import ReplacementReport, apply_policies
+from ..pillar import Pillar, View
+from .policy import ReplacementReport, apply_policies, planned
 
 __all__ = ["TensorRingLinear", "TRDPolicy", "factorize", "tr_svd", "apply_trd", "before_initialize", "path_flops",
            "is_hf_conv1d", "dense_view", "init_errors"]
@@ -382,7 +384,7 @@ class TRDPolicy:
 
 def _gathered_from_linear(linear: nn.Linear, rank: Rank, **kw: Any) -> TensorRingLinear:
     """``from_linear``, gathering a ZeRO-3-partitioned source first (its ``numel()`` is 0 otherwise)."""
-    src = [p for p in linear.parameters() if hasattr(p, "ds_id")]
+    src = [p for p in linear.parameters() if dsc.is_zero_param(p)]
     if not src:
         return TensorRingLinear.from_linear(linear, rank, **kw)
     import deepspeed
@@ -449,43 +451,66 @@ def _remap_parameters(given: Any, mapping: dict[int, list[nn.Parameter]]) -> Any
     return _remap(given, mapping)
 
 
+def _stale_state(opt: Any, replaced: set[int]) -> list[str]:
+    stale = [p for p in getattr(opt, "state", {}) if id(p) in replaced and opt.state[p]]
+    if not stale:
+        return []
+    return [f"titan.trd replaces nn.Linear weights, but the optimizer passed to initialize already has state for "
+            f"{len(stale)} of them (it has stepped); build the optimizer after titan_ds.initialize, or pass it as a "
+            f"callable (params -> optimizer)"]
+
+
 def _remap_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, list[nn.Parameter]]) -> None:
     """Re-point an optimizer instance built over the dense weights at the TR parameters (same groups)."""
-    stale = [p for p in opt.state if id(p) in mapping and opt.state[p]]
+    stale = _stale_state(opt, set(mapping))
     if stale:
-        raise ValueError(f"titan.trd replaces nn.Linear weights, but the optimizer already has state for {len(stale)} "
-                         f"of them (it has stepped); build the optimizer after titan_ds.initialize, or pass it as a "
-                         f"callable (params -> optimizer)")
+        raise ValueError(stale[0])
     for g in opt.param_groups:
         g["params"] = _remap(g["params"], mapping)
     for p in [p for p in opt.state if id(p) in mapping]:
         del opt.state[p]
 
 
-def before_initialize(ctx: Any) -> None:
-    """Replace the configured linears of ``ctx.model`` before DeepSpeed wraps it (pillar hook, docs/pillars.md).
+class TRDPillar(Pillar):
+    """``titan.trd``: replace the configured linears of the model by tensor-ring layers before DeepSpeed wraps it.
 
     Under ZeRO-3 the TR layers are built inside ``deepspeed.zero.Init`` (partitioned at birth) and partitioned
     sources are gathered first. An optimizer instance or ``model_parameters`` given by the user are re-pointed
-    from each replaced weight to its cores (and bias to bias), keeping their param groups. Puts the
-    :class:`ReplacementReport` in ``ctx.reports["trd"]`` and registers the metrics ``trd_compression_ratio``
-    (replaced layers) and ``trd_model_compression_ratio`` (whole model).
+    from each replaced weight to its cores (and bias to bias), keeping their param groups. Publishes the
+    :class:`ReplacementReport` in ``reports["trd"]`` and registers the metrics ``trd_compression_ratio``
+    (replaced layers) and ``trd_model_compression_ratio`` (whole model). ``validate`` refuses a passed optimizer
+    that has state for a weight it would replace.
     """
-    policy = TRDPolicy.from_config(ctx.titan.trd)
-    old = dict(ctx.model.named_modules())
-    if ctx.zero_stage() == 3:
-        import deepspeed
-        with deepspeed.zero.Init(config_dict_or_path=ctx.ds_config, **ctx.zero_init_kwargs):
+
+    key = "trd"
+
+    def validate(self, view: View) -> list[str]:
+        try:
+            policy = TRDPolicy.from_config(self.cfg)
+        except ValueError as e:
+            return [f"titan.trd: {e}"]
+        replaced = {id(p) for _, m, _ in planned(view.model, [policy]) for p in m.parameters(recurse=False)}
+        return _stale_state(view.optimizer, replaced) if view.optimizer is not None else []
+
+    def apply(self, ctx: Any) -> None:
+        policy = TRDPolicy.from_config(self.cfg)
+        old = dict(ctx.model.named_modules())
+        if ctx.zero_stage() == 3:
+            import deepspeed
+            with deepspeed.zero.Init(config_dict_or_path=ctx.ds_config, **ctx.zero_init_kwargs):
+                report = apply_trd(ctx.model, policy)
+        else:
             report = apply_trd(ctx.model, policy)
-    else:
-        report = apply_trd(ctx.model, policy)
-    mapping = _param_map(old, ctx.model, report)
-    if isinstance(ctx.optimizer, torch.optim.Optimizer):
-        _remap_optimizer(ctx.optimizer, mapping)
-    ctx.model_parameters = _remap_parameters(ctx.model_parameters, mapping)
-    ctx.reports["trd"] = report
-    ratios = {"trd_compression_ratio": report.compression_ratio,
-              "trd_model_compression_ratio": report.model_compression_ratio}
-    ctx.add_metrics(lambda: dict(ratios))
-    log.info("titan.trd: %d linears -> tensor rings, %.2fx on them, %.2fx whole model", len(report.entries),
-             ratios["trd_compression_ratio"], ratios["trd_model_compression_ratio"])
+        mapping = _param_map(old, ctx.model, report)
+        if isinstance(ctx.optimizer, torch.optim.Optimizer):
+            _remap_optimizer(ctx.optimizer, mapping)
+        ctx.model_parameters = _remap_parameters(ctx.model_parameters, mapping)
+        ctx.reports["trd"] = report
+        ratios = {"trd_compression_ratio": report.compression_ratio,
+                  "trd_model_compression_ratio": report.model_compression_ratio}
+        ctx.add_metrics(lambda: dict(ratios))
+        log.info("titan.trd: %d linears -> tensor rings, %.2fx on them, %.2fx whole model", len(report.entries),
+                 ratios["trd_compression_ratio"], ratios["trd_model_compression_ratio"])
+
+
+PILLAR = TRDPillar

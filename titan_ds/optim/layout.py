@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from .. import deepspeed_compat as dsc
+
 __all__ = ["Unit", "Piece", "Layout", "LayoutMap", "UnitState", "build_units", "param_layout", "zero_layouts",
            "views", "place_units", "kth_largest", "unit_sums", "GRANULARITIES"]
 
@@ -180,18 +182,25 @@ def param_layout(units_of_param: list[Unit]) -> Layout:
 
 
 def zero_layouts(zero_opt: Any, names: dict[int, str], units_by_param: dict[str, list[Unit]]) -> dict[int, tuple[torch.Tensor, Layout]]:
-    """``{id(flat tensor): (flat tensor, Layout)}`` for a DeepSpeed ZeRO-1/2/3 optimizer wrapper.
+    """``{id(flat tensor): (flat tensor, Layout)}`` for a DeepSpeed ZeRO-1/2/3 optimizer wrapper (its flat
+    partitions read through :func:`titan_ds.deepspeed_compat.zero_partitions`).
 
     ``names`` maps ``id(model parameter)`` to its name (the names the optimizer's units were built with).
     """
     import deepspeed.comm as dist
 
-    if hasattr(zero_opt, "fp32_partitioned_groups_flat"):
-        return _stage3_layouts(zero_opt, names, units_by_param, dist)
-    if hasattr(zero_opt, "single_partition_of_fp32_groups"):
-        return _stage12_layouts(zero_opt, names, units_by_param, dist)
-    raise TypeError(f"cannot map flat partitions of {type(zero_opt).__name__}: expected DeepSpeed's "
-                    f"DeepSpeedZeroOptimizer (ZeRO-1/2) or DeepSpeedZeroOptimizer_Stage3")
+    parts = dsc.zero_partitions(zero_opt)
+    if parts is None:
+        raise TypeError(f"cannot map flat partitions of {type(zero_opt).__name__}: expected DeepSpeed's "
+                        f"DeepSpeedZeroOptimizer (ZeRO-1/2) or DeepSpeedZeroOptimizer_Stage3")
+    out = {}
+    for s, part in enumerate(parts):
+        world, rank = dist.get_world_size(group=part.group), dist.get_rank(group=part.group)
+        pieces, split = (_stage12_pieces if part.offsets is not None else _stage3_pieces)(part, s, world, rank, names,
+                                                                                          units_by_param)
+        out[id(part.flat)] = (part.flat, Layout(sorted(pieces, key=lambda q: q.start), sorted(split),
+                                                part.group if world > 1 else None, zero=True))
+    return out
 
 
 def _name(p: torch.Tensor, names: dict[int, str]) -> str:
@@ -201,48 +210,34 @@ def _name(p: torch.Tensor, names: dict[int, str]) -> str:
     return names[id(p)]
 
 
-def _stage12_layouts(zo: Any, names, units_by_param, dist) -> dict[int, tuple[torch.Tensor, Layout]]:
-    out = {}
-    for i, flat in enumerate(zo.single_partition_of_fp32_groups):
-        group = zo.real_dp_process_group[i]
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        ps = zo.partition_size[i]
-        pieces, split = [], []
-        for p, off in zip(zo.round_robin_bit16_groups[i], zo.round_robin_bit16_offsets[i]):
-            units = units_by_param[_name(p, names)]
-            n = sum(u.numel for u in units)
-            ranges = [(max(0, r * ps - off), min(n, (r + 1) * ps - off)) for r in range(world)]
-            split += _split_units(units, ranges)
-            lo, hi = ranges[rank]
-            if lo < hi:
-                pieces += _pieces_of(units, lo, hi, off + lo - rank * ps)
-        out[id(flat)] = (flat, Layout(sorted(pieces, key=lambda q: q.start), sorted(split),
-                                      group if world > 1 else None, zero=True))
-    return out
+def _stage12_pieces(part: Any, s: int, world: int, rank: int, names, units_by_param):
+    pieces, split, ps = [], [], part.rank_numel
+    for p, off in zip(part.params, part.offsets):
+        units = units_by_param[_name(p, names)]
+        n = sum(u.numel for u in units)
+        ranges = [(max(0, r * ps - off), min(n, (r + 1) * ps - off)) for r in range(world)]
+        split += _split_units(units, ranges)
+        lo, hi = ranges[rank]
+        if lo < hi:
+            pieces += _pieces_of(units, lo, hi, off + lo - rank * ps)
+    return pieces, split
 
 
-def _stage3_layouts(zo: Any, names, units_by_param, dist) -> dict[int, tuple[torch.Tensor, Layout]]:
-    out = {}
-    for s, flat in enumerate(zo.fp32_partitioned_groups_flat):
-        group = zo.sub_group_process_groups[s]
-        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-        pieces, split, cursor = [], [], 0
-        for p in zo.fp16_groups[s]:
-            units = units_by_param[_name(p, names)]
-            n, pn = int(p.ds_numel), int(p.partition_numel())
-            ranges = [(min(n, r * pn), min(n, (r + 1) * pn)) for r in range(world)]
-            split += _split_units(units, ranges)
-            lo, hi = ranges[rank]
-            if lo < hi:
-                pieces += _pieces_of(units, lo, hi, cursor)
-            cursor += pn
-        # with NVMe optimizer offload the flat tensor is swapped out (0 elements) until its step: use its size
-        expected = flat.numel() or int(zo.fp16_partitioned_groups_flat_numel[s])
-        if cursor != expected:
-            raise RuntimeError(f"ZeRO-3 sub-group {s}: partitions add up to {cursor} elements but the flat fp32 "
-                               f"tensor has {flat.numel()}; DeepSpeed's layout changed, titan cannot map it")
-        out[id(flat)] = (flat, Layout(pieces, sorted(split), group if world > 1 else None, zero=True))
-    return out
+def _stage3_pieces(part: Any, s: int, world: int, rank: int, names, units_by_param):
+    pieces, split, cursor = [], [], 0
+    for p in part.params:
+        units = units_by_param[_name(p, names)]
+        n, pn = int(p.ds_numel), int(p.partition_numel())
+        ranges = [(min(n, r * pn), min(n, (r + 1) * pn)) for r in range(world)]
+        split += _split_units(units, ranges)
+        lo, hi = ranges[rank]
+        if lo < hi:
+            pieces += _pieces_of(units, lo, hi, cursor)
+        cursor += pn
+    if cursor != part.numel:
+        raise RuntimeError(f"ZeRO-3 sub-group {s}: partitions add up to {cursor} elements but the flat fp32 "
+                           f"tensor has {part.numel}; DeepSpeed's layout changed, titan cannot map it")
+    return pieces, split
 
 
 # ---------------------------------------------------------------------------------------------- top-k thresholds
