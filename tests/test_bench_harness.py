@@ -1,5 +1,5 @@
-"""titan_ds.bench.compare: per-row arguments reach only their row; the table is written from the summaries."""
-from titan_ds import bench
+"""launch/bench/harness.py compare: per-row arguments reach only their row; the table is written from the summaries."""
+from launch.bench import harness
 
 
 def test_compare_passes_row_args_to_their_row_only(tmp_path, monkeypatch):
@@ -11,9 +11,9 @@ def test_compare_passes_row_args_to_their_row_only(tmp_path, monkeypatch):
         return {"name": name, "status": "ok", "val_loss": 2.0 + lr, "tokens_per_s": 100.0, "memory": {},
                 "titan_metrics": {}, "model": {}, "micro_batch": 16}
 
-    monkeypatch.setattr(bench, "run_row", fake_run_row)
+    monkeypatch.setattr(harness, "run_row", fake_run_row)
     rows = [("base", {}), ("base_lr3e-3", {}, ["--lr", "3e-3"])]
-    out = bench.compare(rows, steps=3, out=tmp_path / "t", extra_args=["--val-batches", "2"], command="cmd")
+    out = harness.compare(rows, steps=3, out=tmp_path / "t", extra_args=["--val-batches", "2"], command="cmd")
     assert calls == [("base", ["--val-batches", "2"]), ("base_lr3e-3", ["--val-batches", "2", "--lr", "3e-3"])]
     assert [r["name"] for r in out] == ["base", "base_lr3e-3"]
     md = (tmp_path / "t.md").read_text()
@@ -27,11 +27,11 @@ def test_bench_compress_rows_validate_and_give_dgc_its_beta1():
     import importlib.util
 
     from titan_ds.config import TitanConfig
-    spec = importlib.util.spec_from_file_location("bench_compress", bench.ROOT / "launch/bench/bench_compress.py")
+    spec = importlib.util.spec_from_file_location("bench_compress", harness.ROOT / "launch/bench/bench_compress.py")
     bc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bc)
     p = argparse.ArgumentParser()
-    bench.add_dgc_args(p)
+    harness.add_dgc_args(p)
     a = p.parse_args(["--dgc-ramp-steps", "100", "--dgc-ramp-start", "4", "--dgc-clip", "0.7"])
     rows = bc.rows(["powersgd", "dgc@300", "topk@120", "hge"], [100.0], 0, 2, [1, 4], a)
     assert [r[0] for r in rows] == ["dense_allreduce", "powersgd_r1", "powersgd_r4", "hge_100x", "topk_120x",
@@ -54,16 +54,16 @@ def test_compare_resume_reuses_finished_rows_and_reruns_failed_or_changed_ones(t
         return {"name": name, "status": "ok" if ok else "failed (exit 1)", "val_loss": 2.0 + len(calls),
                 "tokens_per_s": 100.0, "memory": {}, "titan_metrics": {}, "model": {}, "micro_batch": 16}
 
-    monkeypatch.setattr(bench, "run_row", fake_run_row)
+    monkeypatch.setattr(harness, "run_row", fake_run_row)
     rows = [("a", {"x": 1}), ("b", {"x": 2})]
-    first = bench.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    first = harness.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True)
     assert calls == ["a", "b"] and first[1]["status"] != "ok"
-    again = bench.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    again = harness.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True)
     assert calls == ["a", "b", "b"]  # a reused with its figures, the failed b run again
     assert again[0]["val_loss"] == first[0]["val_loss"] and again[1]["status"] == "ok"
-    bench.compare([("a", {"x": 1}), ("b", {"x": 3})], steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    harness.compare([("a", {"x": 1}), ("b", {"x": 3})], steps=3, out=tmp_path / "t", command="cmd", resume=True)
     assert calls == ["a", "b", "b", "b"]  # b's config changed: run; a kept
-    bench.compare(rows, steps=4, out=tmp_path / "t", command="cmd", resume=True)
+    harness.compare(rows, steps=4, out=tmp_path / "t", command="cmd", resume=True)
     assert calls[-2:] == ["a", "b"]  # other steps: everything again
 
 
@@ -71,7 +71,7 @@ def test_bench_compress_seeds_summary_mean_spread_and_verdict(tmp_path):
     """bench_compress.py --seeds: the mean over the seeds against dense's mean, the larger seed spread of the two,
     and the verdict; step time and RSS against the same seed's dense row."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_compress", bench.ROOT / "launch/bench/bench_compress.py")
+    spec = importlib.util.spec_from_file_location("bench_compress", harness.ROOT / "launch/bench/bench_compress.py")
     bc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bc)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import titan_ds
-from titan_ds.bench import localise_paths
+from launch.bench.harness import localise_paths
 from titan_ds.config import TitanConfig, TitanConfigError
 from titan_ds.models import GPT, GPTConfig
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import baseline_config, compare  # noqa: E402
+from launch.bench.harness import baseline_config, compare  # noqa: E402
 
 
 def _titan(lr: float, density: float, state_dtype: str = "fp32", name: str = "asdt", plasticity: dict | None = None,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import add_dgc_args, baseline_config, compare, seed_verdict  # noqa: E402
+from launch.bench.harness import add_dgc_args, baseline_config, compare, seed_verdict  # noqa: E402
 
 
 def dgc_section(ratio: float, warmup: int, a: argparse.Namespace) -> dict:

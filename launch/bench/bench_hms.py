@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from titan_ds.bench import baseline_config, run_row  # noqa: E402
+from launch.bench.harness import baseline_config, run_row  # noqa: E402
 from titan_ds.hms.io import AsyncIOHandle, aligned_empty, probe_direct_io  # noqa: E402
 from titan_ds.hms.prefetch import LSTMPredictor, NonePredictor, OraclePredictor, TracePredictor, replay  # noqa: E402
 from titan_ds.hms.store import Tier, TensorStore  # noqa: E402

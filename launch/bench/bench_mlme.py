@@ -15,7 +15,7 @@ math / torch SDPA / titan tiled) and of the MLP (eager / StripeFFN) and of the L
   CPU timings on a shared 2-core machine are ratios only.
 
 Part 2 (whole model): the seed workload (6 layers, width 256, context 128, micro-batch 16, seed 0) trained through
-``titan_ds.bench.compare`` with plain DeepSpeed as the baseline row and the same config plus ``"titan": {"mlme":
+``launch.bench.harness.compare`` with plain DeepSpeed as the baseline row and the same config plus ``"titan": {"mlme":
 {...}}``; validation loss, tokens/s and memory side by side.
 """
 from __future__ import annotations
@@ -138,7 +138,8 @@ def write_kernel_tables(rows: list[dict], out: Path, args: argparse.Namespace) -
 
 
 def train_rows(steps: int, out: Path, args: argparse.Namespace) -> None:
-    from titan_ds.bench import baseline_config, compare
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # launch.bench.harness lives in the checkout
+    from launch.bench.harness import baseline_config, compare
     base = baseline_config()
     mlme = dict(baseline_config(), titan={"mlme": dict(MLME, tile=args.tile, stripe_ffn=args.stripe,
                                                        loss_chunk=args.loss_chunk)})

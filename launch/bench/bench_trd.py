@@ -5,7 +5,7 @@
     python launch/bench/bench_trd.py --lr-probe --steps 200 --lrs 1e-3,3e-3 --scales 1,3,10
                                                                   # -> results/trd_lr_scale.{csv,md,json}
 
-The first form runs, through titan_ds.bench.compare (same GPT 6x256, context 128, micro-batch 16, data, seed
+The first form runs, through launch.bench.harness.compare (same GPT 6x256, context 128, micro-batch 16, data, seed
 and token budget for every row): the plain-DeepSpeed AdamW baseline, then TRD (``"titan": {"trd": ...}``, random
 init, default include = every block linear qkv/proj/fc/out, modes of about 4) at ranks 4, 8, 12, 16, 32 and one
 row with modes of about 16 (``mode_size`` 16) at rank 8. Same optimizer, lr and schedule for every row: nothing
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import baseline_config, compare  # noqa: E402
+from launch.bench.harness import baseline_config, compare  # noqa: E402
 
 RANKS = (4, 8, 12, 16, 32)
 

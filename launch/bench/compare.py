@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import compare  # noqa: E402
+from launch.bench.harness import compare  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from titan_ds.bench import add_dgc_args, seed_verdict  # noqa: E402
+from launch.bench.harness import add_dgc_args, seed_verdict  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
 from titan_ds.comm.dgc import DGCOptions  # noqa: E402

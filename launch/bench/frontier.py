@@ -23,7 +23,7 @@ Rows (``--rows`` keeps those matching its comma-separated names or shell pattern
   (the same 16 sequences per step), validated on the same batches (``--val-micro-batch``); its memory columns are
   one rank's.
 
-Each (row, seed) runs ``launch/train.py`` in its own process (``titan_ds.bench.run_row``: same model, data, token
+Each (row, seed) runs ``launch/train.py`` in its own process (``launch.bench.harness.run_row``: same model, data, token
 budget and schedule as every other benchmark) and is appended to ``<out>.jsonl`` as soon as it finishes; a rerun
 with the same settings skips the finished pairs and keeps their figures. A row's fingerprint (its ds_config,
 arguments, ranks and lr) is part of the key: editing a profile, or a change of the best AdamW lr for the rows
@@ -62,7 +62,7 @@ from typing import Any, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from titan_ds.bench import baseline_config, localise_paths, run_row, seed_verdict  # noqa: E402
+from launch.bench.harness import baseline_config, localise_paths, run_row, seed_verdict  # noqa: E402
 from titan_ds.config import TitanConfig  # noqa: E402
 from titan_ds.utils import get_logger  # noqa: E402
 

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from titan_ds.bench import ResultLog, run_capped_clean  # noqa: E402
+from launch.bench.harness import ResultLog, run_capped_clean  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.plan import (CALIBRATION_FILE, MODES, _structure, candidate_config, model_spec,  # noqa: E402
                            predict)

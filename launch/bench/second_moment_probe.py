@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from titan_ds.bench import ResultLog  # noqa: E402
+from launch.bench.harness import ResultLog  # noqa: E402
 
 RULES = ("full", "row", "row1d", "factored", "tensor", "sign")
 DESCRIBE = {"adamw": "torch AdamW (fp32 m and v)", "probe_full": "v per coordinate (fp32)",

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from titan_ds.bench import compare  # noqa: E402
+from launch.bench.harness import compare  # noqa: E402
 
 
 def main() -> None:

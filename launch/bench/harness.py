@@ -5,6 +5,9 @@ The first row is the baseline: plain DeepSpeed with torch AdamW as the client op
 validation loss and its delta vs the baseline, tokens/s as a ratio to the baseline (this 2-core machine is
 noisy: ratios only; absolute times only from a GPU), accounted memory by category, peak RSS, weight compression
 (TRD) and gradient bytes on the wire.
+
+It lives in the source tree, not in the installed package: it runs the checkout's ``launch/train.py`` and reads
+``ds_configs/``. Scripts import it as ``launch.bench.harness`` with the checkout on ``sys.path``.
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 __all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "add_dgc_args", "ResultLog",
-           "shm_op_stamp", "run_capped_clean", "ROOT"]
+           "seed_verdict", "shm_op_stamp", "run_capped_clean", "ROOT"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: launch/bench/harness.py
 _log = logging.getLogger("titan_ds.bench")
 MiB = 2**20
 
@@ -88,7 +91,7 @@ def run_capped_clean(cmd: Sequence[str], cap_bytes: int, log_path: Path, **kw: A
     DeepSpeed's shm op was rebuilt during the run (:func:`shm_op_stamp`): that peak is g++'s, not the job's."""
     import subprocess
 
-    from .memcap import run_capped
+    from titan_ds.memcap import run_capped
     for _ in range(3):
         stamp = shm_op_stamp()
         with open(log_path, "w") as f:
@@ -136,7 +139,7 @@ def run_row(name: str, ds_config: dict[str, Any], *, steps: int, num_ranks: int 
             extra_args: Sequence[str] = (), workdir: Optional[Path] = None, timeout: Optional[float] = None,
             log_dir: Optional[Path] = None) -> dict[str, Any]:
     """Train one configuration; return its summary (launch/train.py --summary-out) plus name and status."""
-    from .utils import free_port
+    from titan_ds.utils import free_port
     workdir = Path(workdir or tempfile.mkdtemp(prefix="titan_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / f"{name}.json"
