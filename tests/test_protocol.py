@@ -251,3 +251,18 @@ def test_success_deletes_the_stale_swap_files_only_then(dist_env, tmp_path):
     titan_ds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
     assert not (stale / "from_an_earlier_run").exists() and sorted(os.listdir(tmp_path / "nvme" / "titan_hms")) == \
         ["rank0"]
+
+
+def test_one_reader_of_the_precision_flags_agrees_with_deepspeed():
+    """titan_ds.config.ds_precision is the only reader (rules and HMS use it): DeepSpeed's pydantic config takes
+    "true"/1 as on, bfloat16 is bf16's alias, and HF's unfilled "auto" counts as on (refusals then hold for it)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from titan_ds.config import ds_precision
+    for section, want in [({}, "fp32"), ({"bf16": {"enabled": False}}, "fp32"), ({"bf16": {"enabled": True}}, "bf16"),
+                          ({"bfloat16": {"enabled": "true"}}, "bf16"), ({"fp16": {"enabled": 1}}, "fp16"),
+                          ({"fp16": {"enabled": "false"}}, "fp32"), ({"bf16": {"enabled": "auto"}}, "bf16")]:
+        assert ds_precision(section) == want, section
+        if "auto" not in str(section):
+            ds = DeepSpeedConfig(dict(section, train_batch_size=1))
+            assert ("bf16" if ds.bfloat16_config.enabled else "fp16" if ds.float16_config.enabled else "fp32") == want
