@@ -3,7 +3,7 @@ import importlib.util
 
 import torch
 
-from titan_ds.bench import ROOT
+from tests.conftest import ROOT
 
 spec = importlib.util.spec_from_file_location("smp", ROOT / "launch/bench/second_moment_probe.py")
 smp = importlib.util.module_from_spec(spec)
