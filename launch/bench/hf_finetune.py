@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -222,10 +223,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _write_table(out: Path, done: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+def _write_table(out: Path, done: list[dict[str, Any]], settings: dict[str, Any], command: str = "") -> None:
     import torch
     mine = [r for r in done if r["settings"] == settings]
-    head = (f"Machine: {platform.machine()} {os.cpu_count()} cores, {'CUDA' if torch.cuda.is_available() else 'CPU'}"
+    head = (f"Command: `{command}`\n\n" if command else "") + (
+            f"Machine: {platform.machine()} {os.cpu_count()} cores, {'CUDA' if torch.cuda.is_available() else 'CPU'}"
             f"; torch {torch.__version__}, transformers {importlib.metadata.version('transformers')}, deepspeed "
             f"{importlib.metadata.version('deepspeed')}; settings {json.dumps(settings)}; corpus "
             f"{mine[0]['corpus'] if mine else '-'}\n\n")
@@ -261,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     store = out.with_suffix(".jsonl")
     done = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
     settings = _settings(args, model)
+    command = "python launch/bench/hf_finetune.py " + " ".join(shlex.quote(a) for a in argv)
     for name in args.rows.split(","):
         if any(r["row"] == name and r["settings"] == settings for r in done):
             log.info("row %s: already in %s, skipped", name, store)
@@ -269,8 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         with store.open("a") as f:  # saved at once: a rerun skips it
             f.write(json.dumps(row) + "\n")
         done.append(row)
-        _write_table(out, done, settings)
-    _write_table(out, done, settings)
+        _write_table(out, done, settings, command)
+    _write_table(out, done, settings, command)
     log.info("table: %s\n%s", out, out.read_text())
 
 
