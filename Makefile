@@ -31,7 +31,7 @@ clean-shm: $(VENV)/.installed
 	$(VENV)/bin/titan-ds clean-shm
 
 demo: $(SHM_OP)
-	$(PY) launch/demo.py --steps $(STEPS) --out results/demo
+	$(PY) launch/demo.py --steps $(STEPS) --out results/tmp/demo
 
 demo2: $(SHM_OP)
 	$(VENV)/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/titan_full.json \

@@ -1,6 +1,6 @@
 """`make demo`: the recommended profile beside plain DeepSpeed, on the same model, data, seed and steps.
 
-    python launch/demo.py --steps 300                      # what `make demo` runs (STEPS=N to change)
+    python launch/demo.py --steps 300 --out results/tmp/demo   # what `make demo` runs (STEPS=N to change)
     python launch/demo.py --steps 100 --out results/demo    # the committed run behind the README's demo figures
 
 Runs ``deepspeed --num_gpus 1 launch/train.py`` twice: ``ds_configs/baseline_adamw.json`` (plain DeepSpeed,
