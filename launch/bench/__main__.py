@@ -38,6 +38,7 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "trd": ("launch/bench/bench_trd.py", "TRD ranks vs dense AdamW"),
     "mlme": ("launch/bench/bench_mlme.py", "MLME activation memory and time"),
     "asdt": ("launch/bench/bench_asdt.py", "ASDT / BSPS vs AdamW"),
+    "tgss-sketch": ("launch/bench/bench_asdt_sketch.py", "TGSS sketch error on real gradients (ASDT's importance)"),
     "baseline": ("launch/bench/compare.py", "any ds_configs side by side (plain DeepSpeed baseline)"),
     "demo": ("launch/demo.py", "`make demo`: titan_memory beside plain DeepSpeed"),
 }
@@ -80,7 +81,9 @@ class Result:
 
 
 def _f(fmt: str, key: str, value: str) -> Callable[[str], str]:
-    return lambda p: fmt.format(**{k.replace(" ", "_").replace("/", "_"): v for k, v in _row(p, key, value).items()})
+    def name(header: str) -> str:  # a table header as a format field: "s/step" -> s_step, "rel. L2" -> rel__L2
+        return header.replace(" ", "_").replace("/", "_").replace(".", "_")
+    return lambda p: fmt.format(**{name(k): v for k, v in _row(p, key, value).items()})
 
 
 RESULTS: list[Result] = [
@@ -105,6 +108,8 @@ RESULTS: list[Result] = [
         "{step_s} s/step", "mode", "hms_asdt_bf16")),
     Result("hms", "results/hms_prefetch.md", _f("trace prefetch: parameter hit rate {param_hit_rate} after step 1",
                                                 "config", "hmsb_hms_trace")),
+    Result("hms", "results/hms_streaming.md", _f("checked store read into a buffer: {vs_dd_direct} of dd direct's best, "
+                                                 "{median_vs_dd} of its median", "method", "hms_store_read_into")),
     Result("plan-accuracy", "results/plan_accuracy.md", lambda p: re.search(r"Largest \|error\|[^\n]*",
            (ROOT / p).read_text()).group(0)),
     Result("hf-finetune", "results/hf_finetune.md", _f(
@@ -133,6 +138,9 @@ RESULTS: list[Result] = [
                                          "config", "mlme")),
     Result("asdt", "results/asdt.md", _f("ASDT d0.25 bf16 + BSPS: {delta_vs_base} nats, optimizer {optim_MiB} MiB",
                                          "config", "asdt_d0.25_bf16+bsps")),
+    Result("tgss-sketch", "results/asdt_sketch.md", _f("count sketch w=n/16: rel. L2 error {rel__L2_error_vs_exact_EMA} "
+                                                       "at {table_bytes___model_bytes} of the model's bytes", "sketch",
+                                                       "count g w=n/16")),
     Result("baseline", "results/baseline.md", _f("AdamW ZeRO-0: val {val_loss}, {train_state_MiB} MiB state",
                                                  "config", "baseline_adamw")),
     Result("demo", "results/demo/demo.md", _demo),
