@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` (train the reference GPT) and `make test` (the test suite).
+# The README's two commands: `make demo` (the recommended profile, titan_memory, beside plain DeepSpeed on the
+# reference GPT) and `make test` (the test suite).
 # Both bootstrap .venv on a fresh machine: torch==2.13.0 first (the CPU wheel; never let pip resolve plain
 # `torch`, which pulls a multi-GB CUDA build), then this package with its test extras.
 PYTHON ?= python3
@@ -30,10 +31,7 @@ clean-shm: $(VENV)/.installed
 	$(VENV)/bin/titan-ds clean-shm
 
 demo: $(SHM_OP)
-	$(VENV)/bin/deepspeed --num_gpus 1 launch/train.py --deepspeed_config ds_configs/demo.json \
-	  --steps $(STEPS) --val-every 100 --val-batches 16 --metrics-out results/demo/metrics.jsonl \
-	  --summary-out results/demo/summary.json --plot results/demo/demo.png --save-dir results/demo/checkpoints \
-	  --save-every 100
+	$(PY) launch/demo.py --steps $(STEPS) --out results/tmp/demo
 
 demo2: $(SHM_OP)
 	$(VENV)/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/titan_full.json \

@@ -90,3 +90,16 @@ def test_bench_compress_seeds_summary_mean_spread_and_verdict(tmp_path):
     assert "Not finished for every seed: topk_100x." in md
     one = bc.seeds_summary({1: per_seed[1][:2]}, tmp_path / "d", "cmd", 1000)  # one seed: no spread, no verdict
     assert "| rms_100x | 1.2700 | 1.2700 | +0.0100 | 0.0000 | one seed: no spread |" in one
+
+
+def test_the_table_names_the_seed_its_rows_trained_with(tmp_path, monkeypatch):
+    """A seed-1 table says seed 1 (it said seed 0 whatever --seed was; issue 31)."""
+    def fake_run_row(name, cfg, *, steps, num_ranks, extra_args, workdir, timeout, log_dir):
+        return {"name": name, "status": "ok", "val_loss": 2.0, "tokens_per_s": 100.0, "memory": {},
+                "titan_metrics": {}, "model": {}, "micro_batch": 16}
+
+    monkeypatch.setattr(harness, "run_row", fake_run_row)
+    harness.compare([("a", {}), ("b", {})], steps=3, out=tmp_path / "s1", extra_args=["--seed", "1"], command="c")
+    assert ", seed 1, validation" in (tmp_path / "s1.md").read_text()
+    harness.compare([("a", {}), ("b", {}, ["--seed=2"])], steps=3, out=tmp_path / "s", command="c")
+    assert ", seeds 0, 2, validation" in (tmp_path / "s.md").read_text()

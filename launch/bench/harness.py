@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-__all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "add_dgc_args", "ResultLog",
+__all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "seed_of", "add_dgc_args", "ResultLog",
            "seed_verdict", "shm_op_stamp", "run_capped_clean", "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: launch/bench/harness.py
@@ -198,9 +198,20 @@ def _row_values(r: dict[str, Any], base: dict[str, Any], columns: Sequence[str])
     return vals
 
 
+def seed_of(args: Sequence[str]) -> str:
+    """The ``--seed`` that ``launch/train.py`` gets from these arguments (the last one wins, as in argparse)."""
+    seed = "0"  # launch/train.py's default
+    for i, a in enumerate(args):
+        if a == "--seed" and i + 1 < len(args):
+            seed = str(args[i + 1])
+        elif a.startswith("--seed="):
+            seed = a.split("=", 1)[1]
+    return seed
+
+
 def write_table(rows: list[dict[str, Any]], out: Path, *, title: str, steps: int, num_ranks: int,
-                columns: Sequence[str] = (), command: str = "") -> str:
-    """Write ``<out>.csv`` and ``<out>.md``; return the markdown."""
+                columns: Sequence[str] = (), command: str = "", seeds: Sequence[str] = ("0",)) -> str:
+    """Write ``<out>.csv`` and ``<out>.md``; return the markdown. ``seeds``: the training seeds of the rows."""
     base = rows[0]
     table = [_row_values(r, base, columns) for r in rows]
     keys = list(dict.fromkeys(k for t in table for k in t))
@@ -219,7 +230,8 @@ def write_table(rows: list[dict[str, Any]], out: Path, *, title: str, steps: int
             f"Workload: GPT {model.get('n_layer')}x{model.get('n_embd')} ({base.get('trainable_params', 0):,} params), "
             f"context {model.get('block_size')}, micro-batch {base.get('micro_batch')} x {num_ranks} rank(s), "
             f"{steps} steps (~{steps * (base.get('micro_batch') or 0) * num_ranks * (model.get('block_size') or 0) / 1e6:.2f}M "
-            f"tokens), seed 0, validation on the fixed held-out batches. Timings are ratios to the first row.", ""]
+            f"tokens), seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}, validation on the fixed held-out batches. "
+            f"Timings are ratios to the first row.", ""]
     fmt = {"tokens_per_s_ratio": ".2f", "trd_x_linears": ".1f", "trd_x_model": ".2f", "wire_x": ".1f",
            "delta_vs_base": "+.3f", "val_loss": ".3f"}
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -255,6 +267,7 @@ def compare(rows: Iterable[tuple[Any, ...]], *, steps: int, out: str | os.PathLi
     log_dir.mkdir(parents=True, exist_ok=True)
     store = ResultLog(out.with_suffix(".jsonl"), key=lambda r: (r["name"], r["row_key"])) if resume else None
     results = []
+    seeds = sorted({seed_of([*extra_args, *(r[2] if len(r) > 2 else ())]) for r in rows}, key=int)
     with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
         for name, cfg, *row_args in tqdm(rows, desc=title or "bench", unit="config"):
             args = [*extra_args, *(row_args[0] if row_args else ())]
@@ -274,5 +287,5 @@ def compare(rows: Iterable[tuple[Any, ...]], *, steps: int, out: str | os.PathLi
     (out.parent).mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
     write_table(results, out, title=title or out.stem, steps=steps, num_ranks=num_ranks, columns=columns,
-                command=command or " ".join(sys.argv))
+                command=command or " ".join(sys.argv), seeds=seeds)
     return results

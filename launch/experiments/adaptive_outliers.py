@@ -1,6 +1,8 @@
-"""How far ASDT's adaptive step (one second moment per row) moves single coordinates on a pretrained model.
+"""Answered: the row second moment moves single coordinates of SmolLM2's down_proj by up to 38.8x the lr, hence `update_clip`; in results/adaptive_outliers.md and docs/asdt.md, docs/integrations.md.
 
-    python launch/bench/adaptive_outliers.py                 # SmolLM2-135M (fetched by hf_finetune.py)
+How far ASDT's adaptive step (one second moment per row) moves single coordinates on a pretrained model.
+
+    python launch/experiments/adaptive_outliers.py                 # SmolLM2-135M (fetched by hf_finetune.py)
 
 At the first step (bias-corrected) Adam's update is sign(g): every coordinate moves by lr. ASDT's adaptive
 update with ``granularity: "row"`` is c = g / RMS_row(g): the row's RMS step is lr, but a coordinate whose
@@ -54,7 +56,7 @@ def main() -> None:
     rows.sort(key=lambda r: -r[1])
     lines = [f"First adaptive step on `{Path(a.model).name}`: |c| = |g| / RMS_row(g) per coordinate (Adam's first "
              f"step: 1 everywhere). {a.blocks} blocks of {a.seq} tokens. Command: "
-             f"`python launch/bench/adaptive_outliers.py`", "",
+             f"`python launch/experiments/adaptive_outliers.py`", "",
              f"Over the {len(rows)} weight matrices: median of the largest |c| {statistics.median(r[1] for r in rows):.1f}; "
              f"median fraction above 3: {statistics.median(r[3] for r in rows):.4f}.", "",
              "| matrix (the 12 largest) | max abs c | 0.999 quantile | above 3 | above 10 |", "|---|---|---|---|---|"]

@@ -1,7 +1,9 @@
-"""Probe (2026-11-30): the seed table's titan_full profile of then (now ``ds_configs/titan_all.json``) with
+"""Answered (2026-11-30): raising ASDT's lr 3e-4 -> 1e-3 made titan_full (now titan_all.json) worse, +1.535 vs +1.332 nats; in results/seed_lr_probe.md and docs/limits.md.
+
+Probe (2026-11-30): the seed table's titan_full profile of then (now ``ds_configs/titan_all.json``) with
 ASDT's learning rate raised from 3e-4 to 1e-3.
 
-    python launch/bench/seed_lr_probe.py --steps 200 --out results/seed_lr_probe
+    python launch/experiments/seed_lr_probe.py --steps 200 --out results/seed_lr_probe
 
 The ASDT sweep (results/asdt_sweep.md) found 1e-3 better than 3e-4 for ASDT alone, and the TRD lr probe found
 TR cores want a larger step than dense weights; the shipped titan_full still uses 3e-4. This runs plain DeepSpeed
@@ -39,7 +41,7 @@ def main() -> None:
         rows.append((f"titan_full_asdt_lr{lr}", cfg))
     compare(rows, steps=a.steps, out=a.out, num_ranks=a.ranks, extra_args=shlex.split(a.train_args),
             title="Probe: titan_full with ASDT lr 3e-4 (shipped) and 1e-3",
-            command="python launch/bench/seed_lr_probe.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
+            command="python launch/experiments/seed_lr_probe.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]))
 
 
 if __name__ == "__main__":

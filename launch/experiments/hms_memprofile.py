@@ -1,7 +1,9 @@
-"""Where an HMS run's memory goes over time: RssAnon sampled every 5 ms, with the code running at each sample.
+"""Answered: the 4-5 unexplained bytes/param of HMS were prefetched partitions held twice (fixed); in results/hms_memprofile/ and docs/hms.md.
 
-    python launch/bench/hms_memprofile.py --label after                      # a 171M-param hms_asdt run, 2 steps
-    python launch/bench/hms_memprofile.py --plot before,after                # the curves of saved labels, one plot
+Where an HMS run's memory goes over time: RssAnon sampled every 5 ms, with the code running at each sample.
+
+    python launch/experiments/hms_memprofile.py --label after                      # a 171M-param hms_asdt run, 2 steps
+    python launch/experiments/hms_memprofile.py --plot before,after                # the curves of saved labels, one plot
 
 ``--label L`` runs ``launch/train.py`` in this process (1 rank, the config ``titan-ds plan`` writes for ``--mode``,
 a reference GPT of ``--layers`` x ``--width`` built under ``zero_init``) while a thread reads ``RssAnon`` from
@@ -120,7 +122,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     if a.label:
         d = profile(a.label, a.mode, a.layers, a.width, a.steps, a.nvme)
-        d["command"] = "python launch/bench/hms_memprofile.py " + " ".join(sys.argv[1:])
+        d["command"] = "python launch/experiments/hms_memprofile.py " + " ".join(sys.argv[1:])
         (OUT / f"{a.label}.json").write_text(json.dumps(d))
         print(f"peak RssAnon {d['peak_rss_anon'] / 2**30:.3f} GiB at {d['peak_t']:.1f} s, in:\n"
               + "".join(d["peak_stack"][-8:]))

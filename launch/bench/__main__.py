@@ -1,0 +1,199 @@
+"""One entry point for the maintained benchmarks, and the generated index of their results.
+
+    python -m launch.bench list                     # the suites, their scripts and results files
+    python -m launch.bench SUITE [ARGS...]          # run the suite's script with ARGS (its own --help lists them)
+    python -m launch.bench index                    # rewrite results/INDEX.md from the committed results files
+
+Each suite is the script that already produced its results (the command each results file records is the one
+to reproduce it; ``python -m launch.bench frontier --steps 1000`` is ``python launch/bench/frontier.py --steps
+1000``). The index reads, for every maintained result, what its file records: the command, the date, the git
+SHA of the commit that last changed the file, and one headline figure taken from its table. One-off probes
+are in launch/experiments/ and are not indexed.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["SUITES", "RESULTS", "table_rows", "build_index", "main"]
+
+SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
+    "frontier": ("launch/bench/frontier.py", "quality vs training-state memory: titan profiles, AdamW lr grid, peers"),
+    "seed-table": ("launch/bench/seed_table.py", "the seed's figures (35x / 100x / 1/10) with quality, 2 ranks"),
+    "compression": ("launch/bench/bench_compress.py", "gradient compression on DeepSpeed's reduce path, 2 ranks"),
+    "compression-scale": ("launch/bench/compress_scale.py", "gradient compression at W simulated workers"),
+    "hms-scale": ("launch/bench/hms_scale.py", "largest GPT trained under a memory cap, HMS vs ZeRO-3 CPU offload"),
+    "hms": ("launch/bench/bench_hms.py", "HMS store streaming vs dd, prefetch hit rate"),
+    "plan-accuracy": ("launch/bench/plan_accuracy.py", "`titan-ds plan`: predicted vs measured peak DRAM"),
+    "hf-finetune": ("launch/bench/hf_finetune.py", "SmolLM2-135M under the HF Trainer: AdamW vs titan profiles"),
+    "hf-trd-ranks": ("launch/bench/hf_trd_ranks.py", "TR-SVD of a pretrained model by rank"),
+    "soak": ("launch/bench/soak.py", "3000 steps, every pillar, 2 ranks: leaks and bit-exact resume"),
+    "optimizer-step": ("launch/bench/asdt_state_speed.py", "ASDT's optimizer step time by state layout"),
+    "step-temp": ("launch/bench/step_temp.py", "the optimizer step's temporaries per element (plan.py's STEP_TEMP_BYTES)"),
+    "trd": ("launch/bench/bench_trd.py", "TRD ranks vs dense AdamW"),
+    "mlme": ("launch/bench/bench_mlme.py", "MLME activation memory and time"),
+    "asdt": ("launch/bench/bench_asdt.py", "ASDT / BSPS vs AdamW"),
+    "tgss-sketch": ("launch/bench/bench_asdt_sketch.py", "TGSS sketch error on real gradients (ASDT's importance)"),
+    "baseline": ("launch/bench/compare.py", "any ds_configs side by side (plain DeepSpeed baseline)"),
+    "demo": ("launch/demo.py", "`make demo`: titan_memory beside plain DeepSpeed"),
+}
+
+
+def table_rows(path: Path) -> list[dict[str, str]]:
+    """Every row of every markdown table in ``path``, as {header: cell} (the header row of its table)."""
+    rows, header = [], None
+    for line in path.read_text().splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:  # a repeated header ("vs plain" twice) gets "#2", "#3" after its second use
+            header = [h if cells[:i].count(h) == 0 else f"{h}#{cells[:i].count(h) + 1}" for i, h in enumerate(cells)]
+        elif not all(set(c) <= set("-: ") for c in cells):
+            rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def _row(path: str, key: str, value: str) -> dict[str, str]:
+    for r in table_rows(ROOT / path):
+        if r.get(key, "").strip("*`").startswith(value):
+            return r
+    raise KeyError(f"{path}: no row with {key} = {value!r}")
+
+
+def _demo(path: str) -> str:
+    c = {r["figure"]: r["value"] for r in table_rows(ROOT / path)}
+    return (f"titan_memory {c['val_loss_delta']} nats vs plain, training state {c['train_state_vs_plain']}x, "
+            f"tokens/s {c['tokens_per_s_vs_plain']}x")
+
+
+@dataclass(frozen=True)
+class Result:
+    suite: str
+    path: str
+    headline: Callable[[str], str]
+    command: str = ""  # for a file that does not record its command: the one the README gave for it
+
+
+def _f(fmt: str, key: str, value: str) -> Callable[[str], str]:
+    def name(header: str) -> str:  # a table header as a format field: "s/step" -> s_step, "rel. L2" -> rel__L2
+        return header.replace(" ", "_").replace("/", "_").replace(".", "_")
+    return lambda p: fmt.format(**{name(k): v for k, v in _row(p, key, value).items()})
+
+
+RESULTS: list[Result] = [
+    Result("frontier", "results/frontier_1000.md", _f(
+        "titan_memory {delta} nats vs AdamW (spread {spread}: {verdict}) at {mem_vs_adamw} of its training state",
+        "config", "titan_memory")),
+    Result("frontier", "results/frontier_1000.md", _f(
+        "titan_balanced {delta} nats vs AdamW ({verdict}) at {optim_B_per_param} optimizer B/param",
+        "config", "titan_balanced")),
+    Result("seed-table", "results/seed_table.md", _f(
+        "titan_full: TRD {trd_x_linears}x, wire {wire_x_run}x, {train_state_MiB} MiB state, {delta_vs_base} nats",
+        "config", "titan_full")),
+    Result("compression", "results/compress_rms_1000.md", _f(
+        "top-k 100x + rms: {delta_vs_dense} nats vs dense (spread {spread}: {verdict}), wire {wire_x_(whole_run)}x",
+        "config", "rms_100x")),
+    Result("compression-scale", "results/compress_w2_1000.md", _f(
+        "W=2, 1000 steps: dense AdamW {val_loss} (the other rows are deltas to it)", "method", "none")),
+    Result("hms-scale", "results/hms_scale_cap2.md", _f(
+        "2 GiB cap: HMS+ASDT trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload", "mode", "hms_asdt")),
+    Result("hms-scale", "results/hms_scale_cap8.md", _f(
+        "8 GiB cap: {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload, peak anon {peak_anon_GiB} GiB, "
+        "{step_s} s/step", "mode", "hms_asdt_bf16")),
+    Result("hms", "results/hms_prefetch.md", _f("trace prefetch: parameter hit rate {param_hit_rate} after step 1",
+                                                "config", "hmsb_hms_trace")),
+    Result("hms", "results/hms_streaming.md", _f("checked store read into a buffer: {vs_dd_direct} of dd direct's best, "
+                                                 "{median_vs_dd} of its median", "method", "hms_store_read_into")),
+    Result("plan-accuracy", "results/plan_accuracy.md", lambda p: re.search(r"Largest \|error\|[^\n]*",
+           (ROOT / p).read_text()).group(0)),
+    Result("hf-finetune", "results/hf_finetune.md", _f(
+        "titan_asdt_8bit: eval {eval_after}, accounted {accounted_MiB} MiB ({vs_plain}x plain)", "row",
+        "titan_asdt_8bit"), "OMP_NUM_THREADS=1 python launch/bench/hf_finetune.py --steps 200 --seq 128 --batch 2 "
+        "--rows plain,titan_asdt,titan_asdt_backward,titan_asdt_8bit"),
+    Result("hf-finetune", "results/hf_finetune_s1.md", _f(
+        "seed 1: titan_asdt_8bit eval {eval_after}, accounted {accounted_MiB} MiB ({vs_plain}x plain)", "row",
+        "titan_asdt_8bit"), "OMP_NUM_THREADS=1 python launch/bench/hf_finetune.py --steps 200 --seq 128 --batch 2 "
+        "--rows plain,titan_asdt_8bit --seed 1 --out results/hf_finetune_s1.md"),
+    Result("hf-finetune", "results/hf_finetune_memory.md", _f(
+        "titan_asdt_backward: accounted {accounted_MiB} MiB ({vs_plain}x plain), peak RSS {vs_plain#2}x", "row",
+        "titan_asdt_backward"), "python launch/bench/hf_finetune.py --steps 2 --eval-blocks 8 "
+        "--out results/hf_finetune_memory.md"),
+    Result("hf-trd-ranks", "results/hf_trd_ranks.md", _f("rank 16: {compression_(block_linears)} at {vs_dense} nats "
+                                                         "before training", "rank", "16"), "python launch/bench/hf_trd_ranks.py"),
+    Result("soak", "results/soak/soak.md", lambda p: f"{sum(r.get('result') == 'ok' for r in table_rows(ROOT / p))}"
+           f" of {sum('result' in r for r in table_rows(ROOT / p))} checks ok"),
+    Result("optimizer-step", "results/asdt_state_speed.md", _f(
+        "titan_balanced's state: {s_step} s/step ({vs_first}x the bf16 row-v step)", "state", "8-bit momentum")),
+    Result("step-temp", "results/step_temp.md", _f("asdt_8bit: {bytes_element_above_the_resident_state} "
+                                                    "bytes/element", "optimizer", "asdt_8bit")),
+    Result("trd", "results/trd.md", _f("rank 12: {trd_x_linears}x on the block linears at {delta_vs_base} nats",
+                                       "config", "trd_r12")),
+    Result("mlme", "results/mlme.md", _f("MLME: activations {activ_MiB} MiB (eager 198.6), {delta_vs_base} nats",
+                                         "config", "mlme")),
+    Result("asdt", "results/asdt.md", _f("ASDT d0.25 bf16 + BSPS: {delta_vs_base} nats, optimizer {optim_MiB} MiB",
+                                         "config", "asdt_d0.25_bf16+bsps")),
+    Result("tgss-sketch", "results/asdt_sketch.md", _f("count sketch w=n/16: rel. L2 error {rel__L2_error_vs_exact_EMA} "
+                                                       "at {table_bytes___model_bytes} of the model's bytes", "sketch",
+                                                       "count g w=n/16")),
+    Result("baseline", "results/baseline.md", _f("AdamW ZeRO-0: val {val_loss}, {train_state_MiB} MiB state",
+                                                 "config", "baseline_adamw")),
+    Result("demo", "results/demo/demo.md", _demo),
+]
+
+
+def _command(text: str) -> str:
+    m = re.search(r"Command:\s*`([^`]+)`", text) or re.search(r"`((?:[A-Z_]+=\S+ )*(?:python|launch/)[^`]+)`", text)
+    return m.group(1) if m else "-"
+
+
+def _git(path: str, fmt: str) -> str:
+    out = subprocess.run(["git", "log", "-1", f"--format={fmt}", "--", path], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip()
+    return out or "(uncommitted)"
+
+
+def build_index() -> str:
+    lines = ["# Results index", "",
+             "Generated by `python -m launch.bench index` (launch/bench/__main__.py): one row per maintained result.",
+             "Command and date are what each file records (date: the file's own, else its last commit's); SHA: the",
+             "commit that last changed the file. Run a suite with `python -m launch.bench SUITE ARGS`; one-off",
+             "probes are in launch/experiments/.", "",
+             "| suite | result | command | date | git SHA | headline |", "|---|---|---|---|---|---|"]
+    for r in RESULTS:
+        p = ROOT / r.path
+        if not p.exists():
+            lines.append(f"| {r.suite} | {r.path} | - | - | - | missing |")
+            continue
+        text = p.read_text()
+        dated = re.search(r"\b(20\d\d-\d\d-\d\d)\b", "\n".join(text.splitlines()[:8]))
+        date = dated.group(1) if dated else _git(r.path, "%cs")
+        cmd = (r.command or _command(text)).replace("|", "\\|")
+        lines.append(f"| {r.suite} | [{r.path}]({Path(r.path).relative_to('results')}) | `{cmd}` | {date} | "
+                     f"{_git(r.path, '%h')} | {r.headline(r.path)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(__doc__)
+        for name, (script, what) in SUITES.items():
+            print(f"  {name:18s} {script:36s} {what}")
+        return 0
+    if argv[0] == "index":
+        (ROOT / "results" / "INDEX.md").write_text(build_index())
+        print(ROOT / "results" / "INDEX.md")
+        return 0
+    if argv[0] not in SUITES:
+        raise SystemExit(f"unknown suite {argv[0]!r}; choose one of {sorted(SUITES)} (or list, index)")
+    return subprocess.call([sys.executable, str(ROOT / SUITES[argv[0]][0]), *argv[1:]], cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
