@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import titan_ds
+from tests.helpers.deps import require
 from titan_ds import integrations
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+transformers = require("transformers")
+require("accelerate")
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.deps import require
 from titan_ds.config import TitanConfig
 from titan_ds.memcap import cgroup_available, run_capped
 from titan_ds.models import GPT, GPTConfig
@@ -35,7 +36,7 @@ def test_gpt_spec_counts_the_real_model():
 
 
 def test_hf_spec_counts_on_the_meta_device(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
     cfg.save_pretrained(tmp_path)
