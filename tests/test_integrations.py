@@ -233,7 +233,8 @@ def test_trainer_without_section_or_install_is_plain_deepspeed(dist_env, tmp_pat
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_trainer_with_section_runs_titan_optimizer_over_trainer_groups(dist_env, tmp_path, installed, kind, stage):
     from titan_ds.optim.asdt import ASDT
-    losses, params, lrs, trainer, snaps = run_trainer(tmp_path, kind, _ds_config(stage, {"optimizer": {"density": 0.5}}))
+    titan = {"optimizer": {"density": 0.5}}
+    losses, params, lrs, trainer, snaps = run_trainer(tmp_path, kind, _ds_config(stage, titan))
     engine = trainer.model_wrapped
     assert engine.titan.reports["optimizer"]["name"] == "asdt"
     opt = engine.basic_optimizer
