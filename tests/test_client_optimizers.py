@@ -12,15 +12,15 @@ import torch
 
 from titan_ds.metrics import optimizer_state_bytes
 from tests.conftest import ROOT
+from tests.helpers.deps import require
 
 _spec = importlib.util.spec_from_file_location("titan_train_script", ROOT / "launch" / "train.py")
 train = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train)
 
-HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
-HAS_LION = importlib.util.find_spec("lion_pytorch") is not None
-NAMES = [n for n in sorted(train.CLIENT_OPTIMIZERS)
-         if not (n.startswith("adamw") and n != "adamw" and not HAS_TORCHAO) and not (n == "lion" and not HAS_LION)]
+require("torchao")  # the adamw8bit / adamw4bit choices
+require("lion_pytorch")
+NAMES = sorted(train.CLIENT_OPTIMIZERS)
 
 
 def _model() -> torch.nn.Module:
@@ -33,7 +33,6 @@ def _grads(model: torch.nn.Module, step: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in model.parameters()]
 
 
-@pytest.mark.skipif(not HAS_LION, reason="lion-pytorch is not installed (pip install -e .[test])")
 def test_lion_through_train_args_matches_a_hand_loop_bitwise():
     lr, wd, (b1, b2), steps, warmup = 3e-4, 1.0, (0.9, 0.99), 6, 3
     args = train.parse_args(["--optimizer", "lion", "--lr", str(lr), "--weight-decay", str(wd)])
@@ -115,7 +114,6 @@ def test_optimizer_state_bytes_are_measured_from_the_state():
     assert optimizer_state_bytes(opt) == 8 * n + 4 * len(list(model.parameters()))  # a storage counts once
 
 
-@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install -e .[bench])")
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_states_count_their_inner_tensors(bits):
     """torchao's states report fp32 and the logical shape; their bytes are the codes, scales and table."""
@@ -136,7 +134,6 @@ def test_quantized_states_count_their_inner_tensors(bits):
     assert math.isfinite(per_param)
 
 
-@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install -e .[test])")
 def test_adamw4bit_bf16_casts_the_model_and_refuses_a_bf16_section():
     args = train.parse_args(["--optimizer", "adamw4bit_bf16"])
     with pytest.raises(SystemExit, match="remove it"):

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from tests.helpers.deps import require
+
+require("transformers")
+require("accelerate")
 
 import titan_ds  # noqa: E402
 from titan_ds.optim.asdt import ASDT  # noqa: E402

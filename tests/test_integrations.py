@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import titan_ds
+from tests.helpers.deps import require
 from titan_ds import integrations
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+transformers = require("transformers")
+require("accelerate")
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 
@@ -70,15 +71,45 @@ def test_route_binds_deepspeed_signature(installed, monkeypatch):
         deepspeed.initialize(model=model, no_such_argument=1)
 
 
-def test_installed_initialize_applies_titan_section_from_config_params(dist_env, installed):
-    """A user script (or accelerate: config_params=) calling deepspeed.initialize gets titan."""
+def _two_steps(init, cfg: dict):
+    """(engine, client optimizer, parameters before, parameters after) of 2 steps through ``init``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = init(model=model, optimizer=opt, config_params=cfg)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return engine, opt, before, [p.detach().clone() for p in engine.module.parameters()]
+
+
+def test_installed_initialize_applies_titan_section_from_config_params(dist_env):
+    """A user script (or accelerate: config_params=) calling deepspeed.initialize gets titan: the same engine,
+    step for step, as titan_ds.initialize called directly (ASDT stepped every parameter; the client AdamW never
+    stepped), not DeepSpeed's; after uninstall the same call is DeepSpeed's again."""
     import deepspeed
     from titan_ds.optim.asdt import ASDT
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "titan": {"optimizer": {"lr": 1e-3}}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config_params=cfg)
-    assert hasattr(engine, "titan") and isinstance(engine.basic_optimizer, ASDT)
+    original = deepspeed.initialize
+    titan_ds.install()
+    try:
+        engine, client, before, routed = _two_steps(deepspeed.initialize, cfg)
+    finally:
+        titan_ds.uninstall()
+    assert deepspeed.initialize is original
+    opt = engine.basic_optimizer
+    assert engine.titan.reports["optimizer"]["name"] == "asdt" and isinstance(opt, ASDT)
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in engine.module.parameters()]
+    assert all(opt.state[p]["step"] == 2 for p in engine.module.parameters()) and not client.state
+    assert all(not torch.equal(a, b) for a, b in zip(before, routed, strict=True))
+    direct = _two_steps(titan_ds.initialize, cfg)[3]
+    assert all(torch.equal(a, b) for a, b in zip(routed, direct, strict=True))
+    plain_engine, plain_client, _, plain = _two_steps(deepspeed.initialize, cfg)  # uninstalled: DeepSpeed's
+    assert not hasattr(plain_engine, "titan") and plain_engine.basic_optimizer is plain_client
+    assert all(plain_client.state[p]["step"] == 2 for p in plain_engine.module.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(routed, plain, strict=True))
 
 
 def test_accelerate_prepare_with_its_own_scheduler_drives_titan(dist_env, installed):
@@ -93,11 +124,13 @@ def test_accelerate_prepare_with_its_own_scheduler_drives_titan(dist_env, instal
     try:
         acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 3))
+        client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(client, lambda s: min(1.0, s / 3))
         data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
-        engine, opt, dl, sched = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4), sched)
-        assert hasattr(engine, "titan") and isinstance(engine.basic_optimizer, ASDT)
+        engine, opt, dl, sched = acc.prepare(model, client, torch.utils.data.DataLoader(data, batch_size=4), sched)
+        titan_opt = engine.basic_optimizer
+        assert engine.titan.reports["optimizer"]["name"] == "asdt" and isinstance(titan_opt, ASDT)
+        before = [p.detach().clone() for p in engine.module.parameters()]
         lrs = []
         for x, y in list(dl)[:5]:
             lrs.append(engine.basic_optimizer.param_groups[0]["lr"])
@@ -108,6 +141,9 @@ def test_accelerate_prepare_with_its_own_scheduler_drives_titan(dist_env, instal
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert lrs == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2], rel=1e-12)
+    # accelerate's opt.step() stepped titan's optimizer 5 times, never the client AdamW, and the model moved
+    assert {int(st["step"]) for st in titan_opt.state.values()} == {5} and not client.state
+    assert any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters(), strict=True))
 
 
 # ------------------------------------------------------------------------------------ HF Trainer
@@ -197,7 +233,8 @@ def test_trainer_without_section_or_install_is_plain_deepspeed(dist_env, tmp_pat
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_trainer_with_section_runs_titan_optimizer_over_trainer_groups(dist_env, tmp_path, installed, kind, stage):
     from titan_ds.optim.asdt import ASDT
-    losses, params, lrs, trainer, _ = run_trainer(tmp_path, kind, _ds_config(stage, {"optimizer": {"density": 0.5}}))
+    titan = {"optimizer": {"density": 0.5}}
+    losses, params, lrs, trainer, snaps = run_trainer(tmp_path, kind, _ds_config(stage, titan))
     engine = trainer.model_wrapped
     assert engine.titan.reports["optimizer"]["name"] == "asdt"
     opt = engine.basic_optimizer
@@ -211,6 +248,9 @@ def test_trainer_with_section_runs_titan_optimizer_over_trainer_groups(dist_env,
     assert opt.names[n_decay:] == [n for n in named if n not in decay] and 0 < n_decay < len(named)
     assert all(g["initial_lr"] == 1e-3 for g in opt.param_groups)
     assert torch.isfinite(losses).all()
+    # ASDT took the Trainer's 3 steps (step 1 at the warm-up's lr 0) and they moved the model's parameters
+    assert len(opt.state) > 0 and {int(st["step"]) for st in opt.state.values()} == {3}
+    assert any(not torch.equal(a, b) for a, b in zip(snaps[1], params, strict=True))
 
 
 def test_trainer_with_bf16_weights_trains_them_with_no_fp32_copy(dist_env, tmp_path, installed):

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-transformers = pytest.importorskip("transformers")
+from tests.helpers.deps import require
+
+transformers = require("transformers")
 
 from titan_ds.config import MLMEConfig  # noqa: E402
 from titan_ds.inject import hf_loss  # noqa: E402

@@ -4,7 +4,9 @@ import copy
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.helpers.deps import require
+
+transformers = require("transformers")
 
 from titan_ds.config import MLMEConfig  # noqa: E402
 from titan_ds.inject.mlme import apply_mlme  # noqa: E402

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import deepspeed
 import pytest
 import torch
 from torch import nn
@@ -14,8 +15,6 @@ from torch import nn
 from titan_ds.inject.trd import TensorRingLinear
 
 from tests.inject.test_trd import Tiny
-
-deepspeed = pytest.importorskip("deepspeed")
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,9 @@ import logging
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.helpers.deps import require
+
+transformers = require("transformers")
 
 from titan_ds.config import TitanConfig  # noqa: E402
 from titan_ds.inject.trd import TensorRingLinear, TRDPolicy, apply_trd, init_errors  # noqa: E402

@@ -6,7 +6,9 @@ through the quantizer's round trip after every step (the optimizer must equal it
 import pytest
 import torch
 
-pytest.importorskip("torchao")
+from tests.helpers.deps import require
+
+require("torchao")
 
 from titan_ds.optim import qstate  # noqa: E402
 from titan_ds.optim.asdt import ASDT, reference_step  # noqa: E402
