@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers.deps import require
 
 _spec = importlib.util.spec_from_file_location("frontier", ROOT / "launch" / "bench" / "frontier.py")
 frontier = importlib.util.module_from_spec(_spec)
@@ -17,10 +18,9 @@ sys.modules["frontier"] = frontier  # dataclasses look their module up while the
 _spec.loader.exec_module(frontier)
 
 TINY = "--layers 2 --width 64 --heads 4 --context 32 --val-batches 2"
-HAS_LION = importlib.util.find_spec("lion_pytorch") is not None
+require("lion_pytorch")  # pinned by the [test] extra: missing, it fails this module instead of skipping
 
 
-@pytest.mark.skipif(not HAS_LION, reason="lion-pytorch is not installed (pip install -e .[test])")
 def test_tiny_frontier_writes_its_files_and_a_rerun_retrains_nothing(tmp_path, monkeypatch, caplog):
     out = tmp_path / "fr"
     argv = ["--steps", "2", "--seeds", "0", "--rows", "adamw_lr1e-3,lion_lr1e-4,titan_exact", "--out", str(out),
