@@ -32,6 +32,23 @@ class NoHostCopies(TorchDispatchMode):
     """Raise on a copy of a CPU tensor into a meta tensor (``_to_copy`` to meta, ``copy_`` from CPU) and on a
     host read of a device tensor, naming the op and the shape. Host reads of CPU tensors are fine."""
 
+    def __enter__(self) -> "NoHostCopies":
+        # torch.tensor(data, device=...) copies from the host below the dispatcher, unseen by __torch_dispatch__
+        self._tensor = torch.tensor
+
+        def tensor(data: Any, *a: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+            if device is not None and torch.device(device).type != "cpu":
+                raise AssertionError(f"torch.tensor(..., device={device}) in the step: a blocking host-to-device "
+                                     f"copy (make it on the host and copy it asynchronously, or once)")
+            return self._tensor(data, *a, device=device, **kw)
+
+        torch.tensor = tensor
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.tensor = self._tensor
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is aten._to_copy.default:  # an asynchronous copy (non_blocking, from pinned memory) is fine
