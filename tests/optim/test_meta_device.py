@@ -8,6 +8,7 @@ a random generator of its own (stochastic rounding of bf16 weights): ``asdt._dev
 here it hands a CPU generator, which ``torch.randint(..., device="meta")`` accepts.
 """
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -90,8 +91,8 @@ def test_importance_on_meta(importance, update, density):
         assert opt.sketch.table.device == META  # moved to the gradients' device, not kept on the CPU
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "8bit"])
-@pytest.mark.parametrize("second_dtype", ["fp32", "bf16", "8bit", "4bit"])
+@pytest.mark.parametrize("second_dtype, state_dtype", [("fp32", "fp32"), ("bf16", "bf16"), ("8bit", "4bit"),
+                                                       ("4bit", "8bit")])
 def test_coordinate_second_moment_on_meta(second_dtype, state_dtype):
     _run(update="adaptive", second_moment="coordinate", second_dtype=second_dtype, state_dtype=state_dtype,
          granularity="row", density=0.3, update_clip=1.0)
@@ -190,7 +191,7 @@ def test_shipped_optimizer_sections_on_meta(name, _signals_stay_on_device):
         opt.attach_backward_steps(max_norm=1.0 if clip == "auto" else float(clip))  # "auto": HF's default 1.0
     for i in range(3):
         loss = _loss(model)
-        with NoHostCopies() if i else torch.no_grad():
+        with NoHostCopies() if i else nullcontext():
             loss.backward()
             opt.step()
         opt.zero_grad()
@@ -244,6 +245,6 @@ def test_zero_split_units_on_meta(case, fake_dist, _signals_stay_on_device):
     assert opt._layouts.of(flat).split_units
     for i in range(3):
         flat.grad = torch.empty_like(flat)
-        with NoHostCopies() if i else torch.no_grad():
+        with NoHostCopies() if i else nullcontext():
             opt.step()
     assert fake_dist and all_meta(dict(opt.state[flat]))
