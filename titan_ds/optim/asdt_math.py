@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..comm.base import to_device_async
 from .bsps import FROZEN, GROWTH, SLEEPING
 from .layout import Piece
 
@@ -20,8 +21,8 @@ IMPORTANCE = ("momentum", "grad_weight", "sketch")
 
 # Host -> device copies of the small per-unit lists of an adaptive update (lengths, unit sizes, lr scales), kept
 # per device: a blocking ``torch.tensor(list, device=...)`` waits for the device (a host sync), so each distinct
-# list is copied once and reused; in a run the plans repeat every step. Bounded: BSPS makes new lists as modes
-# change (stale ones are dropped first).
+# list is copied once, asynchronously, and reused; in a run the plans repeat every step. Bounded: BSPS makes new
+# lists as modes change (stale ones are dropped first).
 _DEVICE_LISTS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _DEVICE_LISTS_MAX = 256
 
@@ -34,7 +35,7 @@ def device_list(values: Sequence[float], dtype: torch.dtype, device: torch.devic
     key = (str(device), dtype, tuple(values))
     hit = _DEVICE_LISTS.get(key)
     if hit is None:
-        hit = _DEVICE_LISTS[key] = torch.tensor(values, dtype=dtype).to(device)
+        hit = _DEVICE_LISTS[key] = to_device_async(torch.tensor(values, dtype=dtype), device)
         while len(_DEVICE_LISTS) > _DEVICE_LISTS_MAX:
             _DEVICE_LISTS.popitem(last=False)
     else:
