@@ -15,7 +15,8 @@ import torch
 
 __all__ = [
     "Collective", "LocalCollective", "CountingCollective", "Segment", "ResidualStore", "check_layout",
-    "Compressor", "topk_budget", "sketch_budget", "SketchCompressor", "all_finite", "SparseSent",
+    "Compressor", "topk_budget", "sketch_budget", "SketchCompressor", "all_finite", "nonfinite", "SparseSent",
+    "to_device_async",
 ]
 
 
@@ -25,6 +26,27 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
     the reducer's peak memory does not need."""
     flat = t.reshape(-1)
     return all(bool(torch.isfinite(flat[lo:lo + chunk]).all()) for lo in range(0, flat.numel(), chunk))
+
+
+def nonfinite(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """``~all_finite(t)`` as a 0-dim bool tensor on ``t``'s device (chunked alike): a verdict the step can act on
+    with ``masked_fill_`` / ``torch.where`` without reading it back to the host (a sync on a GPU)."""
+    flat = t.reshape(-1)
+    bad = torch.zeros((), dtype=torch.bool, device=t.device)
+    for lo in range(0, flat.numel(), chunk):
+        bad |= ~torch.isfinite(flat[lo:lo + chunk]).all()
+    return bad
+
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device)`` for a tensor made on the host, without the host waiting for the device: on CUDA a blocking
+    copy synchronizes the stream, so ``t`` is pinned and copied asynchronously (the caching host allocator keeps
+    the pinned buffer until the copy is done)."""
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 class SparseSent:
@@ -46,8 +68,9 @@ class SparseSent:
         return acc
 
     def zero_where_sent_(self, t: torch.Tensor) -> None:
-        """``t.masked_fill_(dense() != 0, 0)``."""
-        t[self.indices[self.values != 0]] = 0.0
+        """``t.masked_fill_(dense() != 0, 0)`` (the indices are distinct; no boolean indexing: its size would be
+        read on the host)."""
+        t[self.indices] = t[self.indices].masked_fill_(self.values != 0, 0.0)
 
 
 def subtract_sent_(acc: torch.Tensor, sent: "torch.Tensor | SparseSent") -> torch.Tensor:
@@ -283,11 +306,16 @@ class SketchCompressor:
     1. ``S = encode(acc)``: a linear sketch of ``rows x cols`` reals (identical hashes on every rank).
     2. all-reduce ``S``: by linearity it is now the sketch of the sum of all ranks' ``acc``.
     3. From ``S`` (identical on all ranks): candidates = coordinates whose bin is non-zero in **every** row
-       (always a superset of the support of the summed gradient), ranked by ``|estimate|``; ``idx`` = all of
-       them when there are at most ``k``, else the ``k`` best. The index set is the same on every rank.
-    4. all-reduce the exact values ``acc[idx]`` (k fp32): ``summed`` is exact on ``idx`` and zero elsewhere.
-    5. ``sent = acc`` on ``idx``, so the residual keeps everything else (and nothing is double-counted).
+       (always a superset of the support of the summed gradient), ranked by ``|estimate|``; ``idx`` = the ``k``
+       best, all of them when there are at most ``k`` (then the rest of ``idx`` is not taken: it sends 0). The
+       index set is the same on every rank, and its size is ``k`` whatever the data (no host read).
+    4. all-reduce the exact values ``acc[idx]`` of the taken coordinates (k fp32): ``summed`` is exact on them
+       and zero elsewhere.
+    5. ``sent = acc`` on the taken coordinates, so the residual keeps everything else (and nothing is
+       double-counted).
     Exact case: if the summed gradient has at most ``k`` candidates it is recovered exactly.
+    A non-finite summed sketch (NaN/Inf on some rank) gives a non-finite ``summed`` and a zero ``sent`` on every
+    rank, decided on the device (:func:`nonfinite`).
     """
 
     config_keys: tuple[str, ...] = ("ratio", "error_feedback", "sketch_rows", "seed", "ratio_warmup_steps",
@@ -308,13 +336,15 @@ class SketchCompressor:
                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def select(self, sketch: torch.Tensor, keys: Any, n: int, k: int, cols: int, seed: int) -> torch.Tensor:
+    def select(self, sketch: torch.Tensor, keys: Any, n: int, k: int, cols: int,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(idx, take)``: ``k`` coordinates, the candidates first by ``|estimate|``, and which of them are
+        candidates. A fixed ``k``, so nothing is read on the host: with at most ``k`` candidates every one of
+        them is among ``idx``, the rest of ``idx`` is marked not taken."""
         est, cand = self.estimate(sketch, keys, n, cols, seed)
-        n_cand = int(cand.sum())
-        if n_cand <= k:
-            return cand.nonzero().flatten()
         score = torch.where(cand, est.abs(), torch.full_like(est, -1.0))
-        return torch.topk(score, k, sorted=False).indices
+        idx = torch.topk(score, k, sorted=False).indices
+        return idx, cand[idx]
 
     def reduce(self, acc, comm, seed, *, layout, ratio=None):
         del layout  # the sketch hashes flat coordinates; residuals are the reducer's
@@ -323,17 +353,16 @@ class SketchCompressor:
         keys = self.keys(n, cols, seed, acc.device)
         sketch = self.encode(acc, keys, cols, seed)
         comm.all_reduce_sum(sketch)
-        if not all_finite(sketch):
-            # some rank's gradient holds NaN/Inf, and every rank holds this same summed sketch: all of them
-            # return a non-finite sum (the step will be skipped everywhere) and skip the second round
-            return torch.full_like(acc, float("nan")), torch.zeros_like(acc)
-        idx = self.select(sketch, keys, n, k, cols, seed)
+        # some rank's gradient holds NaN/Inf: every rank holds this same summed sketch, so all of them return a
+        # non-finite sum (the step will be skipped everywhere); the verdict stays on the device
+        bad = nonfinite(sketch)
+        idx, take = self.select(sketch, keys, n, k, cols, seed)
         del keys  # rows x n hashes: freed before the second round
-        vals = acc[idx].contiguous()
+        vals = torch.where(take, acc[idx], 0.0)
         sent = torch.zeros_like(acc)
         sent[idx] = vals
         comm.all_reduce_sum(vals)
         summed = torch.zeros_like(acc)
         summed[idx] = vals
-        return summed, sent
+        return summed.masked_fill_(bad, float("nan")), sent.masked_fill_(bad, 0.0)
 

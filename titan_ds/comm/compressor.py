@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import CountingCollective, ResidualStore, Segment, all_finite, check_layout, subtract_sent_, zero_where_sent_
+from .base import CountingCollective, ResidualStore, Segment, check_layout, nonfinite, subtract_sent_, zero_where_sent_
 from .dgc import DGCOptions, clip_segments_, ratio_at
 from .precondition import RMSOptions, rms_normalize_
 from .registry import build_compressor
@@ -43,6 +43,12 @@ from .registry import build_compressor
 __all__ = ["GradientReducer"]
 
 log = logging.getLogger("titan_ds.comm")
+
+
+def _read_verdict(bad: torch.Tensor) -> bool:
+    """The reducer's one host read, once per step (a sync on a GPU, after the optimizer step): whether a sum of
+    the step was non-finite. A seam of its own: the meta-device tests (no data to read) replace it."""
+    return bool(bad)
 
 
 class GradientReducer:
@@ -58,7 +64,9 @@ class GradientReducer:
     holds NaN/Inf (dense and sketch sums carry it; top-k sends NaN/Inf first; PowerSGD's summed ``P`` carries
     it). DeepSpeed then skips the step on all ranks, and the reducer rolls every store (residuals, momentum, a
     compressor's state) back to the step's start, so a skipped step leaves them unchanged (and later steps are
-    not poisoned by a NaN kept in a residual).
+    not poisoned by a NaN kept in a residual). The verdict is kept on the device while the step runs (a host
+    read per bucket would stall the backward on a GPU) and read once, in :meth:`end_step`, which rolls back or
+    keeps the step's writes (the journal holds every store's value at the step's start either way).
     """
 
     def __init__(self, method: str, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0,
@@ -99,12 +107,26 @@ class GradientReducer:
         self.calls = 0
         self.nonfinite_steps = 0
         self._step, self._call_in_step = -1, 0
-        self._skipped_step: Optional[int] = None  # the step whose sum was non-finite (its stores rolled back)
+        self._bad: Optional[torch.Tensor] = None  # this step's verdict: some sum non-finite (0-dim bool, device)
 
     def end_step(self) -> None:
-        """After the optimizer step: keep this step's writes (a skipped step's were rolled back)."""
+        """After the optimizer step: keep this step's writes, or put every store back to the step's start when a
+        sum of the step was non-finite (DeepSpeed skipped the step on every rank)."""
+        self._settle()
         for store in self.stores.values():
             store.commit()
+
+    def _settle(self) -> None:
+        """Read the step's non-finite verdict (the reducer's one host read, once per step) and, when it is set,
+        roll every store back (the step's writes go; the same verdict on every rank)."""
+        bad, self._bad = self._bad, None
+        if bad is None or not _read_verdict(bad):
+            return
+        self.nonfinite_steps += 1
+        log.warning("titan compression: non-finite gradients at step %d; compression state rolled back to "
+                    "the step's start (DeepSpeed skips the step on every rank)", self._step + 1)
+        for store in self.stores.values():
+            store.rollback()
 
     def ratio_now(self, step: int) -> float:
         """This step's target ratio: ``ratio``, or the sparsity warm-up's ramp towards it."""
@@ -113,7 +135,7 @@ class GradientReducer:
 
     def _call_seed(self, step: int) -> int:
         if step != self._step:
-            self.end_step()  # a new step: the previous one's writes stand (no end_step was called)
+            self.end_step()  # a new step and no end_step was called: settle the previous one
             self._step, self._call_in_step = step, 0
         self._call_in_step += 1
         # identical on all ranks: same config seed, same step, same call order (collectives are ordered)
@@ -161,30 +183,25 @@ class GradientReducer:
         if self.error_feedback:
             self.residuals.add_into(acc, layout)
         summed, sent = self.compressor.reduce(acc, comm, seed, layout=layout, ratio=self.ratio_now(step))
-        if not all_finite(summed) and self._skipped_step != step:  # same verdict on every rank
-            self._skipped_step = step
-            self.nonfinite_steps += 1
-            log.warning("titan compression: non-finite gradients at step %d; compression state rolled back to "
-                        "the step's start (DeepSpeed skips the step on every rank)", step + 1)
-        if self._skipped_step == step:
-            for store in self.stores.values():  # this call's writes too (a compressor's state, after the skip)
-                store.rollback()
-        else:
-            if self.error_feedback:
-                # acc becomes the new residual: no temporary, and the store adopts it (no copy)
-                self.residuals.write(subtract_sent_(acc, sent), layout)
-            if velocity is not None:
-                if self.dgc.momentum_masking:  # DGC momentum factor masking: no stale push after a send
-                    zero_where_sent_(velocity, sent)
-                self.momentum.write(velocity, layout)  # type: ignore[union-attr]
+        bad = nonfinite(summed)  # the same verdict on every rank; read in end_step, which rolls back
+        self._bad = bad if self._bad is None else self._bad | bad
+        if self.error_feedback:
+            # acc becomes the new residual: no temporary, and the store adopts it (no copy)
+            self.residuals.write(subtract_sent_(acc, sent), layout)
+        if velocity is not None:
+            if self.dgc.momentum_masking:  # DGC momentum factor masking: no stale push after a send
+                zero_where_sent_(velocity, sent)
+            self.momentum.write(velocity, layout)  # type: ignore[union-attr]
         return summed.to(flat.dtype)
 
     def take_metrics(self) -> dict[str, Any]:
         """Bytes since the previous call (one optimizer step when called per step), then reset the window.
+        The non-finite count includes a step whose verdict is still pending (read here).
 
         ``wire_compression_ratio`` is that window's dense/wire bytes (the steady state once warm-up is over);
         ``wire_compression_ratio_run`` counts every byte since the run began, warm-up included, across resumes
         (the totals are checkpointed). ``hge_compression_ratio`` is the seed's name for the first."""
+        self._settle()
         ratio = self.dense_bytes / self.wire_bytes if self.wire_bytes else None
         run = self.total_dense / self.total_wire if self.total_wire else None
         out = {"wire_compression_ratio": ratio, "hge_compression_ratio": ratio, "wire_compression_ratio_run": run,
@@ -198,6 +215,7 @@ class GradientReducer:
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals, the other stores (DGC's momentum, PowerSGD's ``Q``), byte totals."""
+        self._settle()  # a skipped step's writes are never saved
         extra = {name: st.state_dict() for name, st in self.stores.items() if name != "residuals"}
         return {"residuals": self.residuals.state_dict(), "stores": extra, "total_dense": self.total_dense,
                 "total_wire": self.total_wire, "calls": self.calls, "method": self.method}
@@ -211,6 +229,7 @@ class GradientReducer:
             raise RuntimeError(f"checkpoint holds compression state {sorted(saved)} but this titan.compression "
                                f"needs {sorted(wanted)} (momentum is there only with momentum > 0); resume with "
                                f"the same titan.compression settings")
+        self._bad = None
         self.residuals.load_state_dict(state["residuals"])
         for name in wanted:
             self.stores[name].load_state_dict(state["stores"][name])

@@ -26,7 +26,6 @@ Without ``momentum`` (``m = 0``) steps 2 and 5 vanish and this is plain top-k wi
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,14 +53,16 @@ class DGCOptions:
 
 
 def clip_segments_(x: torch.Tensor, layout: list[Segment], max_norm: float) -> None:
-    """Scale each segment of the flat ``x`` in place so that its L2 norm is at most ``max_norm``.
+    """Scale each segment of the flat fp32 ``x`` in place so that its L2 norm is at most ``max_norm``.
 
-    A non-finite norm leaves the segment as it is (the reducer's non-finite path must still see it)."""
+    A non-finite norm leaves the segment as it is (the reducer's non-finite path must still see it). The scale
+    ``min(1, max_norm / norm)`` is computed on the device in fp64, as Python would (no host read of the norm),
+    and a segment that is not clipped is multiplied by exactly 1."""
     for s in layout:
         seg = x[s.flat_offset:s.flat_offset + s.numel]
-        norm = float(seg.norm())
-        if math.isfinite(norm) and norm > max_norm:
-            seg.mul_(max_norm / norm)
+        norm = seg.norm().double()
+        clip = torch.isfinite(norm) & (norm > max_norm)
+        seg.mul_(torch.where(clip, torch.full_like(norm, max_norm) / norm, torch.ones_like(norm)).float())
 
 
 def ratio_at(step: int, *, ratio: float, warmup_steps: int, ramp_steps: int, start: float) -> float:

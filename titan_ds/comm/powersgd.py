@@ -16,7 +16,7 @@ the reducer's error feedback):
    matters, and this keeps ``P`` well conditioned).
 3. ``P = M Q`` (n x r) for every matrix; **all-reduce** ``[P of every matrix | dense parts]`` in one buffer.
    A non-finite sum (some rank's gradient holds NaN/Inf) is seen by every rank: all return a non-finite sum
-   and skip round 2.
+   (``summed`` all NaN, ``sent`` 0); the verdict stays on the device, so round 2 runs anyway.
 4. ``P_hat = orthonormal(P_sum)`` (identical on every rank); ``Q_r = M^T P_hat`` (m x r).
 5. **All-reduce** ``[Q_r of every matrix]``: ``Q_sum = sum_r M_r^T P_hat``.
 6. ``summed = P_hat Q_sum^T = P_hat P_hat^T sum_r M_r`` (the sum of every rank's projection);
@@ -136,8 +136,9 @@ class PowerSGDCompressor:
         ps = [mat @ self._start_q(b, acc.device) for b, mat in zip(blocks, mats)]  # step 3
         round1 = torch.cat([p.reshape(-1) for p in ps] + [acc[lo:hi] for lo, hi in dense])
         comm.all_reduce_sum(round1)
-        if not bool(torch.isfinite(round1).all()):  # the same summed buffer, the same verdict, on every rank
-            return torch.full_like(acc, float("nan")), torch.zeros_like(acc)
+        # the same summed buffer, the same verdict, on every rank; kept on the device (no host read): a non-finite
+        # round 1 makes the whole sum NaN and sent 0 at the end (the reducer rolls Q back with the residuals)
+        bad = ~torch.isfinite(round1).all()
         summed = torch.empty_like(acc)
         sent = torch.empty_like(acc)
         off = sum(b.n * b.r for b in blocks)
@@ -146,7 +147,7 @@ class PowerSGDCompressor:
             sent[lo:hi] = acc[lo:hi]
             off += hi - lo
         if not blocks:
-            return summed, sent
+            return summed.masked_fill_(bad, float("nan")), sent.masked_fill_(bad, 0.0)
         p_hats, qs, off = [], [], 0
         for b, mat in zip(blocks, mats):
             p_hat = orthonormal(round1[off:off + b.n * b.r].view(b.n, b.r))  # step 4
@@ -155,8 +156,7 @@ class PowerSGDCompressor:
             qs.append(mat.t() @ p_hat)
         round2 = torch.cat([q.reshape(-1) for q in qs])
         comm.all_reduce_sum(round2)  # step 5
-        if not bool(torch.isfinite(round2).all()):
-            return torch.full_like(acc, float("nan")), torch.zeros_like(acc)
+        bad |= ~torch.isfinite(round2).all()
         off = 0
         for b, p_hat, q in zip(blocks, p_hats, qs):  # step 6
             q_sum = round2[off:off + b.m * b.r].view(b.m, b.r)
@@ -165,4 +165,4 @@ class PowerSGDCompressor:
             summed[lo:hi] = (p_hat @ q_sum.t()).reshape(-1)
             sent[lo:hi] = (p_hat @ q.t()).reshape(-1)
             self.q.put(b.key, q_sum)
-        return summed, sent
+        return summed.masked_fill_(bad, float("nan")), sent.masked_fill_(bad, 0.0)

@@ -11,7 +11,8 @@ blind choice costs least (measured: docs/compress.md).
 
 Selection: ``k = n / ratio`` coordinates as ``ceil(k / BLOCK)`` distinct blocks of ``BLOCK`` consecutive
 coordinates, chosen by ``randperm`` of the blocks (``n / BLOCK`` int64, not ``n``), the last block clipped at
-``n``. Every coordinate is equally likely to be chosen at every call.
+``n``. Every coordinate is equally likely to be chosen at every call. They are drawn on the host (a CPU generator:
+the same set on every rank and every device) and copied to the device without waiting for it.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .base import Collective, Segment, all_finite
+from .base import Collective, Segment, nonfinite, to_device_async
 
 __all__ = ["RandKCompressor", "randk_indices"]
 
@@ -35,13 +36,13 @@ def randk_indices(n: int, ratio: float, seed: int, device: torch.device | str = 
     gen = torch.Generator().manual_seed(seed)
     chosen = torch.randperm(blocks, generator=gen)[:take].sort().values
     idx = (chosen[:, None] * BLOCK + torch.arange(BLOCK)[None, :]).reshape(-1)
-    return idx[idx < n].to(device)
+    return to_device_async(idx[idx < n], torch.device(device))
 
 
 class RandKCompressor:
     """``randk``: ``idx = randk_indices(n, ratio, seed)`` (the same on every rank); all-reduce ``acc[idx]`` plus
     a non-finite flag (fp32, ``4 (|idx| + 1)`` bytes, about ``4 n / ratio``); ``summed = scatter(idx, sum)``,
-    ``sent = scatter(idx, acc[idx])``."""
+    ``sent = scatter(idx, acc[idx])`` (a NaN flag: ``summed`` all NaN, ``sent`` 0, without a host read)."""
 
     name = "randk"
     config_keys: tuple[str, ...] = ("ratio", "error_feedback", "seed", "ratio_warmup_steps", "ratio_warmup_start")
@@ -55,15 +56,13 @@ class RandKCompressor:
         del layout  # flat coordinates; residuals are the reducer's
         idx = randk_indices(acc.numel(), self.ratio if ratio is None else ratio, seed, acc.device)
         # one more fp32: NaN when this rank's acc holds NaN/Inf anywhere (most of it is not sent), so every
-        # rank sees a non-finite sum and skips the step (and rolls its residuals back)
-        flag = torch.zeros(1, dtype=acc.dtype, device=acc.device) if all_finite(acc) else \
-            torch.full((1,), float("nan"), dtype=acc.dtype, device=acc.device)
+        # rank sees a non-finite sum and skips the step (and rolls its residuals back); decided on the device
+        flag = torch.zeros(1, dtype=acc.dtype, device=acc.device).masked_fill_(nonfinite(acc), float("nan"))
         payload = torch.cat([acc[idx], flag])
         sent = torch.zeros_like(acc)
         sent[idx] = payload[:-1]
         comm.all_reduce_sum(payload)
-        if not bool(torch.isfinite(payload[-1])):
-            return torch.full_like(acc, float("nan")), torch.zeros_like(acc)
+        bad = ~torch.isfinite(payload[-1])
         summed = torch.zeros_like(acc)
         summed[idx] = payload[:-1]
-        return summed, sent
+        return summed.masked_fill_(bad, float("nan")), sent.masked_fill_(bad, 0.0)

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import SketchCompressor
+from .base import SketchCompressor, to_device_async
 
 __all__ = ["hash_index", "hash_bins", "sketch_keys", "add_rows_", "read_rows", "median_rows", "dct_matrix",
            "CountSketch", "CountMinSketch", "TGSSCompressor"]
@@ -64,8 +64,9 @@ def hash_index(idx: torch.Tensor, rows: int, cols: int, seed: int,
     i = idx.reshape(1, -1).to(torch.int64)
     consts = [[_signed(_mix_int(seed * 1_000_003 + r * 4 + j) | (1 if j % 2 == 0 else 0)) for j in range(4)]
               for r in range(rows)]
-    a1, b1, a2, b2 = (torch.tensor([row[j] for row in consts], dtype=torch.int64, device=i.device).unsqueeze(1)
-                      for j in range(4))
+    # made on the host, copied without waiting for the device (a blocking copy would sync at every call)
+    table = to_device_async(torch.tensor(consts, dtype=torch.int64).t().contiguous(), i.device)
+    a1, b1, a2, b2 = (table[j].unsqueeze(1) for j in range(4))
     bins = torch.empty(rows, i.shape[1], dtype=torch.int64, device=i.device)
     torch.mul(i, a1, out=bins).add_(b1)  # int64 wraps: mod 2^64
     bins.bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF).mul_(cols).bitwise_right_shift_(32)  # no modulo bias

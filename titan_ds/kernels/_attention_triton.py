@@ -161,13 +161,17 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KPM, sm_scale,
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def block_sizes(tile: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D): the tile rounded to a power of two in [16, 128] (64 for head dims > 64).
+def block_sizes(tile: int, head_dim: int, dtype: Optional[torch.dtype] = None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D): the tile rounded to a power of two in [16, 128] (64 for head dims > 64, and
+    for fp32 inputs).
 
     tl.dot needs every block dimension >= 16; the caps keep a (BLOCK_M x BLOCK_N) fp32 score tile and the
-    (BLOCK x D) accumulators in registers. Untuned: no GPU was available when this was written.
+    (BLOCK x D) accumulators in registers. Untuned: no GPU was available when this was written. The fp32 cap is
+    shared memory, measured by compiling for sm_90 (tests/kernels/test_triton_compile.py): at 128 x 128 blocks
+    and head dim 64 the fp32 dK/dV kernel needs 264192 bytes, over the 232448 a block may have (OutOfResources
+    at launch), and the forward 229888, over sm_80's 166912; at 64 x 64, 115712 and 98304.
     """
-    cap = 64 if head_dim > 64 else 128
+    cap = 64 if head_dim > 64 or dtype == torch.float32 else 128
     block = max(16, min(triton.next_power_of_2(tile), cap))
     return block, block, max(16, triton.next_power_of_2(head_dim))
 
@@ -182,7 +186,7 @@ class _TritonAttention(torch.autograd.Function):
                 tile: int) -> Tensor:
         B, H, TQ, D = q.shape
         TK = k.shape[2]
-        bm, bn, bd = block_sizes(tile, D)
+        bm, bn, bd = block_sizes(tile, D, q.dtype)
         o = torch.empty(B, H, TQ, D, dtype=q.dtype, device=q.device)
         lse = torch.empty(B * H * TQ, dtype=torch.float32, device=q.device)
         kpm_i8 = kpm.to(torch.int8).contiguous() if kpm is not None else lse  # dummy pointer when absent

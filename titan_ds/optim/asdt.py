@@ -51,6 +51,12 @@ Clipping needs the global norm before the first update; with ``max_norm`` the ho
 step's global norm instead (the norm of this step is summed as the gradients arrive). ``step()`` then only
 closes the engine step and sets the next step's clipping coefficient.
 
+**On a GPU** the step makes its tensors on the parameters' device and reads nothing back to the host: the
+elements changed (:attr:`ASDT.last_selected`) and step in backward's gradient norm (:attr:`ASDT.last_grad_norm`)
+stay device tensors until read, the clipping coefficient is computed on the device, and BSPS's signals are
+summed there and read once per engine step, when BSPS decides its transitions. ``tests/optim/test_meta_device.py``
+runs every update with its tensors on the ``meta`` device, where a mixed-device op or a host read raises.
+
 The math is :func:`~titan_ds.optim.asdt_math.asdt_update` in ``asdt_math.py`` (steps 1-5 on a list of unit
 slices: tensors in, updated in place, no optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
 what DeepSpeed hands over, BSPS modes and signals, the sketch, ``requires_grad`` at stage 0, metrics).
@@ -109,6 +115,24 @@ def _from_saved(st: dict[str, Any]) -> None:
             records.append(UnitState(int(u), buffer, cursor, int(lens[u])))
             cursor += int(lens[u])
     st["units"] = records
+
+
+def _clip_(grad: torch.Tensor, coef: Union[float, torch.Tensor]) -> None:
+    """``grad *= coef`` (step in backward's clipping) as ``grad.mul_(float(coef))`` computes it, the product in fp32
+    rounded to the gradient's dtype, without reading a tensor ``coef`` back to the host."""
+    if not isinstance(coef, torch.Tensor):
+        if coef < 1.0:
+            grad.mul_(coef)
+    elif grad.dtype == torch.float32:
+        grad.mul_(coef.float())
+    else:  # a 0-dim tensor operand would be rounded to the gradient's dtype first (bf16); a float is not
+        grad.copy_(grad.float().mul_(coef.float()))
+
+
+def _device_generator(device: Union[str, torch.device], seed: int) -> torch.Generator:
+    """The seeded generator of ``device`` that stochastic rounding draws from (CPU and accelerators have their own;
+    the ``meta`` device of the GPU-readiness tests has none, so they replace this one function)."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
@@ -200,18 +224,38 @@ class ASDT(torch.optim.Optimizer):
         self._block_of_unit: Optional[list[int]] = None
         self._engine_step = 0                  # last engine step begun (ZeRO: from the per-tensor step counters)
         self.sketch = CountMinSketch(sketch_width, sketch_depth, sketch_seed) if importance == "sketch" else None
-        self.last_selected = 0                 # elements changed by the last engine step (sparse delta size)
+        # elements changed by the last engine step (sparse delta size): a device tensor until read (last_selected)
+        self._last_selected: Union[int, torch.Tensor] = 0
         self.grad_bytes = 0                    # gradient bytes handed to the last engine step (held at step time)
         self.grad_bytes_peak = 0
         self._grad_acc = 0
         self._selected_acc = 0
         self.step_in_backward = False          # attach_backward_steps: update each tensor in its grad hook
         self._clip_max = 0.0                   # step in backward: clip at this global norm (0: off) ...
-        self._clip_coef = 1.0                  # ... with the coefficient of the previous step's norm
+        # ... with the coefficient of the previous step's norm: 1.0, then a 0-dim fp64 tensor on the gradients'
+        # device (computed there, so that no step reads the norm back to the host)
+        self._clip_coef: Union[float, torch.Tensor] = 1.0
         self._grad_sq: Optional[torch.Tensor] = None  # the sum of squares of this step's gradients so far
-        self.last_grad_norm: Optional[float] = None   # step in backward with clipping: the last step's norm
+        self._grad_norm: Optional[torch.Tensor] = None  # step in backward: the last step's norm (last_grad_norm)
+        self._signal_sq: Optional[torch.Tensor] = None  # BSPS: each block's sum of squared gradients this step
         self._hooks: list[Any] = []
         self._stepped: set[int] = set()        # tensors updated by a hook in the engine step under way
+
+    @property
+    def last_selected(self) -> int:
+        """Elements changed by the last engine step (the size of its sparse delta). Reading it waits for the step's
+        updates (a host sync): read it for metrics, after the step."""
+        return int(self._last_selected)
+
+    @last_selected.setter
+    def last_selected(self, value: int) -> None:
+        self._last_selected = int(value)
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """Step in backward: the global gradient norm of the last step (None before one); a host sync, like
+        :attr:`last_selected`."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     @staticmethod
     def _groups(params: Iterable[Any]) -> list[dict[str, Any]]:
@@ -308,8 +352,7 @@ class ASDT(torch.optim.Optimizer):
         if self._clip_max > 0:  # one more pass over the gradient, only when something clips with it
             sq = torch.linalg.vector_norm(t.grad.float()).double() ** 2
             self._grad_sq = sq if self._grad_sq is None else self._grad_sq + sq
-        if self._clip_coef < 1.0:
-            t.grad.mul_(self._clip_coef)
+        _clip_(t.grad, self._clip_coef)
         st = self._tensor_state(t)
         st["step"] = self._engine_step + 1
         # gradient bytes held at once: one tensor's, freed below before the next hook runs
@@ -347,9 +390,11 @@ class ASDT(torch.optim.Optimizer):
             self._begin_engine_step(self._engine_step + 1)
             self._end_engine_step()
         if self._grad_sq is not None:  # step in backward: this step's norm clips the next step
-            self.last_grad_norm = float(self._grad_sq.sqrt())
-            if self._clip_max > 0:
-                self._clip_coef = min(1.0, self._clip_max / (self.last_grad_norm + 1e-6))
+            self._grad_norm = self._grad_sq.sqrt()
+            if self._clip_max > 0:  # min(1, max_norm / (norm + 1e-6)) in fp64, on the device: no host sync
+                norm = self._grad_norm
+                coef = torch.full_like(norm, self._clip_max) / (norm + 1e-6)  # (not max_norm / t: a reciprocal)
+                self._clip_coef = torch.where(coef < 1.0, coef, torch.ones_like(coef))  # NaN norm: 1, as min()
             self._grad_sq = None
         self._stepped.clear()
         return loss
@@ -370,11 +415,15 @@ class ASDT(torch.optim.Optimizer):
             self.sketch.decay_(self.param_groups[0]["betas"][1])
 
     def _end_engine_step(self) -> None:
-        self.last_selected, self._selected_acc = self._selected_acc, 0
+        self._last_selected, self._selected_acc = self._selected_acc, 0
         self.grad_bytes, self._grad_acc = self._grad_acc, 0
         self.grad_bytes_peak = max(self.grad_bytes_peak, self.grad_bytes)
         if self.plasticity is not None:
-            self.plasticity.end_step(self._engine_step, self._layouts.group())
+            group = self._layouts.group()
+            if group is not None:
+                self._sum_signals(group)
+            self._hand_signals()
+            self.plasticity.end_step(self._engine_step)
             if not self._zero:
                 self._stage0_plasticity()
         if self.sketch is not None and not self._zero:
@@ -435,7 +484,7 @@ class ASDT(torch.optim.Optimizer):
             return None
         key = str(t.device)
         if key not in self._generators:
-            self._generators[key] = torch.Generator(device=t.device).manual_seed(self.rounding_seed)
+            self._generators[key] = _device_generator(t.device, self.rounding_seed)
         return self._generators[key]
 
     def _update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
@@ -469,14 +518,42 @@ class ASDT(torch.optim.Optimizer):
                 st[key], st[f"{key}_absmax"] = qstate.quantize(st[key], lens, kind, signed)
 
     def _observe(self, layout: Layout, g_flat: torch.Tensor) -> None:
+        """BSPS's signal: each block's sum of squared gradients, summed on the gradients' device (fp64, in the
+        order of the pieces); :meth:`_hand_signals` gives it to the Plasticity when the engine step ends."""
         p = self.plasticity
         if p is None:
             return
         probe = p.is_probe(self._engine_step if self._zero else self._engine_step + 1)
+        if self._signal_sq is None:
+            self._signal_sq = torch.zeros(len(p.blocks), dtype=torch.float64, device=g_flat.device)
+        acc = self._signal_sq
         for pc in layout.pieces:
             if probe or self.unit_mode(pc.unit) in (GROWTH, ELASTIC):
                 g = g_flat[pc.start:pc.start + pc.length]
-                p.observe(self._block_of_unit[pc.unit], float(g.float().pow(2).sum()))
+                b = self._block_of_unit[pc.unit]
+                acc[b:b + 1] += g.float().pow(2).sum().double()
+
+    def _sum_signals(self, group: Any) -> None:
+        """ZeRO: sum this step's signals over the ranks (blocks split across ranks), on the tensors' device (NCCL
+        takes no CPU tensor). Signals the Plasticity holds already (restored from a checkpoint, or saved into one
+        before this step ended) join them; there are none in a plain step, so nothing is copied to the device."""
+        import deepspeed.comm as dist
+        dev = self._layouts.device()
+        acc = self._signal_sq
+        if acc is None:
+            acc = torch.zeros(len(self.plasticity.blocks), dtype=torch.float64, device=dev)
+        held = self.plasticity.take_signals()
+        if held is not None:
+            acc = held.to(acc.device) + acc  # (nothing is observed after a checkpoint before the step ends: exact)
+        dist.all_reduce(acc, group=group)
+        self._signal_sq = acc
+
+    def _hand_signals(self) -> None:
+        """The signals observed so far to the Plasticity: one read to the host, at the end of an engine step (once
+        every update of it has been queued: BSPS decides its transitions on the host) or for a checkpoint."""
+        acc, self._signal_sq = self._signal_sq, None
+        if acc is not None:
+            self.plasticity.add_signals(acc)
 
     def _apply(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, pieces: list[Piece], mode: int,
                group: dict[str, Any]) -> None:
@@ -491,7 +568,7 @@ class ASDT(torch.optim.Optimizer):
         bufs = views(st[buffer], records)
         gs = [g.float() for g in views(t.grad.view(-1), pieces)]
         b2 = group["betas"][1]
-        scores = self._sketch_scores(pieces, gs, layout, b2) if self.sketch is not None else None
+        scores = self._sketch_scores(pieces, gs, layout, b2, t.device) if self.sketch is not None else None
         adaptive = self.update == "adaptive" and mode == GROWTH
         variances = None
         if adaptive and self.second_moment == "coordinate":
@@ -502,7 +579,7 @@ class ASDT(torch.optim.Optimizer):
             importance=self.importance, momenta=bufs if mode == GROWTH else None,
             anchors=bufs if mode == ELASTIC else None, lr_scales=[self.unit_lr_scale(pc.unit) for pc in pieces],
             elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
-            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split),
+            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split, t.device),
             seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
             unit_sums=lambda x: unit_sums(x, pieces, split), update_clip=self.update_clip if adaptive else None,
             variances=variances, generator=self._generator(t))
@@ -529,14 +606,20 @@ class ASDT(torch.optim.Optimizer):
                 betas=group["betas"], density=group["density"], weight_decay=group["weight_decay"],
                 unit_numels=numels, importance=self.importance, lengths=lengths,
                 momenta=[st["momentum"][off:off + sum(lengths)]], lr_scales=None if scales is None else scales[lo:hi],
-                kth_largest=lambda s, ks, part=part: kth_largest(s, ks, part, split), seconds=seconds[lo:hi],
+                kth_largest=lambda s, ks, part=part: kth_largest(s, ks, part, split, t.device),
+                seconds=seconds[lo:hi],
                 eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split), update_clip=self.update_clip,
                 variances=variances, generator=self._generator(t))
 
-    def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float) -> list[torch.Tensor]:
-        """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it."""
-        delta = CountMinSketch(self.sketch.width, self.sketch.depth, self.sketch.seed)
-        idx = [self.units[pc.unit].global_offset + pc.unit_offset + torch.arange(pc.length) for pc in pieces]
+    def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float,
+                       dev: torch.device) -> list[torch.Tensor]:
+        """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it; on the
+        device ``dev`` of the tensor stepped on."""
+        if self.sketch.table.device != dev:  # made with the optimizer, before the model reached its device
+            self.sketch.table = self.sketch.table.to(dev)
+        delta = CountMinSketch(self.sketch.width, self.sketch.depth, self.sketch.seed, device=dev)
+        idx = [self.units[pc.unit].global_offset + pc.unit_offset + torch.arange(pc.length, device=dev)
+               for pc in pieces]
         for i, g in zip(idx, gs):
             delta.update_at(i, g.abs() * (1 - b2))
         if layout.group is not None:
@@ -561,10 +644,19 @@ class ASDT(torch.optim.Optimizer):
         return sd
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"engine_step": self._engine_step, "last_selected": self.last_selected, "clip_coef": self._clip_coef,
+        return {"engine_step": self._engine_step, "last_selected": self.last_selected,
+                "clip_coef": float(self._clip_coef),
                 "rounding_generators": {k: g.get_state() for k, g in self._generators.items()},
                 "sketch": self.sketch.state_dict() if self.sketch is not None else None,
-                "plasticity": self.plasticity.state_dict() if self.plasticity is not None else None}
+                "plasticity": self._plasticity_state()}
+
+    def _plasticity_state(self) -> Optional[dict[str, Any]]:
+        """BSPS's state, with the signals observed since its last ``end_step`` (under ZeRO a step's signals are
+        folded in when the next step begins, so a checkpoint between steps holds them)."""
+        if self.plasticity is None:
+            return None
+        self._hand_signals()
+        return self.plasticity.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         extra = state_dict.get("asdt")
@@ -605,7 +697,7 @@ class ASDT(torch.optim.Optimizer):
         self.last_selected = int(extra["last_selected"])
         self._clip_coef = float(extra.get("clip_coef", 1.0))  # step in backward's clipping of the next step
         for key, state in (extra.get("rounding_generators") or {}).items():  # the stochastic rounding's draws
-            self._generators[key] = torch.Generator(device=key)
+            self._generators[key] = _device_generator(key, 0)
             self._generators[key].set_state(state.cpu() if torch.is_tensor(state) else state)
         if self.sketch is not None:
             self.sketch.load_state_dict(extra["sketch"])
@@ -613,6 +705,7 @@ class ASDT(torch.optim.Optimizer):
             raise ValueError("checkpoint and optimizer disagree on BSPS (titan.plasticity): resume with the same "
                              "titan section the checkpoint was saved with")
         if self.plasticity is not None:
+            self._signal_sq = None  # the saved state holds the signals observed before it was saved
             self.plasticity.load_state_dict(extra["plasticity"])
             if not self._zero:
                 self._restore_requires_grad()

@@ -5,17 +5,42 @@ steps 1' and 4', on lists of unit slices: tensors in, updated in place; no optim
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..comm.base import to_device_async
 from .bsps import FROZEN, GROWTH, SLEEPING
 from .layout import Piece
 
 __all__ = ["asdt_update", "local_kth_largest", "reference_step", "KthLargest", "IMPORTANCE", "round_to",
-           "stochastic_round"]
+           "stochastic_round", "device_list"]
 
 IMPORTANCE = ("momentum", "grad_weight", "sketch")
+
+# Host -> device copies of the small per-unit lists of an adaptive update (lengths, unit sizes, lr scales), kept
+# per device: a blocking ``torch.tensor(list, device=...)`` waits for the device (a host sync), so each distinct
+# list is copied once, asynchronously, and reused; in a run the plans repeat every step. Bounded: BSPS makes new
+# lists as modes change (stale ones are dropped first).
+_DEVICE_LISTS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_DEVICE_LISTS_MAX = 256
+
+
+def device_list(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)``, copied to ``device`` once per distinct list (read it
+    only: the tensor is shared)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    key = (str(device), dtype, tuple(values))
+    hit = _DEVICE_LISTS.get(key)
+    if hit is None:
+        hit = _DEVICE_LISTS[key] = to_device_async(torch.tensor(values, dtype=dtype), device)
+        while len(_DEVICE_LISTS) > _DEVICE_LISTS_MAX:
+            _DEVICE_LISTS.popitem(last=False)
+    else:
+        _DEVICE_LISTS.move_to_end(key)
+    return hit
 
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -133,8 +158,11 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
                 seconds: Optional[torch.Tensor] = None, eps: float = 1e-8,
                 unit_sums: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                 lengths: Optional[list[int]] = None, update_clip: Optional[float] = None,
-                variances: Optional[list[torch.Tensor]] = None, generator: Optional[torch.Generator] = None) -> int:
-    """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed.
+                variances: Optional[list[torch.Tensor]] = None,
+                generator: Optional[torch.Generator] = None) -> Union[int, torch.Tensor]:
+    """Steps 1-5 of the module docstring on a list of 1-D unit slices, in place; returns the elements changed, as
+    a 0-dim int64 tensor on the slices' device (0 when there are no slices): reading it is a host sync, so the
+    step never does (ASDT reads it lazily, as ``last_selected``).
 
     ``weights[i]``/``grads[i]``: unit ``i``'s slice (all of it, or the part this rank holds of a unit split
     across ranks; ``unit_numels[i]`` is the whole unit's size, for ``k``). Give ``momenta`` (Growth: steps
@@ -177,10 +205,10 @@ def asdt_update(weights: list[torch.Tensor], grads: list[torch.Tensor], *, lr: f
     # density 1: every unit's k is its size, its k-th largest score its minimum, so the mask is ``s > 0`` (the
     # same decision on every rank: density is a group setting, so no collective is skipped on one rank only)
     taus = kth_largest(ss, [_k(density, n) for n in unit_numels]) if density < 1.0 else None
-    selected = 0
+    selected: Union[int, torch.Tensor] = 0
     for i, w in enumerate(weights):
         mask = (ss[i] >= taus[i]) & (ss[i] > 0) if taus is not None else ss[i] > 0
-        selected += int(mask.sum())
+        selected = selected + mask.sum()
         wf = w.float()
         new = wf - (torch.sign(cs[i]) + weight_decay * wf) * (lr * (1.0 if lr_scales is None else lr_scales[i]))
         if anchors is not None:
@@ -199,33 +227,38 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
                      lr_scales: Optional[list[float]], scores: Optional[list[torch.Tensor]], kth_largest: KthLargest,
                      unit_sums: Callable[[torch.Tensor], torch.Tensor], lengths: Optional[list[int]] = None,
                      update_clip: Optional[float] = None, variances: Optional[list[torch.Tensor]] = None,
-                     generator: Optional[torch.Generator] = None) -> int:
+                     generator: Optional[torch.Generator] = None) -> Union[int, torch.Tensor]:
     """Steps 1' and 4' of the module docstring, vectorised over the slices (one concatenation, no per-unit loop
-    except the top-k of ``density < 1`` and the write-back)."""
+    except the top-k of ``density < 1`` and the write-back). Every tensor is made on the slices' device and
+    nothing is read back to the host (the per-unit lists are copied once, :func:`device_list`)."""
     b1, b2 = betas
     n = len(unit_numels)
+    dev = seconds.device
     if n == 0:  # the collectives still run (units split across ranks)
         if variances is None:
-            unit_sums(torch.zeros(0, dtype=torch.float64))
+            unit_sums(torch.zeros(0, dtype=torch.float64, device=dev))
         if density < 1.0:
             kth_largest([], [])
         return 0
-    lens = torch.tensor(lengths if lengths is not None else [w.numel() for w in weights])
+    lengths = list(lengths) if lengths is not None else [w.numel() for w in weights]
+    lens, total = device_list(lengths, torch.int64, dev), sum(lengths)
     g = torch.cat([x.float() for x in grads])
     w = torch.cat([x.float() for x in weights])
     m = torch.cat([x.float() for x in momenta]) * b1 + g * (1 - b1)
     v, t = seconds[:, 0], seconds[:, 1]
     if variances is None:  # one second moment per unit (summed across ranks when the unit is split)
-        sq = unit_sums(torch.segment_reduce(g.double() ** 2, "sum", lengths=lens))
-        v.copy_(v * b2 + (1 - b2) * (sq / torch.tensor(unit_numels, dtype=torch.float64)).float())
+        # unsafe: the lengths are ours (non-negative, summing to the slices); the checks would read them on the host
+        sq = unit_sums(torch.segment_reduce(g.double() ** 2, "sum", lengths=lens, unsafe=True))
+        v.copy_(v * b2 + (1 - b2) * (sq / device_list(unit_numels, torch.float64, dev)).float())
         t.add_(1)
         bc1, bc2 = 1 - b1 ** t.double(), 1 - b2 ** t.double()
         denom = ((v.double() / bc2).sqrt() + eps) * bc1
-        c = m / denom.float().repeat_interleave(lens)
+        c = m / denom.float().repeat_interleave(lens, output_size=total)
     else:  # each coordinate's own (Adam's); no collective: nothing is summed over a unit
         t.add_(1)
         vc = torch.cat([x.float() for x in variances]) * b2 + (g * g) * (1 - b2)
-        bc1, bc2 = (1 - b1 ** t.double()).repeat_interleave(lens), (1 - b2 ** t.double()).repeat_interleave(lens)
+        bc1 = (1 - b1 ** t.double()).repeat_interleave(lens, output_size=total)
+        bc2 = (1 - b2 ** t.double()).repeat_interleave(lens, output_size=total)
         c = m / (((vc.double() / bc2).sqrt() + eps) * bc1).float()
         for dst, part in zip(variances, torch.split(vc, [x.numel() for x in variances])):
             dst.copy_(part)
@@ -239,18 +272,18 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
     if density >= 1.0:  # every unit's k is its size: the k-th largest is its minimum (the same on every rank)
         mask = s > 0
     else:
-        s_parts = list(torch.split(s, lens.tolist()))
+        s_parts = list(torch.split(s, lengths))
         taus = kth_largest(s_parts, [_k(density, u) for u in unit_numels])
-        mask = s >= torch.stack(taus).repeat_interleave(lens)
+        mask = s >= torch.stack(taus).repeat_interleave(lens, output_size=total)
         mask &= s > 0
     scale = lr if lr_scales is None else \
-        torch.tensor([lr * x for x in lr_scales], dtype=torch.float32).repeat_interleave(lens)
+        device_list([lr * x for x in lr_scales], torch.float32, dev).repeat_interleave(lens, output_size=total)
     new = torch.where(mask, w - (c + weight_decay * w) * scale, w)
     for dst, part in zip(weights, torch.split(new, [x.numel() for x in weights])):
         dst.copy_(round_to(dst.dtype, part, generator))  # unchanged elements: exact, so they stay as they were
     for dst, part in zip(momenta, torch.split(m, [x.numel() for x in momenta])):
         dst.copy_(part)
-    return int(mask.sum())
+    return mask.sum()
 
 
 # Elements per asdt_update call of update="adaptive" at stage 0. The call makes fp32 and fp64 temporaries of

@@ -28,7 +28,7 @@ identically (signals of blocks split across ranks are all-reduced first).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -91,6 +91,11 @@ class Plasticity:
     def observe(self, b: int, sumsq: float) -> None:
         self._acc[b] += sumsq
 
+    def add_signals(self, sumsq: torch.Tensor) -> None:
+        """:meth:`observe` for every block at once: ``sumsq[b]`` (fp64, any device; read to the host here) is
+        block ``b``'s sum of squared gradients since the last :meth:`end_step`."""
+        self._acc += sumsq.to(device=self._acc.device, dtype=torch.float64)
+
     def counts(self) -> dict[str, int]:
         return {name: sum(1 for m in self.modes if m == k) for k, name in STATE_NAMES.items()}
 
@@ -98,8 +103,17 @@ class Plasticity:
         return sum(n for n, m in zip(self.numels, self.modes) if m in (GROWTH, ELASTIC))
 
     # ------------------------------------------------------------------ transitions
+    def take_signals(self) -> Optional[torch.Tensor]:
+        """The signals added since the last :meth:`end_step` (fp64, per block), now cleared; None when all are 0.
+        For a caller that sums them across ranks itself, on its device, before adding the sum back."""
+        if not bool(self._acc.any()):
+            return None
+        out, self._acc = self._acc, torch.zeros_like(self._acc)
+        return out
+
     def end_step(self, t: int, group: Any = None) -> list[Transition]:
-        """Fold step ``t``'s signals in and decide transitions (effective from step ``t + 1``)."""
+        """Fold step ``t``'s signals in and decide transitions (effective from step ``t + 1``); ``group``: sum the
+        signals over its ranks first."""
         if group is not None:
             import deepspeed.comm as dist
             dist.all_reduce(self._acc, group=group)

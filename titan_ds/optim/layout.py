@@ -105,6 +105,12 @@ class LayoutMap:
                 return lay.group
         return None
 
+    def device(self) -> Optional[torch.device]:
+        """The device of the tensors handed to the optimizer (None when there are none)."""
+        for t, _ in self._layouts.values():
+            return t.device
+        return None
+
 
 def place_units(st: dict[str, Any], buffer: str, pieces: list[Piece], init: Callable[[Piece], torch.Tensor],
                 empty: torch.Tensor, per_unit: Optional[int] = None) -> None:
@@ -246,11 +252,13 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.float().contiguous().view(torch.int32)
 
 
-def kth_largest(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece], layout: Layout) -> list[torch.Tensor]:
+def kth_largest(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece], layout: Layout,
+                device: Optional[torch.device] = None) -> list[torch.Tensor]:
     """The k-th largest score of each piece's unit: local ``topk``, or a collective bisection when split.
 
     ``layout.split_units`` must be the same list on every rank (the collective runs when it is not empty,
-    also on a rank that holds no piece of it).
+    also on a rank that holds no piece of it). ``device``: where the bisection's counts live (the tensor the
+    optimizer steps on; a rank may hold no scores); the scores' own device when None, else the CPU.
     """
     taus: list[Optional[torch.Tensor]] = [None] * len(pieces)
     split_pos = {u: j for j, u in enumerate(layout.split_units)}
@@ -261,35 +269,39 @@ def kth_largest(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece], 
         else:
             taus[i] = torch.topk(s, k).values[-1]
     if layout.split_units:
-        found = _bisect_split(scores, ks, pieces, layout, local_split, split_pos)
+        if device is None:
+            device = scores[0].device if scores else torch.device("cpu")
+        found = _bisect_split(scores, ks, pieces, layout, local_split, split_pos, device)
         for i in local_split:
             taus[i] = found[split_pos[pieces[i].unit]]
     return taus  # type: ignore[return-value]
 
 
 def _bisect_split(scores: list[torch.Tensor], ks: list[int], pieces: list[Piece], layout: Layout,
-                  local_split: list[int], split_pos: dict[int, int]) -> torch.Tensor:
+                  local_split: list[int], split_pos: dict[int, int], device: torch.device) -> torch.Tensor:
     """Exact k-th largest over units spread across ranks: bisect the int32 bit pattern (32 all-reduces of counts).
 
     Finds, per split unit, the largest pattern ``t`` with ``count(bits >= t) >= k`` summed over ranks, which is
-    the pattern of the k-th largest value. Every rank calls this with the same ``layout.split_units``.
+    the pattern of the k-th largest value. Every rank calls this with the same ``layout.split_units``. Every
+    tensor lives on ``device`` and nothing is read back to the host (the loop runs 32 times whatever the data).
     """
     import deepspeed.comm as dist
 
     n = len(layout.split_units)
-    kvec = torch.zeros(n, dtype=torch.int64)
+    kvec = torch.zeros(n, dtype=torch.int64, device=device)
     for i in local_split:
-        kvec[split_pos[pieces[i].unit]] = ks[i]
+        j = split_pos[pieces[i].unit]
+        kvec[j:j + 1].fill_(ks[i])
     dist.all_reduce(kvec, op=dist.ReduceOp.MAX, group=layout.group)
     bits = {i: _bits(scores[i]) for i in local_split}
-    lo = torch.zeros(n, dtype=torch.int64)
-    hi = torch.full((n,), 0x7F800000, dtype=torch.int64)  # +inf
+    lo = torch.zeros(n, dtype=torch.int64, device=device)
+    hi = torch.full((n,), 0x7F800000, dtype=torch.int64, device=device)  # +inf
     for _ in range(32):
         mid = (lo + hi + 1) // 2
-        counts = torch.zeros(n, dtype=torch.int64)
+        counts = torch.zeros(n, dtype=torch.int64, device=device)
         for i in local_split:
             j = split_pos[pieces[i].unit]
-            counts[j] += int((bits[i] >= mid[j]).sum())
+            counts[j:j + 1] += (bits[i] >= mid[j]).sum()
         dist.all_reduce(counts, group=layout.group)
         ok = counts >= kvec
         lo = torch.where(ok, mid, lo)
@@ -310,12 +322,12 @@ def unit_sums(partial: torch.Tensor, pieces: list[Piece], layout: Layout) -> tor
     import deepspeed.comm as dist
 
     split_pos = {u: j for j, u in enumerate(layout.split_units)}
-    acc = torch.zeros(len(layout.split_units), dtype=torch.float64)
+    acc = torch.zeros(len(layout.split_units), dtype=torch.float64, device=partial.device)
     where = [(i, split_pos[pc.unit]) for i, pc in enumerate(pieces) if pc.unit in split_pos]
     for i, j in where:
-        acc[j] += partial[i].double()
+        acc[j:j + 1] += partial[i].double()
     dist.all_reduce(acc, group=layout.group)
     out = partial.clone()
     for i, j in where:
-        out[i] = acc[j].to(out.dtype)
+        out[i:i + 1] = acc[j].to(out.dtype)
     return out

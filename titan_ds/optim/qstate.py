@@ -23,7 +23,8 @@ unit split across ranks restarts its blocks at the rank boundary (its codes then
 two blocks at the split).
 
 Decoding and encoding go through fp32 in slices of at most ``_CHUNK`` values, so the temporaries of a large
-embedding are bounded (~16 bytes a value of one slice).
+embedding are bounded (~16 bytes a value of one slice). Both run on the buffer's device and never read a value
+back to the host (the code maps and the encoding table are copied to each device once, :func:`_on`).
 """
 from __future__ import annotations
 
@@ -84,10 +85,17 @@ def _table(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return a.to(torch.int32), torch.cat([mids, torch.tensor([float("inf")])])
 
 
+@lru_cache(maxsize=None)
+def _on(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qmap, codes, next_midpoint)`` of :func:`qmap` and :func:`_table`, on ``device`` (copied once)."""
+    codes, nxt = _table(kind, signed)
+    return qmap(kind, signed).to(device), codes.to(device), nxt.to(device)
+
+
 def _encode(scaled: torch.Tensor, kind: str, signed: bool) -> torch.Tensor:
     """The nearest code of each value of ``scaled`` (in [-1, 1]): ``bucketize(scaled, midpoints, right=True)``
     (a midpoint rounds up, as in torchao), by the table of :func:`_table`."""
-    codes, nxt = _table(kind, signed)
+    _, codes, nxt = _on(kind, signed, scaled.device)
     x = scaled.contiguous().float()
     c = codes.index_select(0, ((x.view(torch.int32) >> 16) & 0xFFFF).view(-1)).view(x.shape)
     c += x >= nxt.index_select(0, c.view(-1)).view(x.shape)
@@ -128,7 +136,7 @@ def quantize(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tu
     n = x.numel()
     if sum(lengths) != n:
         raise ValueError(f"quantize: the records' lengths sum to {sum(lengths)}, the buffer has {n} values")
-    codes = torch.empty(n, dtype=torch.uint8)
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     scales = []
     for start, rows, length, padded in _slices(lengths, block):
         seg = x[start:start + rows * length].float().view(rows, length)
@@ -138,7 +146,7 @@ def quantize(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tu
         c = _encode(scaled, kind, signed).view(rows, padded)[:, :length]
         codes[start:start + rows * length] = c.reshape(-1)
         scales.append(scale)
-    absmax = torch.cat(scales) if scales else torch.zeros(0)
+    absmax = torch.cat(scales) if scales else torch.zeros(0, device=x.device)
     if bits == 4:
         if n % 2:
             codes = torch.cat([codes, codes.new_zeros(1)])
@@ -150,13 +158,13 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], ki
                signed: bool) -> torch.Tensor:
     """The fp32 values of :func:`quantize`'s ``(codes, absmax)``, for records of ``lengths``."""
     block, bits = KINDS[kind]
-    q = qmap(kind, signed)
+    q = _on(kind, signed, codes.device)[0]
     n = sum(lengths)
     if bits == 4:
         codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)[:n]
     if codes.numel() != n:
         raise ValueError(f"dequantize: {codes.numel()} codes for records of {n} values")
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
     at = 0  # blocks used so far
     for start, rows, length, padded in _slices(lengths, block):
         c = codes[start:start + rows * length].view(rows, length)

@@ -1,0 +1,82 @@
+"""GPU readiness without a GPU: run a path with its tensors on the ``meta`` device.
+
+A meta tensor has a shape and a dtype but no data, so what would be wrong on a GPU fails here:
+
+* an op mixing a CPU tensor (more than a 0-dim scalar) with a device tensor raises ("Tensor on device cpu is not
+  on the expected device meta!"), as it does on CUDA;
+* a host sync raises: ``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``, ``int(t)``, ``torch.nonzero`` /
+  boolean-mask indexing, ``repeat_interleave`` without ``output_size`` ("cannot be called on meta tensors",
+  "Cannot copy out of meta tensor", ...). On a GPU each of these stalls the step until the device catches up.
+
+What meta lets through is a host-to-device copy (``cpu_tensor.to(device)``, ``dst.copy_(cpu_tensor)``): on CUDA
+a blocking copy waits for the stream too. :class:`NoHostCopies` fails on blocking ones, for the steps after the
+first (a first step may copy small constant tables once); an asynchronous one (``non_blocking=True``, from pinned
+memory on CUDA: ``titan_ds.comm.base.to_device_async``) does not wait and passes. Syncs inside a C++ kernel (e.g. ``segment_reduce``'s input
+checks) are invisible to both; the code under test avoids them by construction.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["NoHostCopies", "META", "meta_like", "all_meta"]
+
+META = torch.device("meta")
+aten = torch.ops.aten
+
+
+class NoHostCopies(TorchDispatchMode):
+    """Raise on a copy of a CPU tensor into a meta tensor (``_to_copy`` to meta, ``copy_`` from CPU) and on a
+    host read of a device tensor, naming the op and the shape. Host reads of CPU tensors are fine."""
+
+    def __enter__(self) -> "NoHostCopies":
+        # torch.tensor(data, device=...) copies from the host below the dispatcher, unseen by __torch_dispatch__
+        self._tensor = torch.tensor
+
+        def tensor(data: Any, *a: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+            if device is not None and torch.device(device).type != "cpu":
+                raise AssertionError(f"torch.tensor(..., device={device}) in the step: a blocking host-to-device "
+                                     f"copy (make it on the host and copy it asynchronously, or once)")
+            return self._tensor(data, *a, device=device, **kw)
+
+        torch.tensor = tensor
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.tensor = self._tensor
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is aten._to_copy.default:  # an asynchronous copy (non_blocking, from pinned memory) is fine
+            src, dev = args[0], kwargs.get("device")
+            if src.device.type == "cpu" and dev is not None and torch.device(dev).type == "meta" and \
+                    not kwargs.get("non_blocking", False):
+                raise AssertionError(f"host-to-device copy of a CPU tensor of shape {tuple(src.shape)} in the step "
+                                     f"(a blocking copy waits for the device)")
+        elif func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            if dst.device.type == "meta" and src.device.type == "cpu" and blocking:
+                raise AssertionError(f"copy_ of a CPU tensor of shape {tuple(src.shape)} into a device tensor in "
+                                     f"the step (a blocking copy waits for the device)")
+        elif func is aten._local_scalar_dense.default and args[0].device.type != "cpu":  # meta raises too
+            raise AssertionError(f"host read of a device tensor ({func}) in the step")
+        return func(*args, **kwargs)
+
+
+def meta_like(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor's meta twin (same shape, dtype and requires_grad)."""
+    out = []
+    for t in tensors:
+        m = torch.empty_like(t, device=META)
+        out.append(m.requires_grad_(t.requires_grad))
+    return out
+
+
+def all_meta(*objs: Any) -> bool:
+    """Every tensor inside ``objs`` (nested lists, tuples, dicts) is on the meta device."""
+    return all(t.device.type == "meta" for t in tree_leaves(objs) if isinstance(t, torch.Tensor))
