@@ -384,6 +384,11 @@ class CompressionPillar(Pillar):
 
     def apply(self, ctx: Any) -> None:
         cfg = self.cfg
+        if cfg.local_updates:  # the compressor acts on the outer gradient (titan_ds/comm/diloco.py)
+            self.reducer = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
+                                           rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank,
+                                           min_compression=cfg.min_compression)
+            return
         precondition = rms_options(ctx) if cfg.precondition == "rms" else None
         self.reducer = GradientReducer(
             cfg.method, cfg.ratio, error_feedback=cfg.error_feedback, warmup_steps=cfg.warmup_steps,
@@ -394,7 +399,23 @@ class CompressionPillar(Pillar):
 
     def attach(self, ctx: Any) -> None:
         """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""
+        if self.cfg.local_updates:
+            self._attach_local(ctx)
+            return
         hooks = CompressionHooks(ctx.engine, self.reducer, ctx.zero_stage()).install(ctx)
+        ctx.reports[_REPORT_KEY] = hooks
+        ctx.add_metrics(self.reducer.take_metrics)
+        ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)
+        log.info("titan: %r", hooks)
+
+
+    def _attach_local(self, ctx: Any) -> None:
+        from .diloco import OuterStep
+        from .local_hooks import LocalUpdateHooks
+        cfg = self.cfg
+        outer = OuterStep(list(ctx.engine.module.named_parameters()), self.reducer, outer_lr=cfg.outer_lr,
+                          outer_momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov)
+        hooks = LocalUpdateHooks(ctx.engine, outer, cfg.sync_every).install(ctx)
         ctx.reports[_REPORT_KEY] = hooks
         ctx.add_metrics(self.reducer.take_metrics)
         ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)
