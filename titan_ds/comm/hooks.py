@@ -40,6 +40,7 @@ from .base import Segment
 from .compressor import GradientReducer
 from .dgc import DGCOptions
 from .precondition import RMSOptions
+from .wire import DistCollective
 
 __all__ = ["CompressionPillar", "PILLAR", "CompressionHooks", "DistCollective", "rms_options"]
 
@@ -55,23 +56,6 @@ def _owned(flat: torch.Tensor, tensors) -> bool:
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     return all(not (lo <= t.data_ptr() < hi or t.data_ptr() <= lo < t.data_ptr() + t.numel() * t.element_size())
                for t in tensors)
-
-
-class DistCollective:
-    """``deepspeed.comm`` collectives over one process group."""
-
-    def __init__(self, group: Any):
-        from deepspeed import comm as dist
-        self.dist, self.group = dist, group
-        self.world_size = dist.get_world_size(group=group)
-
-    def all_reduce_sum(self, t: torch.Tensor) -> None:
-        self.dist.all_reduce(t, group=self.group)
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self.dist.all_gather(out, t, group=self.group)
-        return out
 
 
 # ------------------------------------------------------------------------------- ZeRO-3 dispatcher

@@ -24,7 +24,7 @@ import torch
 
 from .. import deepspeed_compat as dsc
 from .diloco import OuterStep
-from .hooks import DistCollective
+from .wire import DistCollective
 
 __all__ = ["LocalUpdateHooks"]
 

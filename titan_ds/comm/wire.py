@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["ring_allreduce_bytes", "ring_allgather_bytes", "ring_bytes", "WireCount", "count_collectives",
+__all__ = ["DistCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_bytes", "WireCount", "count_collectives",
            "SimCollective"]
 
 
@@ -119,6 +119,23 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+class DistCollective:
+    """``deepspeed.comm`` collectives over one process group."""
+
+    def __init__(self, group: Any):
+        from deepspeed import comm as dist
+        self.dist, self.group = dist, group
+        self.world_size = dist.get_world_size(group=group)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        self.dist.all_reduce(t, group=self.group)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.dist.all_gather(out, t, group=self.group)
+        return out
 
 
 class _Abort(RuntimeError):
