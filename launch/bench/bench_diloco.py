@@ -196,18 +196,25 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = best(rows)
+    rows = [r for r in best(rows) if r["seed"] == min(x["seed"] for x in rows)]
+    family = {}  # one line per method: its best row (H, outer step, inner lr) at each W
+    for r in rows:
+        k = (_name(r).split(" H=")[0], r["world"])
+        if k not in family or r["val_loss"] < family[k]["val_loss"]:
+            family[k] = r
     markers = {2: "s", 8: "o", 32: "^", 128: "D"}
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in sorted({_name(r) for r in rows}):
-        pts = sorted((r["recv_per_worker"] / 2**20, r["val_loss"], r["world"]) for r in rows if _name(r) == name)
-        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", alpha=0.6, label=name)
+    for i, name in enumerate(sorted({k[0] for k in family})):
+        pts = sorted((r["recv_per_worker"] / 2**20, r["val_loss"], w) for (n, w), r in family.items() if n == name)
+        color = plt.get_cmap("tab10")(i)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", alpha=0.5, color=color, label=name)
         for x, y, w in pts:
-            ax.plot(x, y, markers.get(w, "x"), color=line.get_color())
+            ax.plot(x, y, markers.get(w, "x"), color=color)
     ax.set_xscale("log")
     ax.set_xlabel("MiB received per worker over the run (markers: square W=2, circle 8, triangle 32)")
     ax.set_ylabel("validation loss")
-    ax.legend(fontsize=6)
+    ax.set_title("each method at its best H / outer step / inner lr per W (seed 0, 200 steps)", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
