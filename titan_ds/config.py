@@ -161,6 +161,11 @@ _CompressionMethod = Literal[tuple(_COMPRESSORS)]  # type: ignore[valid-type]
 _EVERY_METHOD = {"method", "warmup_steps"}
 # the local RMS preconditioner (titan_ds/comm/precondition.py) runs before any codec: every method but "none"
 _PRECONDITION_KEYS = {"precondition", "precondition_beta2", "precondition_eps"}
+# local updates (DiLoCo, titan_ds/comm/diloco.py): the compressor then acts on the outer gradient
+_LOCAL_KEYS = {"sync_every", "outer_lr", "outer_momentum", "outer_nesterov"}
+# per-step gradient options that mean nothing for an outer gradient exchanged every sync_every steps
+_PER_STEP_ONLY = ("warmup_steps", "momentum", "momentum_masking", "local_clip", "ratio_warmup_steps",
+                  "ratio_warmup_start")
 
 
 class CompressionConfig(_Strict):
@@ -180,6 +185,11 @@ class CompressionConfig(_Strict):
     feedback and the compressor, so the reduced sum is an Adam-scaled update that plain SGD applies: titan turns
     the ds_config's Adam/AdamW (or the Adam/AdamW passed to initialize) into SGD with the same lr and weight
     decay (titan_ds/comm/precondition.py). A key that the chosen method does not use is an error, not ignored.
+
+    ``sync_every=H > 1`` switches to **local updates** (DiLoCo; titan_ds/comm/diloco.py, docs/compress.md): every
+    rank takes H steps of its own optimizer with no gradient all-reduce, then the ranks exchange their parameter
+    change ``anchor - params`` through ``method``/``ratio``/``error_feedback`` (``none``: dense) and apply an outer
+    Nesterov step (``outer_lr``, ``outer_momentum``, ``outer_nesterov``; DiLoCo's 0.7 / 0.9 / true).
     """
 
     method: _CompressionMethod = "topk"
@@ -198,10 +208,35 @@ class CompressionConfig(_Strict):
     precondition: Literal["none", "rms"] = "none"
     precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
     precondition_eps: float = Field(default=1e-8, gt=0)
+    sync_every: int = Field(default=1, ge=1)
+    outer_lr: float = Field(default=0.7, gt=0)
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    outer_nesterov: bool = True
+
+    @property
+    def local_updates(self) -> bool:
+        return self.sync_every > 1
+
+    @model_validator(mode="after")
+    def _local_keys(self) -> "CompressionConfig":
+        outer = sorted((_LOCAL_KEYS - {"sync_every"}) & self.model_fields_set)
+        if outer and not self.local_updates:
+            raise ValueError(f"has {', '.join(outer)} but sync_every is {self.sync_every} (no local updates, no "
+                             f"outer step); set sync_every > 1 (DiLoCo: 50-500) or remove them")
+        if self.local_updates:
+            per_step = [k for k in _PER_STEP_ONLY if k in self.model_fields_set]
+            if per_step:
+                raise ValueError(f"has {', '.join(per_step)} with sync_every={self.sync_every}: per-step gradient "
+                                 f"options, while local updates compress the outer gradient once every "
+                                 f"{self.sync_every} steps; remove {'it' if len(per_step) == 1 else 'them'}")
+            if self.precondition != "none":
+                raise ValueError(f"precondition={self.precondition!r} with sync_every={self.sync_every}: the outer "
+                                 f"gradient is already a sum of Adam-scaled inner updates; remove precondition")
+        return self
 
     @model_validator(mode="after")
     def _used_keys(self) -> "CompressionConfig":
-        used = set(_COMPRESSORS[self.method].config_keys) | _EVERY_METHOD
+        used = set(_COMPRESSORS[self.method].config_keys) | _EVERY_METHOD | _LOCAL_KEYS
         if self.method != "none":
             used |= _PRECONDITION_KEYS
         bad = sorted(self.model_fields_set - used)

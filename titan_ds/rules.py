@@ -106,6 +106,33 @@ def _compression(v: View) -> list[str]:
     return out
 
 
+def _local_updates(v: View) -> list[str]:
+    cfg, out = v.titan.compression, []
+    head = f"titan.compression.sync_every={cfg.sync_every} (local updates)"
+    if v.zero_stage() != 0:
+        out.append(f"{head} needs ZeRO stage 0: ZeRO-{v.zero_stage()} partitions the optimizer state across the "
+                   f"ranks it would average over, so no rank can step on its own; set zero_optimization.stage to 0")
+    if v.precision() != "fp32":
+        out.append(f"{head} with {v.precision()}.enabled: DeepSpeed's {v.precision()} optimizer keeps master "
+                   f"weights the outer step would not see; train in fp32")
+    if float(v.ds_config.get("gradient_clipping", 0) or 0) > 0:
+        out.append(f"{head} with gradient_clipping={v.ds_config['gradient_clipping']}: each rank would clip its own "
+                   f"gradient by its own norm, not DeepSpeed's global one (untested); set gradient_clipping to 0")
+    if v.world_size < 2 and cfg.method == "none":
+        out.append(f"{head} needs at least 2 data-parallel ranks (there is nothing to average with "
+                   f"{v.world_size}); launch with 2 or more, or remove sync_every")
+    opt = v.titan.optimizer
+    if opt is not None and opt.step_in_backward:
+        out.append(f"{head} with titan.optimizer.step_in_backward: the inner step would still all-reduce each "
+                   f"gradient in its hook; set step_in_backward to false")
+    if opt is not None and opt.weight_dtype == "bf16":
+        out.append(f"{head} with titan.optimizer.weight_dtype=\"bf16\": the outer step keeps fp32 parameters; "
+                   f"remove weight_dtype")
+    if v.titan.hms is not None:
+        out.append(f"{head} with titan.hms: HMS runs under ZeRO-3; remove one of them")
+    return out
+
+
 def _precondition(v: View) -> list[str]:
     ds, out = v.ds_config, []
     head = "titan.compression.precondition='rms'"
@@ -189,6 +216,7 @@ _RULES: tuple[tuple[Callable[[View], bool], Callable[[View], list[str]]], ...] =
     (lambda v: v.titan.optimizer is not None and v.titan.optimizer.weight_dtype == "bf16", _bf16_weights),
     (lambda v: v.titan.compression is not None, _compression),
     (lambda v: v.titan.compression is not None and v.titan.compression.precondition == "rms", _precondition),
+    (lambda v: v.titan.compression is not None and v.titan.compression.local_updates, _local_updates),
     (lambda v: v.titan.hms is not None, _hms),
     (lambda v: True, _flag_conflicts),
 )

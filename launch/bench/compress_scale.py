@@ -20,7 +20,8 @@ options (``--dgc-*``; with momentum correction its AdamW runs at ``beta1 = --dgc
 compressor's velocity is the momentum); ``powersgd`` runs at each of ``--ranks`` instead of ``--ratios`` (two
 all-reduces, of ``P`` with the dense tensors and of ``Q``).
 
-Bytes per worker come from the collective each call uses (:class:`SimCollective`'s formulas), both rounds of
+Bytes per worker come from the collective each call uses (:class:`titan_ds.comm.wire.SimCollective`, the same
+costs :func:`titan_ds.comm.wire.count_collectives` counts on real ranks), both rounds of
 the sketch methods included. ``wire_x_recv`` is the dense ring all-reduce's received bytes over the method's,
 per worker, over the whole run (no warm-up by default). Top-k is also run at ``ratio * W / 2``, where each
 worker receives as many bytes as an all-reduce method at ``ratio`` (``--no-match-recv`` drops those rows):
@@ -36,7 +37,6 @@ import json
 import logging
 import math
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -50,152 +50,13 @@ from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
 from titan_ds.comm.dgc import DGCOptions  # noqa: E402
 from titan_ds.comm.precondition import RMSOptions  # noqa: E402
+from titan_ds.comm.wire import SimCollective, ring_allgather_bytes, ring_allreduce_bytes  # noqa: E402,F401
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
 from titan_ds.models import GPT  # noqa: E402
 
 __all__ = ["SimCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "train_row", "main"]
 
 log = logging.getLogger("titan_ds.bench.compress_scale")
-
-
-def ring_allreduce_bytes(nbytes: int, world: int) -> float:
-    """Bytes each worker sends (and, the same, receives) in a ring all-reduce of an ``nbytes`` buffer.
-
-    Ring all-reduce = reduce-scatter + all-gather, each ``W - 1`` steps moving one ``nbytes / W`` block per
-    worker: ``2 (W - 1) / W * nbytes``. Thakur, Rabenseifner & Gropp, "Optimization of collective communication
-    operations in MPICH" (IJHPCA 2005), and Patarasuk & Yuan (JPDC 2009); NCCL's performance notes use the same
-    factor ``2 (n - 1) / n`` for all-reduce bus bandwidth (nccl-tests ``doc/PERFORMANCE.md``).
-    """
-    return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
-
-
-def ring_allgather_bytes(nbytes: int, world: int) -> float:
-    """Bytes each worker sends (and receives) in a ring all-gather where every worker contributes ``nbytes``.
-
-    ``W - 1`` steps, each forwarding one worker's block: ``(W - 1) * nbytes`` (the same sources; NCCL's
-    all-gather bus bandwidth factor ``(n - 1) / n`` of the ``W * nbytes`` output).
-    """
-    return float((world - 1) * nbytes)
-
-
-class _Abort(RuntimeError):
-    pass
-
-
-class SimCollective:
-    """``world_size`` virtual workers that run **one at a time**, in rank order, with the collectives computed on
-    the list of all workers' payloads.
-
-    The compressors call their collectives inline (``reduce`` encodes, all-reduces, decodes, all-reduces
-    again), so each worker runs in its own thread only to keep its stack between rounds: a turn token lets
-    exactly one worker compute at a time. Worker ``w`` runs until its next collective, deposits its payload
-    and hands the turn to ``w + 1``; the last worker computes the collective once (the sum in rank order, or
-    the list), and the turn goes back to worker 0, which reads the result and runs on. Every worker gets the
-    same tensor, so sums are identical on all workers by construction.
-
-    Bytes: ``sent[w]`` and ``received[w]`` add :func:`ring_allreduce_bytes` or :func:`ring_allgather_bytes`
-    of the payload for every call (equal for a ring; kept apart so a tree or parameter-server model can
-    differ). ``calls`` counts collectives per worker.
-    """
-
-    def __init__(self, world_size: int):
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self.sent = [0.0] * world_size
-        self.received = [0.0] * world_size
-        self.calls = 0
-        self._cond = threading.Condition()
-        self._turn = 0
-        self._slots: list[Optional[tuple[str, torch.Tensor]]] = [None] * world_size
-        self._result: Any = None
-        self._failed = False
-
-    def worker(self, w: int) -> "_SimWorker":
-        return _SimWorker(self, w)
-
-    # ------------------------------------------------------------------ turn-taking
-    def _wait_turn(self, w: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._failed or self._turn == w)
-            if self._failed:
-                raise _Abort("another virtual worker failed")
-
-    def _pass_turn(self, w: int) -> None:
-        with self._cond:
-            self._turn = (w + 1) % self.world_size
-            self._cond.notify_all()
-
-    def _collective(self, w: int, op: str, t: torch.Tensor) -> Any:
-        self._slots[w] = (op, t.detach().clone())
-        if w == self.world_size - 1:
-            self._result = self._compute()
-        self._pass_turn(w)
-        self._wait_turn(w)
-        return self._result
-
-    def _compute(self) -> Any:
-        ops = {(s[0], tuple(s[1].shape), s[1].dtype) for s in self._slots if s is not None}
-        if len(ops) != 1 or any(s is None for s in self._slots):
-            raise RuntimeError(f"virtual workers disagree on the collective: {sorted(map(str, ops))}")
-        op = self._slots[0][0]  # type: ignore[index]
-        parts = [s[1] for s in self._slots]  # type: ignore[index]
-        nbytes = parts[0].numel() * parts[0].element_size()
-        moved = (ring_allreduce_bytes if op == "all_reduce_sum" else ring_allgather_bytes)(nbytes, self.world_size)
-        for w in range(self.world_size):
-            self.sent[w] += moved
-            self.received[w] += moved
-        self.calls += 1
-        self._slots = [None] * self.world_size
-        if op == "all_gather":
-            return parts
-        total = parts[0].clone()
-        for p in parts[1:]:
-            total += p  # rank order, once: every worker reads this same tensor
-        return total
-
-    # ------------------------------------------------------------------ driver
-    def run(self, fn: Callable[[int, Any], Any]) -> list:
-        """``fn(w, worker_view)`` for every worker (turn by turn); the results in worker order."""
-        out: list = [None] * self.world_size
-        errors: list[BaseException] = []
-
-        def target(w: int) -> None:
-            try:
-                self._wait_turn(w)
-                out[w] = fn(w, self.worker(w))
-                self._pass_turn(w)
-            except _Abort:
-                pass
-            except BaseException as e:  # surfaced below, after every thread stopped
-                errors.append(e)
-                with self._cond:
-                    self._failed = True
-                    self._cond.notify_all()
-
-        with self._cond:
-            self._turn, self._failed = 0, False
-        threads = [threading.Thread(target=target, args=(w,), daemon=True) for w in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return out
-
-
-class _SimWorker:
-    """Worker ``w``'s view of a :class:`SimCollective`: the ``Collective`` protocol of ``titan_ds.comm.base``."""
-
-    def __init__(self, group: SimCollective, w: int):
-        self.group, self.w, self.world_size = group, w, group.world_size
-
-    def all_reduce_sum(self, t: torch.Tensor) -> None:
-        t.copy_(self.group._collective(self.w, "all_reduce_sum", t))
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [p.clone() for p in self.group._collective(self.w, "all_gather", t)]
 
 
 # ----------------------------------------------------------------------------------------- training

@@ -40,6 +40,7 @@ from .base import Segment
 from .compressor import GradientReducer
 from .dgc import DGCOptions
 from .precondition import RMSOptions
+from .wire import DistCollective
 
 __all__ = ["CompressionPillar", "PILLAR", "CompressionHooks", "DistCollective", "rms_options"]
 
@@ -55,23 +56,6 @@ def _owned(flat: torch.Tensor, tensors) -> bool:
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     return all(not (lo <= t.data_ptr() < hi or t.data_ptr() <= lo < t.data_ptr() + t.numel() * t.element_size())
                for t in tensors)
-
-
-class DistCollective:
-    """``deepspeed.comm`` collectives over one process group."""
-
-    def __init__(self, group: Any):
-        from deepspeed import comm as dist
-        self.dist, self.group = dist, group
-        self.world_size = dist.get_world_size(group=group)
-
-    def all_reduce_sum(self, t: torch.Tensor) -> None:
-        self.dist.all_reduce(t, group=self.group)
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self.dist.all_gather(out, t, group=self.group)
-        return out
 
 
 # ------------------------------------------------------------------------------- ZeRO-3 dispatcher
@@ -384,6 +368,11 @@ class CompressionPillar(Pillar):
 
     def apply(self, ctx: Any) -> None:
         cfg = self.cfg
+        if cfg.local_updates:  # the compressor acts on the outer gradient (titan_ds/comm/diloco.py)
+            self.reducer = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
+                                           rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank,
+                                           min_compression=cfg.min_compression)
+            return
         precondition = rms_options(ctx) if cfg.precondition == "rms" else None
         self.reducer = GradientReducer(
             cfg.method, cfg.ratio, error_feedback=cfg.error_feedback, warmup_steps=cfg.warmup_steps,
@@ -394,7 +383,23 @@ class CompressionPillar(Pillar):
 
     def attach(self, ctx: Any) -> None:
         """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""
+        if self.cfg.local_updates:
+            self._attach_local(ctx)
+            return
         hooks = CompressionHooks(ctx.engine, self.reducer, ctx.zero_stage()).install(ctx)
+        ctx.reports[_REPORT_KEY] = hooks
+        ctx.add_metrics(self.reducer.take_metrics)
+        ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)
+        log.info("titan: %r", hooks)
+
+
+    def _attach_local(self, ctx: Any) -> None:
+        from .diloco import OuterStep
+        from .local_hooks import LocalUpdateHooks
+        cfg = self.cfg
+        outer = OuterStep(list(ctx.engine.module.named_parameters()), self.reducer, outer_lr=cfg.outer_lr,
+                          outer_momentum=cfg.outer_momentum, nesterov=cfg.outer_nesterov)
+        hooks = LocalUpdateHooks(ctx.engine, outer, cfg.sync_every).install(ctx)
         ctx.reports[_REPORT_KEY] = hooks
         ctx.add_metrics(self.reducer.take_metrics)
         ctx.add_state(_REPORT_KEY, hooks.state_dict, hooks.load_state_dict)

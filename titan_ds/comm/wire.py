@@ -1,0 +1,260 @@
+"""Bytes as the network sees them: sent **and received** per worker, for every collective of a run.
+
+One table of per-worker costs (:func:`ring_bytes`), used by both places that move data:
+
+* the real path: :func:`count_collectives` wraps ``torch.distributed``'s collectives for the duration of a
+  ``with`` block (``deepspeed.comm`` looks them up on ``torch.distributed`` at every call, so DeepSpeed's own
+  traffic, titan's, and ``all_gather_object``'s tensors all pass through it) and adds each call to a
+  :class:`WireCount`;
+* the simulator (:class:`SimCollective`, ``W`` virtual workers in one process): the same :class:`WireCount`.
+
+Costs are those of ring algorithms (bandwidth term only, latency ignored): all-reduce ``2 (W-1)/W * n`` sent and
+received per worker (reduce-scatter then all-gather; Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009;
+NCCL's bus-bandwidth factor in nccl-tests ``doc/PERFORMANCE.md``), all-gather of ``n`` bytes per worker
+``(W-1) n``, reduce-scatter of an ``n``-byte input ``(W-1)/W * n``, broadcast (pipelined chain) ``n`` received by
+every worker but the root and ``n`` sent by every worker but the last.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+__all__ = ["DistCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_bytes", "WireCount", "count_collectives",
+           "SimCollective"]
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> float:
+    """Bytes each worker sends (and, the same, receives) in a ring all-reduce of an ``nbytes`` buffer."""
+    return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
+
+
+def ring_allgather_bytes(nbytes: int, world: int) -> float:
+    """Bytes each worker sends (and receives) in a ring all-gather where every worker contributes ``nbytes``."""
+    return float((world - 1) * nbytes)
+
+
+def ring_bytes(op: str, nbytes: int, world: int, *, is_root: bool = False, is_last: bool = False) -> tuple[float, float]:
+    """``(sent, received)`` by one worker for collective ``op`` with an ``nbytes`` send buffer."""
+    if world <= 1:
+        return 0.0, 0.0
+    if op in ("all_reduce", "all_reduce_sum"):
+        b = ring_allreduce_bytes(nbytes, world)
+        return b, b
+    if op in ("all_gather", "all_gather_into_tensor"):
+        b = ring_allgather_bytes(nbytes, world)
+        return b, b
+    if op in ("reduce_scatter_tensor", "all_to_all_single"):
+        b = (world - 1) / world * nbytes
+        return b, b
+    if op == "broadcast":
+        return (0.0 if is_last else float(nbytes)), (0.0 if is_root else float(nbytes))
+    raise ValueError(f"unknown collective {op!r}; choose one of all_reduce, all_gather, all_gather_into_tensor, "
+                     f"reduce_scatter_tensor, all_to_all_single, broadcast")
+
+
+@dataclass
+class WireCount:
+    """Bytes one worker sent and received, and collective calls, by op."""
+
+    sent: float = 0.0
+    received: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: int, world: int, **kw: Any) -> None:
+        s, r = ring_bytes(op, nbytes, world, **kw)
+        self.sent += s
+        self.received += r
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def count_collectives(count: WireCount) -> Iterator[WireCount]:
+    """Count every ``torch.distributed`` collective this process calls inside the block into ``count``."""
+    import torch.distributed as dist
+
+    def world(group: Any) -> int:
+        return dist.get_world_size(group=group)
+
+    def wrap(name: str, size: Callable[..., tuple[int, dict[str, Any]]]) -> Callable[..., Any]:
+        original = getattr(dist, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nbytes, extra = size(*args, **kwargs)
+            count.add(name, nbytes, world(kwargs.get("group")), **extra)
+            return original(*args, **kwargs)
+
+        counted.__wrapped__ = original  # type: ignore[attr-defined]
+        return counted
+
+    def first(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+        return _nbytes(kwargs["tensor"] if "tensor" in kwargs else args[0]), {}
+
+    def gather(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+        return _nbytes(kwargs["tensor"] if "tensor" in kwargs else args[1]), {}
+
+    def into(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+        return _nbytes(kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]), {}
+
+    def bcast(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+        src = kwargs["src"] if "src" in kwargs else args[1]
+        group = kwargs.get("group")
+        rank, w = dist.get_rank(), world(group)
+        return first(*args, **kwargs)[0], {"is_root": rank == src, "is_last": rank == (src - 1) % w}
+
+    table = {"all_reduce": first, "all_gather": gather, "all_gather_into_tensor": into,
+             "reduce_scatter_tensor": into, "broadcast": bcast}
+    saved = {name: getattr(dist, name) for name in table}
+    try:
+        for name, size in table.items():
+            setattr(dist, name, wrap(name, size))
+        yield count
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+class DistCollective:
+    """``deepspeed.comm`` collectives over one process group."""
+
+    def __init__(self, group: Any):
+        from deepspeed import comm as dist
+        self.dist, self.group = dist, group
+        self.world_size = dist.get_world_size(group=group)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        self.dist.all_reduce(t, group=self.group)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.dist.all_gather(out, t, group=self.group)
+        return out
+
+
+class _Abort(RuntimeError):
+    pass
+
+
+class SimCollective:
+    """``world_size`` virtual workers that run **one at a time**, in rank order, with the collectives computed on
+    the list of all workers' payloads (the simulator of ``launch/bench/compress_scale.py`` and
+    ``bench_diloco.py``).
+
+    The compressors call their collectives inline (``reduce`` encodes, all-reduces, decodes, all-reduces
+    again), so each worker runs in its own thread only to keep its stack between rounds: a turn token lets
+    exactly one worker compute at a time. Worker ``w`` runs until its next collective, deposits its payload
+    and hands the turn to ``w + 1``; the last worker computes the collective once (the sum in rank order, or
+    the list), and the turn goes back to worker 0, which reads the result and runs on. Every worker gets the
+    same tensor, so sums are identical on all workers by construction.
+
+    Bytes: ``wire[w]`` is worker ``w``'s :class:`WireCount` (the same costs as :func:`count_collectives`);
+    ``sent``/``received`` list them; ``calls`` counts collectives.
+    """
+
+    def __init__(self, world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.wire = [WireCount() for _ in range(world_size)]
+        self.calls = 0
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._slots: list[Optional[tuple[str, torch.Tensor]]] = [None] * world_size
+        self._result: Any = None
+        self._failed = False
+
+    @property
+    def sent(self) -> list[float]:
+        return [c.sent for c in self.wire]
+
+    @property
+    def received(self) -> list[float]:
+        return [c.received for c in self.wire]
+
+    def worker(self, w: int) -> "_SimWorker":
+        return _SimWorker(self, w)
+
+    def _wait_turn(self, w: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._failed or self._turn == w)
+            if self._failed:
+                raise _Abort("another virtual worker failed")
+
+    def _pass_turn(self, w: int) -> None:
+        with self._cond:
+            self._turn = (w + 1) % self.world_size
+            self._cond.notify_all()
+
+    def _collective(self, w: int, op: str, t: torch.Tensor) -> Any:
+        self._slots[w] = (op, t.detach().clone())
+        if w == self.world_size - 1:
+            self._result = self._compute()
+        self._pass_turn(w)
+        self._wait_turn(w)
+        return self._result
+
+    def _compute(self) -> Any:
+        ops = {(s[0], tuple(s[1].shape), s[1].dtype) for s in self._slots if s is not None}
+        if len(ops) != 1 or any(s is None for s in self._slots):
+            raise RuntimeError(f"virtual workers disagree on the collective: {sorted(map(str, ops))}")
+        op = self._slots[0][0]  # type: ignore[index]
+        parts = [s[1] for s in self._slots]  # type: ignore[index]
+        for c in self.wire:
+            c.add(op, _nbytes(parts[0]), self.world_size)
+        self.calls += 1
+        self._slots = [None] * self.world_size
+        if op == "all_gather":
+            return parts
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p  # rank order, once: every worker reads this same tensor
+        return total
+
+    def run(self, fn: Callable[[int, Any], Any]) -> list:
+        """``fn(w, worker_view)`` for every worker (turn by turn); the results in worker order."""
+        out: list = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def target(w: int) -> None:
+            try:
+                self._wait_turn(w)
+                out[w] = fn(w, self.worker(w))
+                self._pass_turn(w)
+            except _Abort:
+                pass
+            except BaseException as e:  # surfaced below, after every thread stopped
+                errors.append(e)
+                with self._cond:
+                    self._failed = True
+                    self._cond.notify_all()
+
+        with self._cond:
+            self._turn, self._failed = 0, False
+        threads = [threading.Thread(target=target, args=(w,), daemon=True) for w in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+
+class _SimWorker:
+    """Worker ``w``'s view of a :class:`SimCollective`: the ``Collective`` protocol of ``titan_ds.comm.base``."""
+
+    def __init__(self, group: SimCollective, w: int):
+        self.group, self.w, self.world_size = group, w, group.world_size
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        t.copy_(self.group._collective(self.w, "all_reduce_sum", t))
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [p.clone() for p in self.group._collective(self.w, "all_gather", t)]
