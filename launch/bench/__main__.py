@@ -27,6 +27,7 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "seed-table": ("launch/bench/seed_table.py", "the seed's figures (35x / 100x / 1/10) with quality, 2 ranks"),
     "compression": ("launch/bench/bench_compress.py", "gradient compression on DeepSpeed's reduce path, 2 ranks"),
     "compression-scale": ("launch/bench/compress_scale.py", "gradient compression at W simulated workers"),
+    "local-updates": ("launch/bench/bench_diloco.py", "local updates (DiLoCo) with a compressed outer step at W workers"),
     "hms-scale": ("launch/bench/hms_scale.py", "largest GPT trained under a memory cap, HMS vs ZeRO-3 CPU offload"),
     "hms": ("launch/bench/bench_hms.py", "HMS store streaming vs dd, prefetch hit rate"),
     "plan-accuracy": ("launch/bench/plan_accuracy.py", "`titan-ds plan`: predicted vs measured peak DRAM"),
@@ -101,6 +102,9 @@ RESULTS: list[Result] = [
         "config", "rms_100x")),
     Result("compression-scale", "results/compress_w2_1000.md", _f(
         "W=2, 1000 steps: dense AdamW {val_loss} (the other rows are deltas to it)", "method", "none")),
+    Result("local-updates", "results/diloco/table.md", _f(
+        "W={W}, {x_recv}x received: DiLoCo + top-k outer {delta_vs_dense} nats vs dense (target 0.05: missed)", "method",
+        "diloco+topk H=20")),
     Result("hms-scale", "results/hms_scale_cap2.md", _f(
         "2 GiB cap: HMS+ASDT trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload", "mode", "hms_asdt")),
     Result("hms-scale", "results/hms_scale_cap8.md", _f(
