@@ -104,7 +104,9 @@ RESULTS: list[Result] = [
         "W=2, 1000 steps: dense AdamW {val_loss} (the other rows are deltas to it)", "method", "none")),
     Result("local-updates", "results/diloco/table.md", _f(
         "W={W}, {x_recv}x received: DiLoCo + top-k outer {delta_vs_dense} nats vs dense (target 0.05: missed)", "method",
-        "diloco+topk H=20")),
+        "diloco+topk H=20"), "python launch/bench/bench_diloco.py --workers 8,32 --steps 200 --lrs 1e-3 --seeds 1 "
+        "--syncs 20 --outer 0.7:0.5 --compressors topk --out results/diloco (every invocation: "
+        "results/diloco/commands.txt)"),
     Result("hms-scale", "results/hms_scale_cap2.md", _f(
         "2 GiB cap: HMS+ASDT trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload", "mode", "hms_asdt")),
     Result("hms-scale", "results/hms_scale_cap8.md", _f(
