@@ -24,3 +24,9 @@ def test_unknown_suite_is_refused_naming_the_choices():
     import pytest
     with pytest.raises(SystemExit, match="frontier"):
         main(["no-such-suite"])
+
+
+def test_the_committed_index_is_the_generated_one():
+    """results/INDEX.md is never edited by hand: after a results file is committed, `python -m launch.bench index`
+    rewrites it (its SHA column names the commit that last changed each file, so commit the results first)."""
+    assert (ROOT / "results" / "INDEX.md").read_text() == build_index(), "run: python -m launch.bench index"
