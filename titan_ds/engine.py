@@ -297,14 +297,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         raise ValueError("titan_ds.initialize needs model=; the titan pillars act on the model")
     ds_config = load_ds_config(raw)
     titan_section = ds_config.pop("titan")
-    world = _world_size()
-    pillars = [_pillar_class(p)(titan) for p in PILLARS if getattr(titan, p.key) is not None]
-    view = View.of(titan, ds_config, model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                   model_parameters=model_parameters, world_size=world)
-    validate(pillars, view)
     ctx = InitContext(titan=titan, ds_config=ds_config, model=model, optimizer=optimizer,
-                      model_parameters=model_parameters, lr_scheduler=lr_scheduler, args=args, world_size=world,
-                      txn=Transaction(model, optimizer, lr_scheduler, keep_data=view.zero_stage() < 3))
+                      model_parameters=model_parameters, lr_scheduler=lr_scheduler, args=args,
+                      world_size=_world_size())
+    pillars, view = _validated(ctx)
+    ctx.txn = Transaction(model, optimizer, lr_scheduler, keep_data=view.zero_stage() < 3)
     try:
         out = _apply_pillars(ctx, pillars, view, titan_section, args, training_data, kwargs)
     except BaseException as e:
@@ -319,14 +316,20 @@ def prepare(ctx: InitContext) -> list[Any]:
     """What ``initialize`` does before ``deepspeed.initialize``, on a context built by hand (tests, tools):
     validate everything (raises :class:`TitanConfigError`), then every switched-on pillar's ``apply``. Returns the
     pillar objects (their state, e.g. the compression pillar's ``reducer``)."""
-    pillars = [_pillar_class(p)(ctx.titan) for p in PILLARS if getattr(ctx.titan, p.key) is not None]
-    view = View.of(ctx.titan, ctx.ds_config, ctx.model, optimizer=ctx.optimizer, lr_scheduler=ctx.lr_scheduler,
-                   model_parameters=ctx.model_parameters, world_size=ctx.world_size)
-    validate(pillars, view)
+    pillars, view = _validated(ctx)
     for p in pillars:
         p.apply(ctx)
     _set_required_flags(ctx, view)
     return pillars
+
+
+def _validated(ctx: InitContext) -> tuple[list[Any], View]:
+    """The switched-on pillars of ``ctx.titan`` and the view they were validated on (raises on any problem)."""
+    pillars = [_pillar_class(p)(ctx.titan) for p in PILLARS if getattr(ctx.titan, p.key) is not None]
+    view = View.of(ctx.titan, ctx.ds_config, ctx.model, optimizer=ctx.optimizer, lr_scheduler=ctx.lr_scheduler,
+                   model_parameters=ctx.model_parameters, world_size=ctx.world_size)
+    validate(pillars, view)
+    return pillars, view
 
 
 def validate(pillars: list[Any], view: View) -> None:

@@ -75,6 +75,14 @@ def folder_problems(path: str, key: str) -> list[str]:
     return []
 
 
+def _folders_problems(hms: Any) -> list[str]:
+    """:func:`folder_problems` of ``nvme_path`` and of every spill tier's path."""
+    out = folder_problems(hms.nvme_path, "titan.hms.nvme_path")
+    for i, t in enumerate(hms.spill_tiers):
+        out += folder_problems(t.path, f"titan.hms.spill_tiers[{i}].path")
+    return out
+
+
 def _writable(folder: str) -> bool:
     """Permissions and a read-only mount (root passes every permission check but not that one)."""
     return os.access(folder, os.W_OK | os.X_OK) and not os.statvfs(folder).f_flag & os.ST_RDONLY
@@ -261,8 +269,7 @@ def zero_init(ds_config: Any, **init_kwargs: Any):
     plain = {k: v for k, v in ds.items() if k != "titan"}
     if titan is None or titan.hms is None:
         return deepspeed.zero.Init(config_dict_or_path=plain, **init_kwargs)
-    problems = [m for i, path in enumerate([titan.hms.nvme_path] + [t.path for t in titan.hms.spill_tiers])
-                for m in folder_problems(path, "titan.hms.nvme_path" if i == 0 else f"titan.hms.spill_tiers[{i - 1}].path")]
+    problems = _folders_problems(titan.hms)
     try:
         configure_ds_config(json.loads(json.dumps(plain)), titan.hms.nvme_path)
     except TitanConfigError as e:
@@ -340,9 +347,7 @@ class HMSPillar(Pillar):
     key = "hms"
 
     def validate(self, view: View) -> list[str]:
-        out = folder_problems(self.cfg.nvme_path, "titan.hms.nvme_path")
-        for i, t in enumerate(self.cfg.spill_tiers):
-            out += folder_problems(t.path, f"titan.hms.spill_tiers[{i}].path")
+        out = _folders_problems(self.cfg)
         try:
             _adopted_swapper(view.model)
         except TitanConfigError as e:
