@@ -72,6 +72,7 @@ from ..utils import get_logger
 
 from ..comm.tgss import CountMinSketch
 from .bsps import ELASTIC, FROZEN, GROWTH, SLEEPING
+from . import core
 from .asdt_math import IMPORTANCE, _chunk_plans, asdt_update, local_kth_largest, reference_step
 from .layout import (Layout, LayoutMap, Piece, Unit, UnitState, build_units, kth_largest, param_layout, place_units,
                      unit_sums, views)
@@ -200,6 +201,7 @@ class ASDT(torch.optim.Optimizer):
         self.rounding, self.rounding_seed = rounding, int(rounding_seed)
         self._generators: dict[str, torch.Generator] = {}
         self._runs: dict[Any, Any] = {}  # update="adaptive": the runs of consecutive units of each tensor
+        self._slices: dict[int, Any] = {}  # the chunked core's plan of each tensor (core.plan), with its layout
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
         # quantized kinds ("8bit"/"4bit") are stored packed between steps and worked on in fp32 (qstate.py); an
@@ -487,7 +489,40 @@ class ASDT(torch.optim.Optimizer):
             self._generators[key] = _device_generator(t.device, self.rounding_seed)
         return self._generators[key]
 
+    def _dense(self, group: dict[str, Any]) -> bool:
+        """Whether a tensor of ``group`` steps on the chunked core (core.py): density 1, no BSPS modes, no sketch
+        (and, checked per tensor, no unit split across ranks for the per-unit second moment)."""
+        return group["density"] >= 1.0 and self.plasticity is None and self.sketch is None
+
+    def _dense_update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+        """``t``'s step on :func:`core.dense_step`, chunk by chunk on the stored (quantized) state."""
+        fresh = "momentum" not in st
+        if fresh:  # the first step works on zeros made in the working form (fp32), stored quantized after it
+            self._place(t, st, layout)  # (a zero stored 4-bit unsigned decodes to 1/16 of a tiny absmax, not 0)
+        key = id(t)
+        slices = self._slices.get(key)
+        if slices is None or slices[0] is not layout:
+            slices = self._slices[key] = (layout, core.plan(layout.pieces))
+        lengths = [pc.length for pc in layout.pieces]
+        adaptive = self.update == "adaptive"
+        coordinate = self.second_moment == "coordinate"
+        self._selected_acc += core.dense_step(
+            t.data.view(-1), t.grad.view(-1), slices[1],
+            core.StateBuffer.of(st, "momentum", self.quant, True, lengths),
+            variance=core.StateBuffer.of(st, _VARIANCE, self.second_quant, False, lengths)
+            if adaptive and coordinate else None,
+            unit_numels=[self.units[pc.unit].numel for pc in layout.pieces] if adaptive and not coordinate else None,
+            seconds=st[_SECOND].view(-1, 2) if adaptive else None, lr=group["lr"], betas=group["betas"],
+            weight_decay=group["weight_decay"], importance=self.importance, update=self.update, eps=self.eps,
+            update_clip=self.update_clip if adaptive else None, generator=self._generator(t))
+        if fresh:
+            self._pack(st)
+
     def _update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+        if self._dense(group) and not (layout.split_units and self.update == "adaptive"
+                                       and self.second_moment == "unit"):
+            self._dense_update(t, st, layout, group)
+            return
         self._observe(layout, t.grad.view(-1))
         self._unpack(st)
         by_mode = self._place(t, st, layout)

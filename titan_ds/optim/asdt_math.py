@@ -108,7 +108,8 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
             if second_moment == "coordinate":
                 v = st.get("v", torch.zeros_like(w, dtype=second_dtype)).float() * b2 + (g * g) * (1 - b2)
                 st["v"] = v.to(second_dtype)
-                c = m / (((v.double() / bc2).sqrt() + eps) * bc1).float()
+                # fp32, as core.dense_step (the bias corrections in fp64, then as v * (1 / bc2) and * bc1)
+                c = m / (((v * (1 / bc2)).sqrt() + eps) * bc1)
             else:
                 mean = torch.tensor(float((g.double() ** 2).sum()) / g.numel(), dtype=f32)
                 st["v"] = st.get("v", torch.zeros((), dtype=f32)) * b2 + (1 - b2) * mean
@@ -257,12 +258,12 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
     else:  # each coordinate's own (Adam's); no collective: nothing is summed over a unit
         t.add_(1)
         vc = torch.cat([x.float() for x in variances]) * b2 + (g * g) * (1 - b2)
-        bc1 = (1 - b1 ** t.double()).repeat_interleave(lens, output_size=total)
-        bc2 = (1 - b2 ** t.double()).repeat_interleave(lens, output_size=total)
-        c = m / (((vc.double() / bc2).sqrt() + eps) * bc1).float()
+        bc1 = (1 - b1 ** t.double()).float().repeat_interleave(lens, output_size=total)
+        inv_bc2 = (1 / (1 - b2 ** t.double())).float().repeat_interleave(lens, output_size=total)
         for dst, part in zip(variances, torch.split(vc, [x.numel() for x in variances])):
             dst.copy_(part)
-        del vc, bc1, bc2
+        c = m / (((vc * inv_bc2).sqrt() + eps) * bc1)  # fp32, as core.dense_step and reference_step
+        del vc, bc1, inv_bc2
     if update_clip is not None:  # bound one coordinate's step when its gradient is far above its unit's RMS
         c = c.clamp(-update_clip, update_clip)
     if importance == "sketch":

@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["KINDS", "qmap", "quantize", "dequantize", "nbytes_per_value"]
+__all__ = ["KINDS", "qmap", "quantize", "dequantize", "nbytes_per_value", "blocks", "read", "write"]
 
 KINDS = {"8bit": (256, 8), "4bit": (128, 4)}  # block size, bits per code
 _CHUNK = 1 << 20
@@ -129,10 +129,10 @@ def _slices(lengths: list[int], block: int):
             yield off + r * length, rows, length, padded
 
 
-def quantize(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, absmax)`` of the 1-D fp32 ``x``, whose records (units) have ``lengths`` (sum = ``x.numel()``)."""
+def _codes(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)`` of :func:`quantize` with the codes one per value (uint8; not packed)."""
     qu = _quant_utils()
-    block, bits = KINDS[kind]
+    block, _ = KINDS[kind]
     n = x.numel()
     if sum(lengths) != n:
         raise ValueError(f"quantize: the records' lengths sum to {sum(lengths)}, the buffer has {n} values")
@@ -146,22 +146,31 @@ def quantize(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tu
         c = _encode(scaled, kind, signed).view(rows, padded)[:, :length]
         codes[start:start + rows * length] = c.reshape(-1)
         scales.append(scale)
-    absmax = torch.cat(scales) if scales else torch.zeros(0, device=x.device)
-    if bits == 4:
-        if n % 2:
-            codes = torch.cat([codes, codes.new_zeros(1)])
-        codes = (codes[0::2] << 4) | codes[1::2]
-    return codes, absmax
+    return codes, (torch.cat(scales) if scales else torch.zeros(0, device=x.device))
 
 
-def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], kind: str,
-               signed: bool) -> torch.Tensor:
-    """The fp32 values of :func:`quantize`'s ``(codes, absmax)``, for records of ``lengths``."""
-    block, bits = KINDS[kind]
+def _pack4(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes a byte, the first in the high half (an odd count gets a 0 code at the end)."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    return (codes[0::2] << 4) | codes[1::2]
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed >> 4, packed & 0b1111], dim=-1).view(-1)
+
+
+def quantize(x: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, absmax)`` of the 1-D fp32 ``x``, whose records (units) have ``lengths`` (sum = ``x.numel()``)."""
+    codes, absmax = _codes(x, lengths, kind, signed)
+    return (_pack4(codes) if KINDS[kind][1] == 4 else codes), absmax
+
+
+def _values(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], kind: str, signed: bool) -> torch.Tensor:
+    """:func:`dequantize` of codes one per value (not packed)."""
+    block, _ = KINDS[kind]
     q = _on(kind, signed, codes.device)[0]
     n = sum(lengths)
-    if bits == 4:
-        codes = torch.stack([codes >> 4, codes & 0b1111], dim=-1).view(-1)[:n]
     if codes.numel() != n:
         raise ValueError(f"dequantize: {codes.numel()} codes for records of {n} values")
     out = torch.empty(n, dtype=torch.float32, device=codes.device)
@@ -178,3 +187,50 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], ki
     if at != absmax.numel():
         raise ValueError(f"dequantize: {absmax.numel()} block scales for records needing {at}")
     return out
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], kind: str,
+               signed: bool) -> torch.Tensor:
+    """The fp32 values of :func:`quantize`'s ``(codes, absmax)``, for records of ``lengths``."""
+    if KINDS[kind][1] == 4:
+        codes = _unpack4(codes)[:sum(lengths)]
+    return _values(codes, absmax, lengths, kind, signed)
+
+
+def blocks(lengths: list[int], kind: str) -> int:
+    """The block scales (absmax entries) that records of ``lengths`` take."""
+    block = KINDS[kind][0]
+    return sum(-(-n // block) for n in lengths)
+
+
+def read(codes: torch.Tensor, absmax: torch.Tensor, start: int, block0: int, lengths: list[int], kind: str,
+         signed: bool) -> torch.Tensor:
+    """The fp32 values of ``sum(lengths)`` consecutive values of a quantized buffer, from value ``start``: whole
+    records of ``lengths`` (or one piece of a record that starts at a block boundary of it and ends at one or at
+    the record's end), whose first block scale is ``absmax[block0]``. Only that range is decoded."""
+    n = sum(lengths)
+    if KINDS[kind][1] == 4:
+        lead = start % 2
+        c = _unpack4(codes[start // 2:(start + n + 1) // 2])[lead:lead + n]
+    else:
+        c = codes[start:start + n]
+    return _values(c, absmax[block0:block0 + blocks(lengths, kind)], lengths, kind, signed)
+
+
+def write(codes: torch.Tensor, absmax: torch.Tensor, start: int, block0: int, x: torch.Tensor, lengths: list[int],
+          kind: str, signed: bool) -> None:
+    """Store ``x`` where :func:`read` with the same arguments reads, in place: the codes and block scales are
+    those :func:`quantize` gives the whole buffer (blocks restart at each record), the neighbours' untouched."""
+    c, scales = _codes(x, lengths, kind, signed)
+    absmax[block0:block0 + scales.numel()] = scales
+    n = c.numel()
+    if KINDS[kind][1] != 4:
+        codes[start:start + n] = c
+        return
+    lo, hi = start // 2, (start + n + 1) // 2
+    parts = [c]
+    if start % 2:  # the byte's first code belongs to the value before
+        parts.insert(0, codes[lo:lo + 1] >> 4)
+    if (start + n) % 2:  # ... and its second to the value after (or the pad of an odd buffer)
+        parts.append(codes[hi - 1:hi] & 0b1111)
+    codes[lo:hi] = _pack4(torch.cat(parts) if len(parts) > 1 else c)
