@@ -3,8 +3,8 @@ moment, and the sign step, at density 1, stepped chunk by chunk.
 
 What the shipped quality profiles run (``titan_balanced``, ``titan_memory``, ``hf_*``: ``update="adaptive"``,
 ``second_moment="coordinate"``, ``density=1``) is a quantized AdamW: every element's update depends on its own
-gradient, momentum and second moment only. So a tensor is stepped in *chunks* of at most :data:`CHUNK`
-elements: decode the chunk's momentum and second moment (qstate's 8-/4-bit codes, or bf16/fp32), update them,
+gradient, momentum and second moment only. So a tensor is stepped in *chunks* (a 32nd of it, 64K to 1M
+elements, :func:`plan`): decode the chunk's momentum and second moment (qstate's 8-/4-bit codes, or bf16/fp32), update them,
 compute the step, write the weights (stochastically rounded when bf16) and encode the state back, before the next
 chunk. The temporaries are a few fp32 copies of one chunk (a fixed few MiB), whatever the tensor's size, and
 nothing reads a value back to the host.
@@ -42,7 +42,11 @@ from .layout import Piece
 
 __all__ = ["CHUNK", "Slice", "StateBuffer", "plan", "dense_step"]
 
-CHUNK = 1 << 16  # elements per chunk: a multiple of every quantized block size (qstate.KINDS: 256, 128)
+# Elements per chunk: a 32nd of the tensor, at least CHUNK and at most MAX_CHUNK, a multiple of every quantized
+# block size (qstate.KINDS: 256, 128). A chunk's temporaries are ~40 bytes an element, so ~1.25 bytes an element of
+# a large tensor; larger chunks cost less Python per element (measured: 64K-element chunks step a 16M tensor ~30%
+# slower than 256K-1M ones on this CPU).
+CHUNK, MAX_CHUNK, PARTS = 1 << 16, 1 << 20, 32
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,10 @@ class Slice:
 
 def plan(pieces: list[Piece], chunk: Optional[int] = None) -> list[Slice]:
     """The chunks of a tensor's units, held as ``pieces`` (state buffers hold them end to end, in this order), of
-    at most ``chunk`` (default :data:`CHUNK`) elements each."""
-    chunk = chunk or CHUNK
+    at most ``chunk`` elements each (default: a :data:`PARTS`-th of them, within [:data:`CHUNK`,
+    :data:`MAX_CHUNK`], rounded up to 256)."""
+    if chunk is None:
+        chunk = min(max(CHUNK, -(-sum(pc.length for pc in pieces) // PARTS // 256) * 256), max(CHUNK, MAX_CHUNK))
     if chunk % 256:
         raise ValueError(f"core.plan: chunk={chunk} must be a multiple of 256 (the quantized state's block sizes)")
     out: list[Slice] = []
