@@ -20,7 +20,8 @@ DeepSpeed), ``titan_exact`` = ``hf_exact.json`` (MLME only), ``titan_asdt`` = ``
 written next to the row's output). Per row: held-out eval loss
 before training, right after titan's replacements, and after; accounted training memory (parameters + gradients
 + optimizer state, measured by ``titan_ds.metrics.accounted_memory`` in the optimizer's step pre-hook, when the
-gradients exist; + the saved-for-backward activations of one micro-batch, ``ActivationCounter``; maxima over
+gradients exist; + the saved-for-backward activations of one micro-batch, peak alive over its forward and
+backward, ``ActivationCounter``; maxima over
 steps); the launched process's peak RSS; tokens/s over the steps after the first (one-off costs). Each finished
 row is appended at once to ``<out>.jsonl`` with its settings; a rerun with the same settings skips it, and the
 markdown table ``<out>`` is rebuilt from the jsonl. Run by hand, never in CI (CI tests the example on tiny
@@ -126,22 +127,24 @@ def _measured_trainer(peak: dict, timing: list):
 
     class Measured(transformers.Trainer):
         def compute_loss(self, model, inputs, *a, **kw):
-            if not hasattr(self, "_acts"):
-                self._acts = ActivationCounter(model)
+            if not hasattr(self, "_hooked"):
+                self._hooked = True
                 opt = self.model_wrapped.basic_optimizer  # gradients exist in its step pre-hook
                 opt.register_step_pre_hook(lambda *_: self._record(accounted_memory(self.model_wrapped,
                                                                                     self._acts.bytes)))
                 opt.register_step_post_hook(lambda *_: self._record(accounted_memory(self.model_wrapped)))
-            with self._acts.track():
-                return super().compute_loss(model, inputs, *a, **kw)
+            return super().compute_loss(model, inputs, *a, **kw)
 
         def _record(self, mem) -> None:
             for k, v in mem.to_dict().items():
                 peak[k] = max(peak.get(k) or 0, v or 0)
 
-        def training_step(self, *a, **kw):
+        def training_step(self, model, *a, **kw):
             t0 = time.perf_counter()
-            out = super().training_step(*a, **kw)
+            if not hasattr(self, "_acts"):
+                self._acts = ActivationCounter(model)
+            with self._acts.track():  # forward and backward (a recomputed layer saves again in backward)
+                out = super().training_step(model, *a, **kw)
             timing.append(time.perf_counter() - t0)
             return out
 
