@@ -16,7 +16,11 @@ Rows (``--rows`` keeps those matching its comma-separated names or shell pattern
   and a weight decay ``--lion-wd`` 3-10x above it); ``adamw8bit`` and ``adamw4bit`` (torchao's quantized-state
   AdamW, run on the CPU through torch.compile) at the best AdamW lr, as drop-in replacements of AdamW;
   ``adamw4bit_bf16`` (torchao's recipe for bf16 training: the model in bf16 with no fp32 copy, ``AdamW4bit`` with
-  ``bf16_stochastic_round=True``), the peer of ``titan_memory``'s bf16 weights.
+  ``bf16_stochastic_round=True``), the peer of ``titan_memory``'s bf16 weights. Fair peers, given what titan's
+  exact pillars give titan (each built from the shipped profile file, so it follows it: the profile's
+  ``titan.mlme`` section and its micro-batch and gradient accumulation, no titan optimizer), at the best AdamW lr:
+  ``adamw_mlme_memory`` (torch AdamW + ``titan_memory``'s), ``adamw4bit_bf16_mlme_memory`` (the ``adamw4bit_bf16``
+  peer + ``titan_memory``'s) and ``adamw8bit_mlme_balanced`` (torchao AdamW8bit + ``titan_balanced``'s).
 - titan profiles: every ``ds_configs/titan_*.json`` as shipped (``titan_exact``, ``titan_balanced``,
   ``titan_memory``, ``titan_full`` first). A profile without ``titan.optimizer`` or a ds_config ``optimizer``
   section trains with AdamW at the best AdamW lr. A profile with gradient compression needs 2 ranks: it runs on 2 ranks at half the micro-batch each
@@ -126,6 +130,9 @@ def build_rows(a: argparse.Namespace) -> list[Row]:
                  lr=float(lr)) for lr in _floats(a.lion_lrs, "--lion-lrs")]
     rows += [Row(n, "peer", base, ["--optimizer", n, "--weight-decay", "0.1"], inherit_lr=True)
              for n in ("adamw8bit", "adamw4bit", "adamw4bit_bf16")]
+    rows += [Row(name, "peer", _with_exact_pillars(base, profile), ["--optimizer", opt, "--weight-decay", "0.1"],
+                 inherit_lr=True) for name, (opt, profile) in FAIR_PEERS.items()
+             if (ROOT / "ds_configs" / f"{profile}.json").exists()]
     for path in _profiles():
         cfg = json.loads(path.read_text())
         titan = TitanConfig.from_ds_config(cfg)
@@ -135,6 +142,27 @@ def build_rows(a: argparse.Namespace) -> list[Row]:
         lr = titan.optimizer.lr if own_opt else float(ds_opt["params"]["lr"]) if ds_opt else None
         rows.append(Row(path.stem, "titan", cfg, ranks=ranks, inherit_lr=not (own_opt or ds_opt), lr=lr))
     return rows
+
+
+# fair peers (issue 28 item 4): a peer optimizer given what a titan profile's exact pillars give titan
+FAIR_PEERS = {"adamw_mlme_memory": ("adamw", "titan_memory"),
+              "adamw4bit_bf16_mlme_memory": ("adamw4bit_bf16", "titan_memory"),
+              "adamw8bit_mlme_balanced": ("adamw8bit", "titan_balanced")}
+EXACT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")  # the micro-batch/accumulation
+
+
+def _with_exact_pillars(base: dict[str, Any], profile: str) -> dict[str, Any]:
+    """``base`` (plain DeepSpeed) plus the shipped profile's exact pillars, read from its file so the row follows
+    it: its ``titan.mlme`` section (nothing else of ``titan``: no titan optimizer) and its micro-batch and
+    gradient accumulation (the same sequences per step)."""
+    cfg = json.loads((ROOT / "ds_configs" / f"{profile}.json").read_text())
+    mlme = (cfg.get("titan") or {}).get("mlme")
+    if mlme is None:
+        raise SystemExit(f"ds_configs/{profile}.json has no titan.mlme section: the fair peer rows take theirs from it")
+    out = copy.deepcopy(base)
+    out.update({k: cfg[k] for k in EXACT_KEYS if k in cfg})
+    out["titan"] = {"mlme": copy.deepcopy(mlme)}
+    return out
 
 
 def _select(rows: list[Row], patterns: str) -> list[Row]:

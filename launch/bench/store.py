@@ -32,7 +32,8 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-__all__ = ["Store", "digest", "code_identity", "stale_flags", "STALE_MARK", "STALE_NOTE", "add_store_args"]
+__all__ = ["Store", "digest", "code_identity", "stale_flags", "fields_identity", "STALE_MARK", "STALE_NOTE",
+           "add_store_args"]
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("suite", "row", "config_hash", "settings_hash", "seed")
@@ -66,6 +67,15 @@ def code_identity(paths: Sequence[str] = CODE_PATHS) -> dict[str, Any]:
     untracked = (_git("ls-files", "--others", "--exclude-standard", "--", *paths) or "").split()
     extra = [(f, hashlib.sha256((ROOT / f).read_bytes()).hexdigest()) for f in sorted(untracked)]
     return {"git_sha": sha.strip(), "code_hash": digest([trees.split(), diff, extra]), "dirty": bool(diff or extra)}
+
+
+def fields_identity(result: dict, config: Sequence[str], settings: Sequence[str]) -> dict[str, Any]:
+    """``{"row", "config", "settings", "seed"}`` of a suite's flat result that carries its own key fields (its
+    ``seed`` field; a field it lacks reads None): for :meth:`Store.find`/``append`` as ``**identity``, and for
+    ``legacy`` as ``{**identity, "result": raw}``."""
+    cfg = {k: result.get(k) for k in config}
+    return {"row": " ".join(f"{k}={v}" for k, v in cfg.items()), "config": cfg,
+            "settings": {k: result.get(k) for k in settings}, "seed": result.get("seed")}
 
 
 def add_store_args(p: Any) -> None:
