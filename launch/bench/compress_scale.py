@@ -35,7 +35,6 @@ step for the 2x64 GPT), i.e. 1-2.5 hours at 200 steps; a rerun skips finished ro
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import re

@@ -24,8 +24,8 @@ bounds: a 5B model is 25 layers of 4096 (700 of 768), and one trial of it takes 
 All modes get the same ZeRO-3 buffer bounds (``titan_ds.hms.install.ZERO3_BOUNDS``; HMS sets them by default, a
 DeepSpeed user would have to), so the comparison is of where the model's bytes live, not of bucket sizes.
 Every trial is saved at once to ``<out>.trials.jsonl`` (``launch/bench/store.py``); a rerun reuses them from the
-same code (resumable; ``--reuse-stale``: from any code, e.g. the trials recorded before the store). Table: ``<out>.{md,csv}``
-with the largest fitting model per (cap, mode), its cgroup peaks (anonymous memory sampled, and the kernel's
+same code (resumable; ``--reuse-stale``: from any code, e.g. the trials recorded before the store). Table:
+``<out>.{md,csv}`` with the largest fitting model per (cap, mode), its cgroup peaks (anonymous memory sampled, and the kernel's
 high-water mark with page cache), disk used, s/step, and the ratio of HMS's parameters to plain DeepSpeed's.
 """
 from __future__ import annotations

@@ -21,6 +21,9 @@ reused only with ``reuse_stale``, and always there for ``python -m launch.bench 
     for name, cfg in rows:                                           # runs only what the rule does not reuse
         rec = store.get(name, config=cfg, settings={"steps": 100}, seed=0, run=lambda: measure(cfg))
     table = render(store.latest(settings={"steps": 100}))            # a table comes from the store only
+
+A suite adds ``--reuse-stale`` with :func:`add_store_args`, and a ``table(out)`` function that rewrites its table
+from the store alone, listed in ``TABLES`` of ``launch/bench/__main__.py`` (``python -m launch.bench table SUITE``).
 """
 from __future__ import annotations
 
