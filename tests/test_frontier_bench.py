@@ -156,3 +156,18 @@ def test_fair_peer_rows_take_the_shipped_profiles_exact_pillars_and_follow_them(
     (root / "ds_configs" / "titan_memory.json").write_text(json.dumps(mem))
     with pytest.raises(SystemExit, match="titan_memory.json has no titan.mlme section"):
         frontier.build_rows(_args())
+
+
+def test_committed_records_read_as_code_unknown_and_match_their_rows(tmp_path):
+    """results/frontier_1000.jsonl (written before the store): each line's fingerprint is the hash of its row's
+    config as the store computes it, so --reuse-stale finds it for the same row, lr, settings and seed; without
+    --reuse-stale nothing from unknown code is reused; another seed or step count is not found."""
+    rows = {r.name: r for r in frontier.build_rows(_args(adamw_lrs="1e-3,3e-3"))}
+    key = dict(config=rows["adamw_lr1e-3"].config(1e-3), settings={"steps": 1000, "train_args": ""}, seed=0)
+    path = ROOT / "results" / "frontier_1000.jsonl"
+    stale = frontier.open_store(path, reuse_stale=True)
+    rec = stale.find("adamw_lr1e-3", **key)
+    assert rec is not None and rec["code_hash"] is None and rec["result"]["val_loss"] > 0
+    assert frontier.open_store(path).find("adamw_lr1e-3", **key) is None
+    assert stale.find("adamw_lr1e-3", **{**key, "seed": 7}) is None
+    assert stale.find("adamw_lr1e-3", **{**key, "settings": {"steps": 999, "train_args": ""}}) is None
