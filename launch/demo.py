@@ -8,9 +8,13 @@ ZeRO-0, torch AdamW, 16 sequences a step) and ``ds_configs/titan_memory.json`` (
 ASDT adaptive with 4-bit momentum and second moment over bf16 weights with stochastic rounding, 4 micro-batches of
 4 = the same 16 sequences a step). The profile is chosen from results/frontier_1000.md: at 1000 steps, 2 seeds,
 it is no different from AdamW (-0.0075, spread 0.018) at 0.094 of AdamW's training state, the smallest of the
-rows that match AdamW. Each run writes ``<out>/<name>/summary.json`` and ``metrics.jsonl``; this script then
-writes ``<out>/demo.json`` (both summaries and the ratios), ``<out>/demo.md`` and ``<out>/demo.png`` and prints
-a two-line summary. A run whose summary already has the requested steps is not run again.
+rows that match AdamW. Each run writes ``<out>/<name>/summary.json`` and ``metrics.jsonl`` and is recorded at once
+in ``<out>/runs.jsonl`` (``launch/bench/store.py``: config = the ds_config, settings = steps and validation
+batches); this script then writes ``<out>/demo.json`` (both summaries and the ratios), ``<out>/demo.md`` and
+``<out>/demo.png`` from the records and prints a two-line summary. A rerun reuses a recorded run under the store's
+rule (same config, settings and code); ``--reuse-stale`` also reuses runs from other code, and a summary.json from
+before the store with the requested steps (code unknown). ``--table-only`` (``python -m launch.bench table demo
+--out <out>``) rewrites the outputs from the records and runs nothing.
 """
 from __future__ import annotations
 
@@ -20,25 +24,57 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from launch.bench.store import Store, add_store_args  # noqa: E402
 RUNS = {"plain": "ds_configs/baseline_adamw.json", "titan_memory": "ds_configs/titan_memory.json"}
 STATE = ("parameters", "gradients", "optimizer_state", "activations")
 
 
-def _run(name: str, config: str, steps: int, out: Path) -> dict:
-    d = out / name
-    summary = d / "summary.json"
+VAL_BATCHES = 16
+
+
+def _identity(name: str, config: str, steps: int) -> dict:
+    return {"row": name, "config": {"ds_config": json.loads((ROOT / config).read_text())},
+            "settings": {"steps": steps, "val_batches": VAL_BATCHES}, "seed": 0}
+
+
+def _legacy(name: str, steps: int, out: Path) -> Optional[dict]:
+    """A run's summary.json from before the store, if it has these steps (code unknown)."""
+    summary = out / name / "summary.json"
     if summary.exists() and json.loads(summary.read_text()).get("steps") == steps:
         return json.loads(summary.read_text())
+    return None
+
+
+def _run(name: str, config: str, steps: int, out: Path, store: Store) -> dict:
+    rec = store.find(**_identity(name, config, steps))
+    if rec is not None:
+        return rec["result"]
+    if store.reuse_stale and _legacy(name, steps, out) is not None:
+        return _legacy(name, steps, out)
+    d = out / name
+    summary = d / "summary.json"
     d.mkdir(parents=True, exist_ok=True)
     launcher = Path(sys.executable).with_name("deepspeed")
     cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", "1", "launch/train.py",
            "--deepspeed_config", config, "--steps", str(steps), "--val-every", str(max(1, steps // 4)),
-           "--val-batches", "16", "--metrics-out", str(d / "metrics.jsonl"), "--summary-out", str(summary)]
+           "--val-batches", str(VAL_BATCHES), "--metrics-out", str(d / "metrics.jsonl"), "--summary-out", str(summary)]
     print(f"demo: {name}: {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ))
-    return json.loads(summary.read_text())
+    return store.append(**_identity(name, config, steps), result=json.loads(summary.read_text()))["result"]
+
+
+def _recorded(name: str, config: str, steps: int, out: Path, store: Store) -> dict:
+    """--table-only: the newest record of the run under these settings, else its summary from before the store."""
+    recs = [r for r in store.latest(settings=_identity(name, config, steps)["settings"]) if r["row"] == name]
+    found = recs[-1]["result"] if recs else _legacy(name, steps, out)
+    if found is None:
+        raise SystemExit(f"{out}: no recorded {name} run of {steps} steps; run launch/demo.py --steps {steps} first")
+    return found
 
 
 def _state_mib(s: dict) -> float:
@@ -92,9 +128,14 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default="results/demo")
+    ap.add_argument("--table-only", action="store_true", help="rewrite the outputs from the records; run nothing")
+    add_store_args(ap)
     args = ap.parse_args(argv)
     out = Path(args.out)
-    runs = {name: _run(name, cfg, args.steps, out) for name, cfg in RUNS.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    store = Store(out / "runs.jsonl", suite="demo", reuse_stale=args.reuse_stale)
+    get = _recorded if args.table_only else _run
+    runs = {name: get(name, cfg, args.steps, out, store) for name, cfg in RUNS.items()}
     c = compare(runs)
     cmd = f"python launch/demo.py --steps {args.steps} --out {args.out}"
     (out / "demo.json").write_text(json.dumps({"command": cmd, "steps": args.steps, "configs": RUNS,
@@ -106,6 +147,14 @@ def main(argv=None) -> dict:
     print("\n".join(lines(c, args.steps)))
     print(f"plot: {out / 'demo.png'}")
     return c
+
+
+def table(out: str) -> None:
+    """``python -m launch.bench table demo --out OUT``: OUT's outputs from its records, with the steps its demo.json
+    (or demo.md) records."""
+    import re
+    text = (Path(out) / "demo.md").read_text()
+    main(["--steps", re.search(r"--steps (\d+)", text).group(1), "--out", str(out), "--table-only"])
 
 
 if __name__ == "__main__":

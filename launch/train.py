@@ -245,10 +245,10 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         losses, act_peak = [], 0
         for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):  # engine.step applies after the last
-            with acts.track():
+            with acts.track():  # forward and backward: a block recomputed in backward saves again there
                 loss = engine(xm.to(engine.device), ym.to(engine.device))
+                engine.backward(loss)
             act_peak = max(act_peak, acts.bytes)
-            engine.backward(loss)
             losses.append(loss.detach())
             if len(losses) < gas:
                 engine.step()

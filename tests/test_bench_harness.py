@@ -103,3 +103,27 @@ def test_the_table_names_the_seed_its_rows_trained_with(tmp_path, monkeypatch):
     assert ", seed 1, validation" in (tmp_path / "s1.md").read_text()
     harness.compare([("a", {}), ("b", {}, ["--seed=2"])], steps=3, out=tmp_path / "s", command="c")
     assert ", seeds 0, 2, validation" in (tmp_path / "s.md").read_text()
+
+
+def test_compare_reruns_rows_from_other_code_unless_reuse_stale_which_marks_them(tmp_path, monkeypatch):
+    from launch.bench import store
+    code = {"git_sha": "a", "code_hash": "A", "dirty": False}
+    monkeypatch.setattr(store, "code_identity", lambda paths=store.CODE_PATHS: dict(code))
+    calls = []
+
+    def fake_run_row(name, cfg, *, steps, num_ranks, extra_args, workdir, timeout, log_dir):
+        calls.append(name)
+        return {"name": name, "status": "ok", "val_loss": 2.0 + len(calls), "tokens_per_s": 100.0, "memory": {},
+                "titan_metrics": {}, "model": {}, "micro_batch": 16}
+    monkeypatch.setattr(harness, "run_row", fake_run_row)
+    rows = [("a", {"x": 1}), ("b", {"x": 2})]
+    harness.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    code.update(code_hash="B")
+    harness.compare(rows[1:], steps=3, out=tmp_path / "t", command="cmd", resume=True)
+    assert calls == ["a", "b", "b"]  # b's record came from other code: run again
+    out = harness.compare(rows, steps=3, out=tmp_path / "t", command="cmd", resume=True, reuse_stale=True)
+    assert calls == ["a", "b", "b"] and [r["val_loss"] for r in out] == [3.0, 5.0]
+    md = (tmp_path / "t.md").read_text()
+    assert "| a (stale) |" in md and "| b |" in md and "(stale): reused with --reuse-stale" in md
+    harness.compare_table(tmp_path / "t")  # regenerated from the store alone: the same marks
+    assert (tmp_path / "t.md").read_text().split("\n", 4)[4] == md.split("\n", 4)[4]

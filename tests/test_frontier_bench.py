@@ -5,6 +5,7 @@ import csv
 import importlib.util
 import json
 import logging
+import shutil
 import sys
 
 import pytest
@@ -115,3 +116,58 @@ def test_rows_filter_profiles_ranks_and_errors():
         frontier._select(rows, "nope")
     with pytest.raises(SystemExit, match="--lion-lrs: 'x' is not a number"):
         frontier.build_rows(_args(lion_lrs="1e-4,x"))
+
+
+def test_fair_peer_rows_take_the_shipped_profiles_exact_pillars_and_follow_them(tmp_path, monkeypatch):
+    """adamw_mlme_memory / adamw4bit_bf16_mlme_memory / adamw8bit_mlme_balanced: plain DeepSpeed + the profile's
+    titan.mlme section and micro-batch/accumulation, no titan optimizer, the peer's --optimizer at the best AdamW
+    lr; built from the profile file, so an edited profile changes the row (and its fingerprint)."""
+    from titan_ds.config import TitanConfig
+    by = {r.name: r for r in frontier.build_rows(_args())}
+    for name, (opt, profile) in {"adamw_mlme_memory": ("adamw", "titan_memory"),
+                                 "adamw4bit_bf16_mlme_memory": ("adamw4bit_bf16", "titan_memory"),
+                                 "adamw8bit_mlme_balanced": ("adamw8bit", "titan_balanced")}.items():
+        row, prof = by[name], json.loads((ROOT / "ds_configs" / f"{profile}.json").read_text())
+        assert row.family == "peer" and row.inherit_lr and row.ranks == 1 and row.args[:2] == ["--optimizer", opt]
+        assert row.cfg["titan"] == {"mlme": prof["titan"]["mlme"]}
+        for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            assert row.cfg[k] == prof[k], (name, k)
+        titan = TitanConfig.from_ds_config(row.cfg)
+        assert titan.optimizer is None and titan.mlme.recompute_blocks
+        assert {k: v for k, v in row.cfg.items() if k not in ("titan", "train_micro_batch_size_per_gpu",
+                                                             "gradient_accumulation_steps")} == \
+            {k: v for k, v in frontier.baseline_config(0).items() if k not in ("train_micro_batch_size_per_gpu",
+                                                                               "gradient_accumulation_steps")}
+        assert frontier._train_args(row, 3e-3, 1, [])[-4:] == ["--seed", "1", "--lr", "0.003"]
+    assert by["adamw_mlme_memory"].cfg["gradient_accumulation_steps"] == 4  # titan_memory: 4 micro-batches of 4
+    # an edited profile: the row follows it
+    root = tmp_path / "root"
+    shutil.copytree(ROOT / "ds_configs", root / "ds_configs")
+    mem = json.loads((root / "ds_configs" / "titan_memory.json").read_text())
+    mem["titan"]["mlme"]["tile"] = 64
+    mem["gradient_accumulation_steps"] = 8
+    (root / "ds_configs" / "titan_memory.json").write_text(json.dumps(mem))
+    monkeypatch.setattr(frontier, "ROOT", root)
+    edited = {r.name: r for r in frontier.build_rows(_args())}["adamw_mlme_memory"]
+    assert edited.cfg["titan"]["mlme"]["tile"] == 64 and edited.cfg["gradient_accumulation_steps"] == 8
+    assert edited.fingerprint(1e-3) != by["adamw_mlme_memory"].fingerprint(1e-3)
+    del mem["titan"]["mlme"]
+    mem["titan"]["optimizer"] = json.loads((ROOT / "ds_configs" / "titan_memory.json").read_text())["titan"]["optimizer"]
+    (root / "ds_configs" / "titan_memory.json").write_text(json.dumps(mem))
+    with pytest.raises(SystemExit, match="titan_memory.json has no titan.mlme section"):
+        frontier.build_rows(_args())
+
+
+def test_committed_records_read_as_code_unknown_and_match_their_rows(tmp_path):
+    """results/frontier_1000.jsonl (written before the store): each line's fingerprint is the hash of its row's
+    config as the store computes it, so --reuse-stale finds it for the same row, lr, settings and seed; without
+    --reuse-stale nothing from unknown code is reused; another seed or step count is not found."""
+    rows = {r.name: r for r in frontier.build_rows(_args(adamw_lrs="1e-3,3e-3"))}
+    key = dict(config=rows["adamw_lr1e-3"].config(1e-3), settings={"steps": 1000, "train_args": ""}, seed=0)
+    path = ROOT / "results" / "frontier_1000.jsonl"
+    stale = frontier.open_store(path, reuse_stale=True)
+    rec = stale.find("adamw_lr1e-3", **key)
+    assert rec is not None and rec["code_hash"] is None and rec["result"]["val_loss"] > 0
+    assert frontier.open_store(path).find("adamw_lr1e-3", **key) is None
+    assert stale.find("adamw_lr1e-3", **{**key, "seed": 7}) is None
+    assert stale.find("adamw_lr1e-3", **{**key, "settings": {"steps": 999, "train_args": ""}}) is None

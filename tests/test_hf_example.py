@@ -103,8 +103,9 @@ def test_hf_finetune_bench_rows_are_resumable(tmp_path):
            "--seq", "64", "--eval-blocks", "4", "--rows", "plain,titan_asdt", "--out", str(out)]
     env = {**os.environ, "TITAN_CACHE": os.environ.get("TITAN_CACHE", str(ROOT / ".cache"))}
     subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600)
-    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
-    assert [r["row"] for r in rows] == ["plain", "titan_asdt"] and rows[1]["titan"] == ["mlme", "optimizer"]
+    recs = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]  # the results store
+    rows = [r["result"] for r in recs]
+    assert [r["row"] for r in recs] == ["plain", "titan_asdt"] and rows[1]["titan"] == ["mlme", "optimizer"]
     plain, asdt = (r["memory"] for r in rows)
     assert plain["parameters"] == asdt["parameters"] > 0 and plain["gradients"] == plain["parameters"]
     # AdamW: two fp32 moments (+ a 4-byte step tensor per parameter tensor); ASDT: density 0.25, bf16 state

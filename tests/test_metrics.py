@@ -37,3 +37,53 @@ def test_wire_ratio_fields_and_the_seed_alias():
     m.hge_compression_ratio = 50.0
     assert m.wire_compression_ratio == 50.0
     assert not StepMetrics().compression_on
+
+
+class _Block(torch.nn.Module):
+    """x + b(relu(a(x))): saves x (for dA), relu's output (for relu and dB; one storage), nothing for the add."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def _step_activations(recompute: bool, vocab: int = 0, n=32, d=64, layers=4) -> tuple[int, int]:
+    """(the counter's figure after forward, after forward + backward) of one step of ``layers`` blocks."""
+    from titan_ds.inject.recompute import recomputed
+    torch.manual_seed(0)
+    blocks = [_Block(d) for _ in range(layers)]
+    for b in blocks:
+        if recompute:
+            b.__class__ = recomputed(_Block)
+    m = torch.nn.Sequential(*blocks, *([torch.nn.Linear(d, vocab)] if vocab else []))
+    c = ActivationCounter(m)
+    x = torch.randn(n, d, requires_grad=True)
+    with c.track():
+        loss = m(x).pow(2).mean()
+        forward = c.bytes
+        loss.backward()
+    return forward, c.bytes
+
+
+def test_activations_are_the_peak_over_backward_where_recompute_saves_again():
+    """recompute_blocks: forward keeps each block's input (4 B x n x d each) and the loss's input; in backward the
+    last block's internals (its input, shared, and relu's output: 4 B x n x 4d) are saved again beside the 4
+    block inputs still waiting, after the loss's input is freed: a peak above the forward figure, counted."""
+    n, d, L = 32, 64, 4
+    forward, step = _step_activations(recompute=True, n=n, d=d, layers=L)
+    assert forward == (L + 1) * n * d * 4
+    assert step == L * n * d * 4 + n * 4 * d * 4 > forward
+
+
+def test_activations_without_a_backward_peak_are_the_forward_figure():
+    """Without recompute nothing is saved in backward: the step's figure is what forward saved (every block's x
+    and relu output, the loss's input). With recompute but a head whose saved input and logits outweigh a block's
+    internals, the peak is still forward's: the head's tensors are freed before any block is recomputed."""
+    n, d, L = 32, 64, 4
+    forward, step = _step_activations(recompute=False, n=n, d=d, layers=L)
+    assert step == forward == L * (n * d + n * 4 * d) * 4 + n * d * 4
+    forward, step = _step_activations(recompute=True, vocab=1024, n=n, d=d, layers=L)
+    assert step == forward == (L + 1) * n * d * 4 + n * 1024 * 4

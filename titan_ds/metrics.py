@@ -1,8 +1,8 @@
 """StepMetrics and memory accounting.
 
 Memory is *accounted*: the bytes of the tensors DeepSpeed and the optimizer hold, by category, found by walking
-them (deduplicated by storage), plus the saved-for-backward activations seen by ``saved_tensors_hooks`` during
-forward, plus the process's peak RSS. On a CUDA device ``torch.cuda.max_memory_allocated`` is reported too.
+them (deduplicated by storage), plus the saved-for-backward activations seen by ``saved_tensors_hooks`` (the
+peak alive at once over forward and backward, so a block recomputed inside backward counts), plus the process's peak RSS. On a CUDA device ``torch.cuda.max_memory_allocated`` is reported too.
 """
 from __future__ import annotations
 
@@ -218,19 +218,32 @@ def accounted_memory(engine: Any, activations: int = 0) -> MemoryBreakdown:
 
 
 class ActivationCounter:
-    """Counts the bytes autograd saves for backward during a forward (distinct storages; the module's parameters
-    are excluded: they are counted under 'parameters'). A thin wrapper of
-    :class:`titan_ds.kernels.saved.SavedTensorMeter` that remembers the last count in ``bytes``."""
+    """The activation memory of a training step: wrap its forward AND backward in :meth:`track`; ``bytes`` is
+    the peak over the block of the saved-for-backward storages alive at once (distinct storages; the module's
+    parameters are excluded: they are counted under 'parameters'). With ``titan.mlme.recompute_blocks`` a
+    recomputed block's internals are saved again inside backward, beside the block inputs still waiting: that
+    peak can exceed what forward saved, and it is what this counts. Inside the block ``bytes`` is the peak so
+    far (an optimizer hook inside ``engine.step`` may read it). A thin wrapper of
+    :class:`titan_ds.kernels.saved.SavedTensorMeter`."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None):
         self.module = module
-        self.bytes = 0
+        self._bytes = 0
+        self._meter = None
+
+    @property
+    def bytes(self) -> int:
+        return self._meter.peak if self._meter is not None else self._bytes
 
     @contextlib.contextmanager
     def track(self) -> Iterator["ActivationCounter"]:
         from .kernels.saved import SavedTensorMeter
         params = [p for p in self.module.parameters() if p.numel()] if self.module is not None else []
-        self.bytes = 0
+        self._bytes = 0
         with SavedTensorMeter(exclude=params) as meter:
-            yield self
-        self.bytes = meter.bytes
+            self._meter = meter
+            try:
+                yield self
+            finally:
+                self._meter = None
+                self._bytes = meter.peak

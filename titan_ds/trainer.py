@@ -97,12 +97,12 @@ class TitanTrainer:
         t0 = time.perf_counter()
         batch = _to_device(batch, engine.device)
         engine.train()
-        with self._activations.track():
+        with self._activations.track():  # forward and backward: a block recomputed in backward saves again there
             loss = loss_fn(engine, batch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        engine.backward(loss)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            engine.backward(loss)
         mem = accounted_memory(engine, activations=self._activations.bytes)  # grads exist until step()
         engine.step()
         dt = time.perf_counter() - t0

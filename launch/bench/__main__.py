@@ -3,15 +3,21 @@
     python -m launch.bench list                     # the suites, their scripts and results files
     python -m launch.bench SUITE [ARGS...]          # run the suite's script with ARGS (its own --help lists them)
     python -m launch.bench index                    # rewrite results/INDEX.md from the committed results files
+    python -m launch.bench table SUITE [--out OUT]  # rewrite SUITE's tables from its results store; run nothing
 
 Each suite is the script that already produced its results (the command each results file records is the one
 to reproduce it; ``python -m launch.bench frontier --steps 1000`` is ``python launch/bench/frontier.py --steps
 1000``). The index reads, for every maintained result, what its file records: the command, the date, the git
 SHA of the commit that last changed the file, and one headline figure taken from its table. One-off probes
 are in launch/experiments/ and are not indexed.
+
+Every maintained suite records its finished rows in one results store (``launch/bench/store.py``: one jsonl per
+output, one resume rule) and makes its tables from it only: ``table`` rewrites them from the jsonl without
+running anything (all of the suite's committed tables, ``TABLES``, or the one at ``--out``).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
-__all__ = ["SUITES", "RESULTS", "table_rows", "build_index", "main"]
+__all__ = ["SUITES", "RESULTS", "TABLES", "table_rows", "build_index", "regenerate", "main"]
 
 SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "frontier": ("launch/bench/frontier.py", "quality vs training-state memory: titan profiles, AdamW lr grid, peers"),
@@ -43,6 +49,40 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "baseline": ("launch/bench/compare.py", "any ds_configs side by side (plain DeepSpeed baseline)"),
     "demo": ("launch/demo.py", "`make demo`: titan_memory beside plain DeepSpeed"),
 }
+
+
+# suite -> (the module whose table(out) rewrites a table from its store, the committed tables it made). Tables
+# that cannot be regenerated are not listed: hms-scale (its table measures the machine's GFLOP/s when written),
+# results/frontier_300*.md (their titan_balanced and titan_memory rows ran earlier versions of those profiles,
+# whose configs the records do not keep), results/compress_scale.md (written by an older script, other columns)
+# and the suites whose tables predate any jsonl (baseline, trd, mlme, asdt, seed-table).
+TABLES: dict[str, tuple[str, list[str]]] = {
+    "frontier": ("launch.bench.frontier", ["results/frontier_1000"]),
+    "compression": ("launch.bench.bench_compress", ["results/compress_rms", "results/compress_rms_500",
+                                                     "results/compress_rms_rss300", "results/compress_rms_1000",
+                                                     "results/compress_rms_1000_rss"]),
+    "compression-scale": ("launch.bench.compress_scale", ["results/compress_w2_300", "results/compress_w2_1000",
+                                                           "results/compress_scale_w"]),
+    "local-updates": ("launch.bench.bench_diloco", ["results/diloco"]),
+    "plan-accuracy": ("launch.bench.plan_accuracy", ["results/plan_accuracy"]),
+    "hf-finetune": ("launch.bench.hf_finetune", ["results/hf_finetune.md", "results/hf_finetune_s1.md",
+                                                  "results/hf_finetune_memory.md"]),
+    "hf-trd-ranks": ("launch.bench.hf_trd_ranks", ["results/hf_trd_ranks.md"]),
+    "demo": ("launch.demo", ["results/demo"]),
+}
+
+
+def regenerate(suite: str, out: Optional[str] = None) -> list[str]:
+    """Rewrite ``suite``'s table at ``out`` (default: every committed one) from its store; return the outs."""
+    import importlib
+    if suite not in TABLES:
+        raise SystemExit(f"table: no regenerable tables for suite {suite!r}; choose one of {sorted(TABLES)}")
+    module, outs = TABLES[suite]
+    fn = importlib.import_module(module).table
+    with contextlib.chdir(ROOT):  # the outs as the commands name them (relative to the checkout)
+        for o in [out] if out else outs:
+            fn(str(o))
+    return [out] if out else outs
 
 
 def table_rows(path: Path) -> list[dict[str, str]]:
@@ -196,8 +236,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         (ROOT / "results" / "INDEX.md").write_text(build_index())
         print(ROOT / "results" / "INDEX.md")
         return 0
+    if argv[0] == "table":
+        import argparse
+        p = argparse.ArgumentParser(prog="python -m launch.bench table")
+        p.add_argument("suite", choices=sorted(TABLES))
+        p.add_argument("--out", default=None, help="one table (the suite's --out); default: its committed ones")
+        a = p.parse_args(argv[1:])
+        print("\n".join(regenerate(a.suite, a.out)))
+        return 0
     if argv[0] not in SUITES:
-        raise SystemExit(f"unknown suite {argv[0]!r}; choose one of {sorted(SUITES)} (or list, index)")
+        raise SystemExit(f"unknown suite {argv[0]!r}; choose one of {sorted(SUITES)} (or list, index, table)")
     return subprocess.call([sys.executable, str(ROOT / SUITES[argv[0]][0]), *argv[1:]], cwd=ROOT)
 
 

@@ -18,11 +18,14 @@ titan turns the client AdamW into SGD; no dense warm-up and no global clipping, 
 gives its rows their own lr).
 Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the collective per
 rank), ``wire_x_run`` (whole run, warm-up and ramp included), ``step_time_ratio``, ``peak_rss_ratio``.
-Resumable: each finished row is saved in ``<out>.jsonl`` at once; a rerun with the same settings reuses it.
+Resumable: each finished row is recorded in ``<out>.jsonl`` at once (``launch/bench/store.py``); a rerun reuses
+it under the store's rule (same row, config, settings, seed and code; ``--reuse-stale``: any code). The tables
+are regenerated from the jsonl without running anything by ``python -m launch.bench table compression --out OUT``.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -96,7 +99,9 @@ def main(argv=None) -> None:
     p.add_argument("--rms-lr", default="", help="lr(s) of the rms rows, comma list: one row per lr (default: the "
                    "--train-args' lr or 1e-3)")
     p.add_argument("--no-resume", action="store_true",
-                   help="run every row again (default: rows saved in <out>.jsonl by an earlier run are reused)")
+                   help="run every row again (default: rows recorded in <out>.jsonl by an earlier run are reused)")
+    p.add_argument("--reuse-stale", action="store_true",
+                   help="reuse rows recorded by other code too (the table marks them '(stale)')")
     p.add_argument("--seeds", default="", help="comma list: every row once per seed (train.py --seed), each seed "
                    "in <out>_s<seed>.{md,jsonl}, then <out>.md: the mean over the seeds, delta vs dense with the "
                    "seed-to-seed spread and its verdict")
@@ -112,11 +117,34 @@ def main(argv=None) -> None:
         per_seed[seed] = compare(r, steps=a.steps, out=out, num_ranks=2, extra_args=extra,
                                  title=f"gradient compression, 2 ranks, ZeRO-{a.stage}, {a.steps} steps"
                                        + ("" if seed is None else f", seed {seed}"),
-                                 command=command, resume=not a.no_resume)
+                                 command=command, resume=not a.no_resume, reuse_stale=a.reuse_stale)
         append_step_time(per_seed[seed], Path(out))
         print(Path(out).with_suffix(".md").read_text())
     if seeds != [None]:
         print(seeds_summary(per_seed, Path(a.out), command, a.steps))
+
+
+def table(out: str) -> None:
+    """Regenerate ``<out>.md`` from the store without running anything: ``<out>.jsonl``'s table, or, where the
+    run had ``--seeds``, each ``<out>_s<seed>`` table and the summary over them."""
+    import re
+    from launch.bench.harness import compare_table
+    out_p = Path(out)
+    per_seed = {int(m.group(1)): m.string for m in (re.match(rf"{re.escape(out_p.name)}_s(\d+)\.jsonl$", f.name)
+                                                   for f in out_p.parent.glob(out_p.name + "_s*.jsonl")) if m}
+    if out_p.with_suffix(".jsonl").exists() or not per_seed:
+        append_step_time(compare_table(out_p), out_p)
+        return
+    results = {}
+    for seed in sorted(per_seed):
+        s_out = out_p.with_name(f"{out_p.name}_s{seed}")
+        results[seed] = compare_table(s_out)
+        append_step_time(results[seed], s_out)
+    old = out_p.with_suffix(".md").read_text() if out_p.with_suffix(".md").exists() else ""
+    c = re.search(r"Command: `([^`]*)`", old)
+    steps = json.loads(out_p.with_name(f"{out_p.name}_s{min(per_seed)}.jsonl").read_text().splitlines()[-1])
+    steps = steps["settings"]["steps"] if "settings" in steps else json.loads(steps["row_key"])[2]
+    seeds_summary(results, out_p, c.group(1) if c else "", steps)
 
 
 def seeds_summary(per_seed: dict[int, list[dict]], out: Path, command: str, steps: int) -> str:

@@ -1,6 +1,8 @@
 """Local updates (DiLoCo) with a compressed outer step at W workers, simulated: loss against bytes *received*.
 
-Command (resumable: each finished row is appended to ``<out>/rows.jsonl`` at once and a rerun skips it)::
+Command (resumable: each finished row is recorded in ``<out>/rows.jsonl`` at once, ``launch/bench/store.py``, and a
+rerun skips it if the code is unchanged, or with ``--reuse-stale``; ``python -m launch.bench table local-updates
+--out <out>`` rewrites the table from it without running anything)::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python launch/bench/bench_diloco.py --workers 8,32 --steps 200 \\
         --lrs 1e-3,3e-3 --seeds 0 --out results/diloco
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import sys
 import time
@@ -37,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch.bench import compress_scale as cs  # noqa: E402
+from launch.bench.store import CODE_PATHS, Store, add_store_args, fields_identity  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.diloco import OuterStep  # noqa: E402
 from titan_ds.comm.wire import SimCollective, ring_allreduce_bytes  # noqa: E402
@@ -132,8 +134,21 @@ def _key(row: dict) -> tuple:
     return tuple(row.get(k) for k in _KEY)
 
 
-def load_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def _identity(row: dict) -> dict:
+    return fields_identity(row, [k for k in _KEY if k not in ("steps", "seed")], ["steps"])
+
+
+def open_store(path: Path, reuse_stale: bool = False) -> Store:
+    """``<out>/rows.jsonl`` (``launch/bench/store.py``); rows from before the store read as code unknown. The
+    code is the package's, this script's and compress_scale.py's (the rows' training loops)."""
+    return Store(path, suite="local-updates", reuse_stale=reuse_stale,
+                 legacy=lambda raw: {**_identity(raw), "result": raw},
+                 code_paths=(*CODE_PATHS, "launch/bench/bench_diloco.py", "launch/bench/compress_scale.py"))
+
+
+def load_rows(store: Store) -> list[dict]:
+    """Every row's result: the newest record of each."""
+    return [rec["result"] for rec in store.latest()]
 
 
 def _label(spec: dict) -> str:
@@ -232,6 +247,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--compressors", default="randk,topk,hge", help="outer-gradient compressors besides none")
     p.add_argument("--no-baselines", dest="baselines", action="store_false", help="skip the dense and rms rows")
     p.add_argument("--out", default="results/diloco")
+    add_store_args(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(a.out)
@@ -247,9 +263,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                  [int(x) for x in a.seeds.split(",")], a.steps, a.target, syncs=[int(x) for x in a.syncs.split(",")],
                  outer=[(float(x.split(":")[0]), float(x.split(":")[1])) for x in a.outer.split(",")],
                  compressors=[c for c in a.compressors.split(",") if c], baselines=a.baselines)
+    store = open_store(jsonl, a.reuse_stale)
     for spec in grid:
         want = {**spec, "method": _label(spec)}
-        if _key(want) in {_key(r) for r in load_rows(jsonl)}:
+        if store.find(**_identity(want)) is not None:
             continue
         if spec["sync_every"] == 1:
             row = baseline_row(spec["method"], spec["world"], a.steps, corpus=corpus, lr=spec["lr"], seed=spec["seed"])
@@ -257,15 +274,20 @@ def main(argv: Optional[list[str]] = None) -> None:
             row = diloco_row(spec["method"], spec["ratio"], spec["sync_every"], spec["world"], a.steps, corpus=corpus,
                              lr=spec["lr"], seed=spec["seed"], outer_lr=spec["outer_lr"],
                              outer_momentum=spec["outer_momentum"])
-        with jsonl.open("a") as f:
-            f.write(json.dumps(row) + "\n")  # at once: a rerun skips it
-        write_report(out, jsonl)
+        store.append(**_identity(row), result=row)  # at once: a rerun skips it
+        write_report(out, store)
         log.info("%s H=%s ratio=%g W=%d lr=%g outer=%s/%s: val %.4f, x_recv %.1f, %.0fs", row["method"], row["sync_every"],
                  row["ratio"], row["world"], row["lr"], row["outer_lr"], row["outer_momentum"], row["val_loss"], row["x_recv"], row["seconds"])
 
 
-def write_report(out: Path, jsonl: Path) -> None:
-    rows = load_rows(jsonl)
+def table(out: str) -> None:
+    """``python -m launch.bench table local-updates --out OUT``: ``OUT/table.md`` and the plot from
+    ``OUT/rows.jsonl``, running nothing."""
+    write_report(Path(out), open_store(Path(out) / "rows.jsonl"))
+
+
+def write_report(out: Path, store: Store) -> None:
+    rows = load_rows(store)
     (out / "table.md").write_text(render(rows, (out / "commands.txt").read_text()))
     plot(rows, out / "loss_vs_recv.png")
 

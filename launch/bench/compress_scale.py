@@ -1,7 +1,9 @@
 """Gradient compression at W workers, simulated in one process: quality and bytes sent/received per worker.
 
-The full table (resumable: every finished (method, ratio, W) row is appended to ``<out>.jsonl`` at once and a
-rerun skips it; run it on a quiet machine, it is CPU-bound)::
+The full table (resumable: every finished (method, ratio, W) row is recorded in ``<out>.jsonl`` at once
+(``launch/bench/store.py``: a rerun skips it if the package's and this script's code are unchanged, or with
+``--reuse-stale``); ``python -m launch.bench table compression-scale --out OUT`` rewrites the table from it
+without running anything; run it on a quiet machine, it is CPU-bound)::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python launch/bench/compress_scale.py --workers 2,8,32,128 \\
         --methods none,topk,tgss,hge,dgc,powersgd --ratios 30,100 --ranks 1,2 --steps 200 --out results/compress_scale
@@ -33,19 +35,20 @@ step for the 2x64 GPT), i.e. 1-2.5 hours at 200 steps; a rerun skips finished ro
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch.bench.harness import add_dgc_args, seed_verdict  # noqa: E402
+from launch.bench.store import CODE_PATHS, Store, add_store_args, fields_identity  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
 from titan_ds.comm.dgc import DGCOptions  # noqa: E402
@@ -167,10 +170,24 @@ def _dgc_label(dgc: Optional[dict]) -> Optional[str]:
             f"/b1={dgc['beta1'] if dgc['momentum'] > 0 else 0.9:g}")
 
 
-def load_rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+_CONFIG = ("method", "ratio", "rank", "dgc", "world", "lr")  # the row; the other key fields but seed: settings
+
+
+def _identity(row: dict) -> dict:
+    return fields_identity(row, _CONFIG, [k for k in _KEY if k not in _CONFIG and k != "seed"])
+
+
+def open_store(path: Path, reuse_stale: bool = False) -> Store:
+    """``<out>.jsonl`` (``launch/bench/store.py``); rows from before the store read as code unknown. The code is
+    the package's and this script's (``train_row`` is here)."""
+    return Store(path, suite="compression-scale", reuse_stale=reuse_stale,
+                 legacy=lambda raw: {**_identity(raw), "result": raw},
+                 code_paths=(*CODE_PATHS, "launch/bench/compress_scale.py"))
+
+
+def load_rows(store: Store) -> list[dict]:
+    """Every row's result: the newest record of each."""
+    return [rec["result"] for rec in store.latest()]
 
 
 def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "") -> str:
@@ -304,7 +321,7 @@ def _ratios(method: str, ratios: list[float], world: int, match_recv: bool) -> l
     return ratios + [r * world / 2 for r in ratios if r * world / 2 not in ratios]
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="2,8,32,128")
     p.add_argument("--methods", default="none,topk,tgss,hge")
@@ -326,13 +343,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     add_dgc_args(p)
     p.add_argument("--out", default="results/compress_scale")
     p.add_argument("--label", default="", help="a note printed under the table's title (e.g. why it is partial)")
+    p.add_argument("--table-only", action="store_true", help="rewrite <out>.md/.png from <out>.jsonl; run nothing")
+    add_store_args(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    corpus = load_corpus()
+    corpus = None if a.table_only else load_corpus()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     jsonl = out.with_suffix(".jsonl")
-    command = "python launch/bench/compress_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command or "python launch/bench/compress_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lrs = [float(x) for x in (a.lrs or str(a.lr)).split(",")]
     seeds = [int(x) for x in (a.seeds or str(a.seed)).split(",")]
     ratios = [float(x) for x in a.ratios.split(",")]
@@ -355,23 +374,37 @@ def main(argv: Optional[list[str]] = None) -> None:
                                     "dgc": _dgc_label(opts), **settings})
                         wanted.append(key)
                         specs[key] = (rank, opts, settings)
-    for key in wanted:
-        if key in {_key(r) for r in load_rows(jsonl)}:
+    store = open_store(jsonl, a.reuse_stale)
+    for key in ([] if a.table_only else wanted):
+        if store.find(**_identity(dict(zip(_KEY, key)))) is not None:
             log.info("skip %s (done)", key[:3])
             continue
         rank, opts, settings = specs[key]
         row = train_row(key[0], key[1], key[2], corpus=corpus, rank=rank, dgc=opts, **settings)
-        with jsonl.open("a") as f:
-            f.write(json.dumps(row) + "\n")  # at once: a rerun skips it
+        store.append(**_identity(row), result=row)  # at once: a rerun skips it
         log.info("%s W=%d: val %.4f, recv %.1f KiB/step/worker, %.0fs",
                  f"{key[0]} r={rank}" if rank else f"{key[0]} {key[1]:g}x", key[2], row["val_loss"],
                  row["recv_per_worker_step"] / 1024, row["seconds"])
-        out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
-    out.with_suffix(".md").write_text(render(load_rows(jsonl), wanted, command, a.label))
-    if plot(load_rows(jsonl), wanted, out.with_suffix(".png"),
+        out.with_suffix(".md").write_text(render(load_rows(store), wanted, command, a.label))
+    out.with_suffix(".md").write_text(render(load_rows(store), wanted, command, a.label))
+    if plot(load_rows(store), wanted, out.with_suffix(".png"),
             f"compression at W virtual workers, tiny GPT {a.n_layer}x{a.n_embd}, {a.steps} steps, seeds {a.seeds or a.seed}"):
         log.info("plot: %s", out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
+
+
+def table(out: str) -> None:
+    """``python -m launch.bench table compression-scale --out OUT``: ``<out>.md`` from ``<out>.jsonl`` with the
+    options of the command the existing ``<out>.md`` records (its rows asked for, its label)."""
+    import shlex
+    m = re.search(r"`python launch/bench/compress_scale.py ([^`]*)`", Path(out).with_suffix(".md").read_text())
+    if m is None:
+        raise SystemExit(f"{Path(out).with_suffix('.md')} records no compress_scale.py command; run "
+                         "compress_scale.py --table-only with the options of the run")
+    head, _, label = m.group(1).partition(" --label ")  # the label is the rest of the line, unquoted
+    argv = shlex.split(head) + (["--label", label] if label else [])
+    argv = [x for i, x in enumerate(argv) if x != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    main([*argv, "--out", str(out), "--table-only"], command=m.group(0).strip("`"))
 
 
 if __name__ == "__main__":

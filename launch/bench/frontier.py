@@ -16,7 +16,11 @@ Rows (``--rows`` keeps those matching its comma-separated names or shell pattern
   and a weight decay ``--lion-wd`` 3-10x above it); ``adamw8bit`` and ``adamw4bit`` (torchao's quantized-state
   AdamW, run on the CPU through torch.compile) at the best AdamW lr, as drop-in replacements of AdamW;
   ``adamw4bit_bf16`` (torchao's recipe for bf16 training: the model in bf16 with no fp32 copy, ``AdamW4bit`` with
-  ``bf16_stochastic_round=True``), the peer of ``titan_memory``'s bf16 weights.
+  ``bf16_stochastic_round=True``), the peer of ``titan_memory``'s bf16 weights. Fair peers, given what titan's
+  exact pillars give titan (each built from the shipped profile file, so it follows it: the profile's
+  ``titan.mlme`` section and its micro-batch and gradient accumulation, no titan optimizer), at the best AdamW lr:
+  ``adamw_mlme_memory`` (torch AdamW + ``titan_memory``'s), ``adamw4bit_bf16_mlme_memory`` (the ``adamw4bit_bf16``
+  peer + ``titan_memory``'s) and ``adamw8bit_mlme_balanced`` (torchao AdamW8bit + ``titan_balanced``'s).
 - titan profiles: every ``ds_configs/titan_*.json`` as shipped (``titan_exact``, ``titan_balanced``,
   ``titan_memory``, ``titan_full`` first). A profile without ``titan.optimizer`` or a ds_config ``optimizer``
   section trains with AdamW at the best AdamW lr. A profile with gradient compression needs 2 ranks: it runs on 2 ranks at half the micro-batch each
@@ -24,10 +28,12 @@ Rows (``--rows`` keeps those matching its comma-separated names or shell pattern
   one rank's.
 
 Each (row, seed) runs ``launch/train.py`` in its own process (``launch.bench.harness.run_row``: same model, data, token
-budget and schedule as every other benchmark) and is appended to ``<out>.jsonl`` as soon as it finishes; a rerun
-with the same settings skips the finished pairs and keeps their figures. A row's fingerprint (its ds_config,
-arguments, ranks and lr) is part of the key: editing a profile, or a change of the best AdamW lr for the rows
-that take it, reruns that row. All AdamW rows run first (the best lr must be known), then the others seed by
+budget and schedule as every other benchmark) and is recorded in ``<out>.jsonl`` as soon as it finishes
+(``launch/bench/store.py``). A rerun reuses a finished pair under the store's one rule: same row, config (its
+ds_config, arguments, ranks and lr: editing a profile, or a change of the best AdamW lr for the rows that take
+it, reruns that row), settings (steps, train args), seed and code (``--reuse-stale``: any code, marked
+"(stale)" in the table). ``python -m launch.bench table frontier --out OUT`` (or ``--table-only``) rewrites the
+table from ``<out>.jsonl`` without running anything. All AdamW rows run first (the best lr must be known), then the others seed by
 seed, so a partial table is a whole frontier at the first seed. ``<out>.md``, ``.csv`` and ``.png`` are rebuilt
 after every finished pair.
 
@@ -45,7 +51,6 @@ import copy
 import csv
 import datetime
 import fnmatch
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -63,10 +68,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from launch.bench.harness import baseline_config, localise_paths, run_row, seed_verdict  # noqa: E402
+from launch.bench.store import STALE_MARK, STALE_NOTE, Store, add_store_args, digest, stale_flags  # noqa: E402
 from titan_ds.config import TitanConfig  # noqa: E402
 from titan_ds.utils import get_logger  # noqa: E402
 
-__all__ = ["Row", "build_rows", "summarise", "main"]
+__all__ = ["Row", "build_rows", "summarise", "open_store", "table", "main"]
 
 log = get_logger("titan_ds.bench.frontier")
 MiB = 2**20
@@ -88,9 +94,12 @@ class Row:
     inherit_lr: bool = False
     lr: Optional[float] = None  # the lr this row trains with, where the row fixes it
 
+    def config(self, lr: Optional[float]) -> dict[str, Any]:
+        """What makes this row's result: the store's config (its hash was the row's ``fingerprint`` before it)."""
+        return {"cfg": self.cfg, "args": self.args, "ranks": self.ranks, "lr": lr}
+
     def fingerprint(self, lr: Optional[float]) -> str:
-        blob = json.dumps({"cfg": self.cfg, "args": self.args, "ranks": self.ranks, "lr": lr}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return digest(self.config(lr))
 
 
 def _floats(text: str, flag: str) -> list[str]:
@@ -121,6 +130,9 @@ def build_rows(a: argparse.Namespace) -> list[Row]:
                  lr=float(lr)) for lr in _floats(a.lion_lrs, "--lion-lrs")]
     rows += [Row(n, "peer", base, ["--optimizer", n, "--weight-decay", "0.1"], inherit_lr=True)
              for n in ("adamw8bit", "adamw4bit", "adamw4bit_bf16")]
+    rows += [Row(name, "peer", _with_exact_pillars(base, profile), ["--optimizer", opt, "--weight-decay", "0.1"],
+                 inherit_lr=True) for name, (opt, profile) in FAIR_PEERS.items()
+             if (ROOT / "ds_configs" / f"{profile}.json").exists()]
     for path in _profiles():
         cfg = json.loads(path.read_text())
         titan = TitanConfig.from_ds_config(cfg)
@@ -130,6 +142,27 @@ def build_rows(a: argparse.Namespace) -> list[Row]:
         lr = titan.optimizer.lr if own_opt else float(ds_opt["params"]["lr"]) if ds_opt else None
         rows.append(Row(path.stem, "titan", cfg, ranks=ranks, inherit_lr=not (own_opt or ds_opt), lr=lr))
     return rows
+
+
+# fair peers (issue 28 item 4): a peer optimizer given what a titan profile's exact pillars give titan
+FAIR_PEERS = {"adamw_mlme_memory": ("adamw", "titan_memory"),
+              "adamw4bit_bf16_mlme_memory": ("adamw4bit_bf16", "titan_memory"),
+              "adamw8bit_mlme_balanced": ("adamw8bit", "titan_balanced")}
+EXACT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")  # the micro-batch/accumulation
+
+
+def _with_exact_pillars(base: dict[str, Any], profile: str) -> dict[str, Any]:
+    """``base`` (plain DeepSpeed) plus the shipped profile's exact pillars, read from its file so the row follows
+    it: its ``titan.mlme`` section (nothing else of ``titan``: no titan optimizer) and its micro-batch and
+    gradient accumulation (the same sequences per step)."""
+    cfg = json.loads((ROOT / "ds_configs" / f"{profile}.json").read_text())
+    mlme = (cfg.get("titan") or {}).get("mlme")
+    if mlme is None:
+        raise SystemExit(f"ds_configs/{profile}.json has no titan.mlme section: the fair peer rows take theirs from it")
+    out = copy.deepcopy(base)
+    out.update({k: cfg[k] for k in EXACT_KEYS if k in cfg})
+    out["titan"] = {"mlme": copy.deepcopy(mlme)}
+    return out
 
 
 def _select(rows: list[Row], patterns: str) -> list[Row]:
@@ -142,9 +175,23 @@ def _select(rows: list[Row], patterns: str) -> list[Row]:
     return [r for r in rows if any(fnmatch.fnmatchcase(r.name, p) for p in pats)]
 
 
-# ------------------------------------------------------------------------------------------ the jsonl store
-def _load(store: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in store.read_text().splitlines() if line.strip()] if store.exists() else []
+# ------------------------------------------------------------------------------------------ the store
+_RECORD = ("row", "seed", "settings", "fingerprint")  # the store's keys, in the flat records summarise reads
+
+
+def open_store(path: Path, reuse_stale: bool = False) -> Store:
+    """``<out>.jsonl``; its lines from before the store (flat, keyed by row, settings, fingerprint and seed) read
+    as code unknown."""
+    def legacy(raw: dict) -> dict:
+        return {"row": raw["row"], "config_hash": raw["fingerprint"], "settings": raw["settings"], "seed": raw["seed"],
+                "result": {k: v for k, v in raw.items() if k not in _RECORD}}
+    return Store(path, suite="frontier", reuse_stale=reuse_stale, legacy=legacy)
+
+
+def _load(store: Store) -> list[dict[str, Any]]:
+    """The store's records as the flat dicts :func:`summarise` reads (the record under ``_store``)."""
+    return [{**rec["result"], "row": rec["row"], "seed": rec["seed"], "settings": rec["settings"],
+             "fingerprint": rec["config_hash"], "_store": rec} for rec in store.latest()]
 
 
 def _records(done: list[dict], row: Row, lr: Optional[float], settings: dict, seeds: Sequence[int]) -> dict[int, dict]:
@@ -203,7 +250,7 @@ def _run_pair(row: Row, seed: int, lr: Optional[float], a: argparse.Namespace, s
                   timeout=a.row_timeout, log_dir=log_dir)
     rec = {"row": row.name, "seed": seed, "family": row.family, "settings": settings, "lr": lr,
            "ranks": row.ranks, "fingerprint": row.fingerprint(lr), "wall_s": time.perf_counter() - t0,
-           "status": res["status"], "date": datetime.date.today().isoformat()}
+           "status": res["status"]}
     if res["status"] == "ok":
         rec.update({k: res.get(k) for k in KEEP})
         rec["offload_bytes"] = sum(f.stat().st_size for d in set(_offload_dirs(cfg)) if d.is_dir()
@@ -240,13 +287,17 @@ def summarise(rows: list[Row], done: list[dict], failed: dict[str, dict], settin
         ref = {"val": statistics.fmean(r["val_loss"] for r in rr), "spread": _spread([r["val_loss"] for r in rr]),
                "mem": statistics.fmean(r["memory"]["training_state"] for r in rr),
                "tps": statistics.fmean(r["tokens_per_s"] for r in rr)}
+    newest = [max((r["_store"] for r in done if "_store" in r), key=lambda x: x.get("date") or "", default=None)]
+    newest = [n for n in newest if n is not None]
     out = []
     for row in rows:
         lr = _row_lr(row, best, fallback_lr)
         recs = [r for _, r in sorted(_records(done, row, lr, settings, seeds).items())]
         if not recs and show is not None and row.name not in show:
             continue
-        t: dict[str, Any] = {"config": row.name + (" (best lr)" if row is best else ""), "family": row.family,
+        stale = any(stale_flags([*(r["_store"] for r in recs if "_store" in r), *newest])[:len(recs)])
+        t: dict[str, Any] = {"config": row.name + (" (best lr)" if row is best else "") + (STALE_MARK if stale else ""),
+                             "family": row.family,
                              "lr": lr, "ranks": row.ranks, "seeds": f"{len(recs)}/{len(seeds)}"}
         if not recs:
             t["status"] = failed[row.name]["status"] if row.name in failed else "pending"
@@ -310,7 +361,8 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _write(out: Path, table: list[dict], a: argparse.Namespace, command: str, failed: dict[str, dict]) -> None:
+def _write(out: Path, table: list[dict], a: argparse.Namespace, command: str, failed: dict[str, dict],
+           date: str = "") -> None:
     import torch
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
@@ -325,7 +377,7 @@ def _write(out: Path, table: list[dict], a: argparse.Namespace, command: str, fa
         f"Machine: {platform.machine()} {os.cpu_count()} cores, "
         f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only'}; torch "
         f"{torch.__version__}, deepspeed {_version('deepspeed')}, lion-pytorch {_version('lion-pytorch')}, torchao "
-        f"{_version('torchao')}; {datetime.date.today().isoformat()}",
+        f"{_version('torchao')}; {date or datetime.date.today().isoformat()}",
         f"Workload: {model}, seed workload data, {a.steps} steps, seeds {a.seeds}, 16 sequences of 128 bytes per "
         "step, warm-up 50 + cosine, clipping 1.0, validation on the fixed held-out batches.",
         f"Reference: {best['config'] if best else 'none yet (no AdamW row finished)'}. delta = mean val loss - the "
@@ -339,6 +391,8 @@ def _write(out: Path, table: list[dict], a: argparse.Namespace, command: str, fa
     notes = [f"- {name}: {f['status']}; last log lines: `{_last_error(f.get('log_tail', ''))}`"
              for name, f in failed.items()]
     md = "\n".join(head + lines) + "\n" + (("\nFailed in this invocation:\n" + "\n".join(notes) + "\n") if notes else "")
+    if any(STALE_MARK in str(t["config"]) for t in table):
+        md += "\n" + STALE_NOTE + "\n"
     out.with_suffix(".md").write_text(md)
     _plot(out.with_suffix(".png"), table, a)
 
@@ -381,6 +435,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="lr of the rows that take the best AdamW lr while no AdamW row has finished")
     p.add_argument("--train-args", default="", help="extra launch/train.py flags for every row (smoke runs)")
     p.add_argument("--row-timeout", type=float, default=None, help="seconds per (row, seed) run")
+    p.add_argument("--table-only", action="store_true",
+                   help="rewrite <out>.md/.csv/.png from <out>.jsonl and run nothing (the same options select rows)")
+    add_store_args(p)
     return p.parse_args(argv)
 
 
@@ -396,35 +453,60 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     show = {r.name for r in selected}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    store, log_dir = out.with_suffix(".jsonl"), out.parent / "logs" / out.stem
+    store, log_dir = open_store(out.with_suffix(".jsonl"), a.reuse_stale), out.parent / "logs" / out.stem
     log_dir.mkdir(parents=True, exist_ok=True)
     settings = {"steps": a.steps, "train_args": a.train_args}
     command = "python launch/bench/frontier.py " + shlex.join(argv)
     done, failed = _load(store), {}
+    if a.table_only:
+        return _table(out, rows, done, failed, settings, seeds, a, show)
     order = [(r, s) for r in selected if r.family == "adamw" for s in seeds] + \
             [(r, s) for s in seeds for r in selected if r.family != "adamw"]
     with tempfile.TemporaryDirectory(prefix="titan_frontier_") as work:
         for row, seed in order:
             lr = _row_lr(row, _best_adamw(rows, done, settings, seeds), a.fallback_lr)
-            if seed in _records(done, row, lr, settings, seeds):
-                log.info("skip %s seed %d: finished, in %s", row.name, seed, store)
+            if store.find(row.name, config=row.config(lr), settings=settings, seed=seed) is not None:
+                log.info("skip %s seed %d: finished, in %s", row.name, seed, store.path)
                 continue
             if row.inherit_lr and _best_adamw(rows, done, settings, seeds) is None:
                 log.warning("%s takes the best AdamW lr, but no AdamW row has finished: lr %g (--fallback-lr)",
                             row.name, lr)
             rec = _run_pair(row, seed, lr, a, settings, Path(work), log_dir)
-            if rec["status"] == "ok":
-                with store.open("a") as f:  # saved at once: a rerun skips it
-                    f.write(json.dumps(rec) + "\n")
-                done.append(rec)
+            if rec["status"] == "ok":  # recorded at once: a rerun skips it
+                store.append(row.name, config=row.config(lr), settings=settings, seed=seed,
+                             result={k: v for k, v in rec.items() if k not in _RECORD})
+                done = _load(store)
             else:
                 log.error("%s seed %d: %s", row.name, seed, rec["status"])
                 failed[row.name] = rec
             _write(out, summarise(rows, done, failed, settings, seeds, a.fallback_lr, show), a, command, failed)
+    return _table(out, rows, done, failed, settings, seeds, a, show, command)
+
+
+def _table(out: Path, rows: list[Row], done: list[dict], failed: dict, settings: dict, seeds: Sequence[int],
+           a: argparse.Namespace, show: set[str], command: Optional[str] = None) -> list[dict[str, Any]]:
+    """Write the table from the records (``command`` None: the one the existing ``<out>.md`` shows)."""
+    if command is None:
+        import re
+        old = out.with_suffix(".md").read_text() if out.with_suffix(".md").exists() else ""
+        m = re.search(r"Command: `([^`]*)`", old)
+        command = m.group(1) if m else "python launch/bench/frontier.py " + shlex.join(sys.argv[1:])
     table = summarise(rows, done, failed, settings, seeds, a.fallback_lr, show)
-    _write(out, table, a, command, failed)
+    _write(out, table, a, command, failed, date=max((r["_store"].get("date") or "" for r in done), default=""))
     print(out.with_suffix(".md").read_text())
     return table
+
+
+def table(out: str, argv: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """``python -m launch.bench table frontier --out OUT [frontier options]``: the table from the store only.
+    Without options, those of the command the existing ``<out>.md`` records."""
+    import re
+    md = Path(out).with_suffix(".md")
+    if not argv and md.exists():
+        m = re.search(r"Command: `python launch/bench/frontier.py ([^`]*)`", md.read_text())
+        argv = [x for x in shlex.split(m.group(1)) if x] if m else []
+        argv = [x for i, x in enumerate(argv) if x != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    return main([*argv, "--out", str(out), "--table-only"])
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 __all__ = ["baseline_config", "compare", "localise_paths", "run_row", "write_table", "seed_of", "add_dgc_args", "ResultLog",
-           "seed_verdict", "shm_op_stamp", "run_capped_clean", "ROOT"]
+           "seed_verdict", "shm_op_stamp", "run_capped_clean", "ROOT", "compare_store", "table", "compare_table"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: launch/bench/harness.py
 _log = logging.getLogger("titan_ds.bench")
@@ -104,27 +104,38 @@ def run_capped_clean(cmd: Sequence[str], cap_bytes: int, log_path: Path, **kw: A
 
 
 class ResultLog:
-    """Finished benchmark results, one JSON object per line of ``path``, each under ``key(result)``; a rerun of a
-    resumable benchmark reuses them and runs only what is missing."""
+    """A thin alias of :class:`launch.bench.store.Store` for the suites that key their results by a tuple of their
+    fields (``key(result)``): the key is the row's config, there are no separate settings or seed, and the
+    store's resume rule holds (a result is reused only from the same code, or with ``reuse_stale``). ``load``
+    fixes up a result as it is read; ``rows``: every result recorded, by key (the last one per key)."""
 
-    def __init__(self, path: Path, key: Callable[[dict], tuple], load: Optional[Callable[[dict], dict]] = None):
-        self.path, self._key = Path(path), key
+    def __init__(self, path: Path, key: Callable[[dict], tuple], load: Optional[Callable[[dict], dict]] = None, *,
+                 suite: Optional[str] = None, reuse_stale: bool = False):
+        from launch.bench.store import Store
+        self._key, self._load = key, load or (lambda r: r)
+
+        def legacy(raw: dict) -> tuple:
+            r = self._load(raw)
+            return {"row": self._name(key(r)), "config": list(key(r)), "settings": {}, "seed": 0, "result": r}
+        self.store = Store(path, suite or Path(path).name.split(".")[0], reuse_stale=reuse_stale, legacy=legacy)
+        self.path = self.store.path
         self.rows: dict[tuple, dict] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    r = load(r) if load else r
-                    self.rows[key(r)] = r
+        for rec in self.store.records:
+            r = self._load(rec["result"]) if rec["code_hash"] is not None else rec["result"]
+            self.rows[key(r)] = r
+
+    @staticmethod
+    def _name(k: tuple) -> str:
+        return "/".join(map(str, k))
 
     def get(self, k: tuple, run: Callable[[], dict], describe: Callable[[dict], str]) -> dict:
-        """The result under ``k``: the saved one, or ``run()`` saved at once (and ``describe``d on stdout)."""
-        if k not in self.rows:
-            r = run()
-            self.rows[k] = r
-            with open(self.path, "a") as f:
-                f.write(json.dumps(r) + "\n")
-            _log.info("%s", describe(r))
+        """The result under ``k``: the reusable one (the store's rule), or ``run()`` recorded at once (and
+        ``describe``d in the log)."""
+        rec = self.store.find(self._name(k), config=list(k), settings={}, seed=0)
+        if rec is None:
+            rec = self.store.append(self._name(k), config=list(k), settings={}, seed=0, result=run())
+            _log.info("%s", describe(rec["result"]))
+        self.rows[k] = self._load(rec["result"])
         return self.rows[k]
 
 
@@ -210,8 +221,10 @@ def seed_of(args: Sequence[str]) -> str:
 
 
 def write_table(rows: list[dict[str, Any]], out: Path, *, title: str, steps: int, num_ranks: int,
-                columns: Sequence[str] = (), command: str = "", seeds: Sequence[str] = ("0",)) -> str:
-    """Write ``<out>.csv`` and ``<out>.md``; return the markdown. ``seeds``: the training seeds of the rows."""
+                columns: Sequence[str] = (), command: str = "", seeds: Sequence[str] = ("0",),
+                date: Optional[str] = None) -> str:
+    """Write ``<out>.csv`` and ``<out>.md``; return the markdown. ``seeds``: the training seeds of the rows;
+    ``date``: when they ran (default today)."""
     base = rows[0]
     table = [_row_values(r, base, columns) for r in rows]
     keys = list(dict.fromkeys(k for t in table for k in t))
@@ -226,7 +239,7 @@ def write_table(rows: list[dict[str, Any]], out: Path, *, title: str, steps: int
             f"Command: `{command}`" if command else "",
             f"Machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores, "
             f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU only'}; torch "
-            f"{torch.__version__}, deepspeed {_ds_version()}; {datetime.date.today().isoformat()}",
+            f"{torch.__version__}, deepspeed {_ds_version()}; {date or datetime.date.today().isoformat()}",
             f"Workload: GPT {model.get('n_layer')}x{model.get('n_embd')} ({base.get('trainable_params', 0):,} params), "
             f"context {model.get('block_size')}, micro-batch {base.get('micro_batch')} x {num_ranks} rank(s), "
             f"{steps} steps (~{steps * (base.get('micro_batch') or 0) * num_ranks * (model.get('block_size') or 0) / 1e6:.2f}M "
@@ -253,39 +266,108 @@ def _ds_version() -> str:
 
 def compare(rows: Iterable[tuple[Any, ...]], *, steps: int, out: str | os.PathLike, num_ranks: int = 1,
             extra_args: Sequence[str] = (), title: str = "", columns: Sequence[str] = (),
-            command: str = "", timeout: Optional[float] = None, resume: bool = False) -> list[dict[str, Any]]:
+            command: str = "", timeout: Optional[float] = None, resume: bool = False,
+            reuse_stale: bool = False) -> list[dict[str, Any]]:
     """Run every ``(name, ds_config)`` row with the same model/data/seed/tokens; write ``<out>.csv``/``.md``.
 
     A row may be ``(name, ds_config, row_args)``: ``row_args`` are appended to ``extra_args`` for that row only
-    (e.g. ``["--lr", "3e-3"]`` to give the baseline its own learning rate). ``resume``: each finished row is
-    appended to ``<out>.jsonl`` at once, keyed by its name, config, arguments, steps and ranks; a rerun reuses
-    the rows saved there and runs only the others (long benchmarks that outlive a session)."""
+    (e.g. ``["--lr", "3e-3"]`` to give the baseline its own learning rate). Every finished row is recorded at
+    once in ``<out>.jsonl`` (:class:`launch.bench.store.Store`: config = its ds_config and arguments, settings =
+    steps and ranks, seed = its ``--seed``); the table is :func:`table` of those records. ``resume``: a rerun
+    reuses the records the store's rule allows (``reuse_stale``: from other code too) and runs only the others;
+    a failed row is not recorded, so it always runs again."""
     from tqdm import tqdm
     out = Path(out)
     rows = list(rows)
     log_dir = out.parent / "logs" / out.stem  # one folder per table: row names repeat across tables
     log_dir.mkdir(parents=True, exist_ok=True)
-    store = ResultLog(out.with_suffix(".jsonl"), key=lambda r: (r["name"], r["row_key"])) if resume else None
+    store = compare_store(out, reuse_stale=reuse_stale)
+    settings = {"steps": steps, "ranks": num_ranks}
     results = []
-    seeds = sorted({seed_of([*extra_args, *(r[2] if len(r) > 2 else ())]) for r in rows}, key=int)
     with tempfile.TemporaryDirectory(prefix="titan_bench_") as tmp:
         for name, cfg, *row_args in tqdm(rows, desc=title or "bench", unit="config"):
             args = [*extra_args, *(row_args[0] if row_args else ())]
 
             def run(name=name, cfg=cfg, args=args) -> dict[str, Any]:
-                return run_row(name, cfg, steps=steps, num_ranks=num_ranks, extra_args=args, workdir=Path(tmp),
-                               timeout=timeout, log_dir=log_dir)
-            if store is None:
-                results.append(run())
-                continue
-            key = json.dumps([cfg, args, steps, num_ranks], sort_keys=True)
-            done = store.rows.get((name, key))
-            if done is not None and done.get("status") != "ok":  # a failed row is run again
-                del store.rows[(name, key)]
-            results.append(store.get((name, key), lambda run=run, key=key: {**run(), "row_key": key},
-                                     lambda r: f"{r['name']}: {r.get('status')}"))
-    (out.parent).mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-    write_table(results, out, title=title or out.stem, steps=steps, num_ranks=num_ranks, columns=columns,
-                command=command or " ".join(sys.argv), seeds=seeds)
-    return results
+                r = run_row(name, cfg, steps=steps, num_ranks=num_ranks, extra_args=args, workdir=Path(tmp),
+                            timeout=timeout, log_dir=log_dir)
+                _log.info("%s: %s", name, r.get("status"))
+                return r
+            config = {"ds_config": cfg, "args": args}
+            seed = int(seed_of(args))
+            if resume:
+                rec = store.get(name, config=config, settings=settings, seed=seed, run=run,
+                                keep=lambda r: r.get("status") == "ok")
+            else:
+                r = run()
+                rec = store.append(name, config=config, settings=settings, seed=seed, result=r) \
+                    if r.get("status") == "ok" else {"result": r}
+            results.append({**rec["result"], "_store": rec})
+    table(results, out, title=title or out.stem, steps=steps, num_ranks=num_ranks, columns=columns,
+          command=command or " ".join(sys.argv))
+    return [{k: v for k, v in r.items() if k != "_store"} for r in results]
+
+
+def compare_store(out: Path, reuse_stale: bool = False):
+    """The store of a :func:`compare` table ``<out>``: ``<out>.jsonl``, whose lines from before the store (keyed
+    by ``row_key``: the json of ``[ds_config, args, steps, ranks]``) read as code unknown."""
+    from launch.bench.store import Store
+
+    def legacy(raw: dict) -> tuple:
+        cfg, args, steps, ranks = json.loads(raw["row_key"])
+        result = {k: v for k, v in raw.items() if k != "row_key"}
+        return {"row": raw["name"], "config": {"ds_config": cfg, "args": args},
+                "settings": {"steps": steps, "ranks": ranks}, "seed": int(seed_of(args)), "result": result}
+    return Store(Path(out).with_suffix(".jsonl"), suite=Path(out).stem, reuse_stale=reuse_stale, legacy=legacy)
+
+
+def table(results: list[dict[str, Any]], out: Path, *, title: str, steps: int, num_ranks: int,
+          columns: Sequence[str] = (), command: str = "") -> str:
+    """``<out>.json``, ``.csv`` and ``.md`` of :func:`compare`'s results (each with its store record under
+    ``_store`` where it has one: rows from other code than the newest are marked (stale))."""
+    from launch.bench.store import STALE_MARK, STALE_NOTE, stale_flags
+    recs = [r["_store"] for r in results if "code_hash" in r.get("_store", {})]
+    flags = iter(stale_flags(recs))
+    shown = [{**r, "name": r["name"] + (STALE_MARK if "code_hash" in r.get("_store", {}) and next(flags) else "")}
+             for r in results]
+    plain = [{k: v for k, v in r.items() if k != "_store"} for r in shown]
+    seeds = sorted({str(r["_store"].get("seed", 0)) for r in results if "seed" in r.get("_store", {})}, key=int) \
+        or ["0"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(plain, indent=1, default=str))
+    dates = [r["_store"]["date"] for r in results if r.get("_store", {}).get("date")]
+    md = write_table(plain, out, title=title, steps=steps, num_ranks=num_ranks, columns=columns, command=command,
+                     seeds=seeds, date=max(dates) if dates else None)
+    if any(STALE_MARK in r["name"] for r in plain):
+        out.with_suffix(".md").write_text(md + "\n" + STALE_NOTE + "\n")
+    return md
+
+
+def compare_table(out: str | os.PathLike, *, title: Optional[str] = None, command: Optional[str] = None,
+                  columns: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Regenerate a :func:`compare` table from ``<out>.jsonl`` without running anything: the newest record of
+    each row under the newest record's settings, in the order the rows were first recorded. ``title`` and
+    ``command`` default to those the existing ``<out>.md`` shows (the records do not hold them)."""
+    import re
+
+    from launch.bench.store import STALE_MARK
+    out = Path(out)
+    store = compare_store(out)
+    if not store.records:
+        raise SystemExit(f"{out.with_suffix('.jsonl')}: no records; run the suite first")
+    settings = store.records[-1]["settings"]
+    last: dict[str, dict] = {}
+    for rec in store.latest(settings=settings):
+        last[rec["row"]] = rec
+    old = out.with_suffix(".md").read_text() if out.with_suffix(".md").exists() else ""
+    # the rows in the order the existing table lists them (the command's order; the records keep run order),
+    # then any other row in the order first recorded
+    order = {m.group(1).removesuffix(STALE_MARK): i for i, m in enumerate(re.finditer(r"^\| (\S+)", old, re.M))}
+    for rec in store.latest(settings=settings):
+        order.setdefault(rec["row"], len(order))
+    results = [{**last[n]["result"], "_store": last[n]} for n in sorted(last, key=order.get)]
+    t = re.match(r"### (.*)", old)
+    c = re.search(r"Command: `([^`]*)`", old)
+    table(results, out, title=title or (t.group(1) if t else out.stem), steps=settings["steps"],
+          num_ranks=settings["ranks"], columns=columns, command=command or (c.group(1) if c else ""))
+    return [{k: v for k, v in r.items() if k != "_store"} for r in results]

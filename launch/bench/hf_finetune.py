@@ -20,10 +20,13 @@ DeepSpeed), ``titan_exact`` = ``hf_exact.json`` (MLME only), ``titan_asdt`` = ``
 written next to the row's output). Per row: held-out eval loss
 before training, right after titan's replacements, and after; accounted training memory (parameters + gradients
 + optimizer state, measured by ``titan_ds.metrics.accounted_memory`` in the optimizer's step pre-hook, when the
-gradients exist; + the saved-for-backward activations of one micro-batch, ``ActivationCounter``; maxima over
+gradients exist; + the saved-for-backward activations of one micro-batch, peak alive over its forward and
+backward, ``ActivationCounter``; maxima over
 steps); the launched process's peak RSS; tokens/s over the steps after the first (one-off costs). Each finished
-row is appended at once to ``<out>.jsonl`` with its settings; a rerun with the same settings skips it, and the
-markdown table ``<out>`` is rebuilt from the jsonl. Run by hand, never in CI (CI tests the example on tiny
+row is recorded at once in ``<out>.jsonl`` (``launch/bench/store.py``); a rerun with the same settings skips it
+when the code (the package, the example, this script, ds_configs/) is unchanged, or with ``--reuse-stale``; the
+markdown table ``<out>`` is rebuilt from the jsonl (``python -m launch.bench table hf-finetune --out <out>``
+rebuilds it without running anything). Run by hand, never in CI (CI tests the example on tiny
 random models: tests/test_hf_example.py).
 """
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from launch.bench.store import CODE_PATHS, Store, add_store_args  # noqa: E402
 from titan_ds.utils import free_port, get_logger  # noqa: E402
 
 __all__ = ["ROWS", "fetch_smollm2", "main"]
@@ -126,22 +130,24 @@ def _measured_trainer(peak: dict, timing: list):
 
     class Measured(transformers.Trainer):
         def compute_loss(self, model, inputs, *a, **kw):
-            if not hasattr(self, "_acts"):
-                self._acts = ActivationCounter(model)
+            if not hasattr(self, "_hooked"):
+                self._hooked = True
                 opt = self.model_wrapped.basic_optimizer  # gradients exist in its step pre-hook
                 opt.register_step_pre_hook(lambda *_: self._record(accounted_memory(self.model_wrapped,
                                                                                     self._acts.bytes)))
                 opt.register_step_post_hook(lambda *_: self._record(accounted_memory(self.model_wrapped)))
-            with self._acts.track():
-                return super().compute_loss(model, inputs, *a, **kw)
+            return super().compute_loss(model, inputs, *a, **kw)
 
         def _record(self, mem) -> None:
             for k, v in mem.to_dict().items():
                 peak[k] = max(peak.get(k) or 0, v or 0)
 
-        def training_step(self, *a, **kw):
+        def training_step(self, model, *a, **kw):
             t0 = time.perf_counter()
-            out = super().training_step(*a, **kw)
+            if not hasattr(self, "_acts"):
+                self._acts = ActivationCounter(model)
+            with self._acts.track():  # forward and backward (a recomputed layer saves again in backward)
+                out = super().training_step(model, *a, **kw)
             timing.append(time.perf_counter() - t0)
             return out
 
@@ -250,6 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--eval-blocks", type=int, default=32)
     p.add_argument("--out", default=str(ROOT / "results" / "hf_finetune.md"))
     p.add_argument("--fetch-only", action="store_true")
+    add_store_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     unknown = sorted(r for r in set(args.rows.split(",")) - set(ROWS) if not TRD_ROW.match(r))
@@ -260,21 +267,54 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    store = out.with_suffix(".jsonl")
-    done = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
+    store = open_store(out.with_suffix(".jsonl"), args.reuse_stale)
     settings = _settings(args, model)
     command = "python launch/bench/hf_finetune.py " + " ".join(shlex.quote(a) for a in argv)
     for name in args.rows.split(","):
-        if any(r["row"] == name and r["settings"] == settings for r in done):
-            log.info("row %s: already in %s, skipped", name, store)
+        key = _identity(name, settings)
+        if store.find(**key) is not None:
+            log.info("row %s: already in %s, skipped", name, store.path)
             continue
-        row = {"row": name, "settings": settings, **_run_row(args, name, str(model), _cache() / "hf_finetune")}
-        with store.open("a") as f:  # saved at once: a rerun skips it
-            f.write(json.dumps(row) + "\n")
-        done.append(row)
-        _write_table(out, done, settings, command)
-    _write_table(out, done, settings, command)
+        store.append(**key, result=_run_row(args, name, str(model), _cache() / "hf_finetune"))  # at once
+        _write_table(out, _done(store), settings, command)
+    _write_table(out, _done(store), settings, command)
     log.info("table: %s\n%s", out, out.read_text())
+
+
+# ------------------------------------------------------------------------------------------ the store
+def _identity(name: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A row's store key: its name (its ds_config is a shipped file: ds_configs/ is in the code hash), the
+    settings but the seed, and the seed."""
+    return {"row": name, "config": {"row": name}, "settings": {k: v for k, v in settings.items() if k != "seed"},
+            "seed": settings["seed"]}
+
+
+def open_store(path: Path, reuse_stale: bool = False) -> Store:
+    """``<out>.jsonl`` (``launch/bench/store.py``); rows from before the store (flat, with ``row`` and
+    ``settings``) read as code unknown. The code: the package, the example, this script and ds_configs/."""
+    def legacy(raw: dict) -> dict:
+        return {**_identity(raw["row"], raw["settings"]),
+                "result": {k: v for k, v in raw.items() if k not in ("row", "settings")}}
+    return Store(path, suite="hf-finetune", reuse_stale=reuse_stale, legacy=legacy,
+                 code_paths=(*CODE_PATHS, "examples/hf_trainer.py", "launch/bench/hf_finetune.py", "ds_configs"))
+
+
+def _done(store: Store) -> list[dict[str, Any]]:
+    """The records as the flat rows the table reads (``row``, ``settings`` with the seed, the result)."""
+    return [{**rec["result"], "row": rec["row"], "settings": {**rec["settings"], "seed": rec["seed"]}}
+            for rec in store.latest()]
+
+
+def table(out: str) -> None:
+    """``python -m launch.bench table hf-finetune --out OUT.md``: the table from ``OUT.jsonl``, running nothing,
+    under the settings (and with the command) the existing ``OUT.md`` records."""
+    md = Path(out)
+    text = md.read_text()
+    m = re.search(r"settings (\{.*?\}); corpus", text)
+    if m is None:
+        raise SystemExit(f"{md}: no 'settings {{...}}' line to regenerate the table under")
+    c = re.search(r"Command: `([^`]*)`", text)
+    _write_table(md, _done(open_store(md.with_suffix(".jsonl"))), json.loads(m.group(1)), c.group(1) if c else "")
 
 
 if __name__ == "__main__":

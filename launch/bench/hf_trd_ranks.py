@@ -10,8 +10,10 @@ replaced linears (dense weights / ring weights, counted from the modules), the w
 relative reconstruction error ``||W - W_tr|| / ||W||`` by projection (mean over the 30 layers), and the held-out
 loss on the same corpus and blocks as ``hf_finetune.py`` (``examples/hf_trainer.py``'s data: transformers'
 docstrings, every tenth module held out). Row ``dense`` is the model without TRD. No training here: what the rings
-recover with fine-tuning is ``hf_finetune.py --rows titan_trd_r<R>``. Each finished row is appended at once to
-``<out>.jsonl`` (a rerun with the same settings skips it); ``<out>`` (markdown) and ``<out>.png`` are rebuilt.
+recover with fine-tuning is ``hf_finetune.py --rows titan_trd_r<R>``. Each finished row is recorded at once in
+``<out>.jsonl`` (``launch/bench/store.py``: a rerun with the same settings and code skips it, ``--reuse-stale``
+whatever the code); ``<out>`` (markdown) and ``<out>.png`` are rebuilt from it (``python -m launch.bench table
+hf-trd-ranks --out <out>`` without running anything).
 Run by hand, never in CI (the model file is not in CI; tests/inject/test_trd.py tests the code on small layers).
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from launch.bench.store import CODE_PATHS, Store, add_store_args  # noqa: E402
 from titan_ds.utils import get_logger  # noqa: E402
 
 log = get_logger("titan_ds.bench.hf_trd_ranks")
@@ -119,6 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--eval-blocks", type=int, default=32)
     p.add_argument("--out", default=str(ROOT / "results" / "hf_trd_ranks.md"))
+    add_store_args(p)
     args = p.parse_args(argv)
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -138,22 +142,47 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "corpus": ex.corpus_digest(train_texts, eval_texts)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    store = out.with_suffix(".jsonl")
-    done = [json.loads(line) for line in store.read_text().splitlines()] if store.exists() else []
+    store = open_store(out.with_suffix(".jsonl"), args.reuse_stale)
     for rank in [None] + [int(r) for r in args.ranks.split(",") if r]:
-        if any(r["rank"] == rank and r["settings"] == settings for r in done):
-            log.info("rank %s: already in %s, skipped", rank, store)
+        if store.find(**_identity(rank, settings)) is not None:
+            log.info("rank %s: already in %s, skipped", rank, store.path)
             continue
-        row = {"settings": settings, **measure(model_dir, rank, held_out, args.batch)}
-        log.info("rank %s: %s", rank, {k: v for k, v in row.items() if k != "settings"})
-        with store.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        done.append(row)
-    mine = [r for r in done if r["settings"] == settings]
+        row = measure(model_dir, rank, held_out, args.batch)
+        log.info("rank %s: %s", rank, row)
+        store.append(**_identity(rank, settings), result=row)  # at once: a rerun skips it
+    _write(out, store, settings)
+    log.info("table: %s\n%s", out, out.read_text())
+
+
+def _identity(rank: Optional[int], settings: dict[str, Any]) -> dict[str, Any]:
+    """A row's store key: its rank (None: dense) under the settings; no seed (nothing random: TR-SVD, eval)."""
+    return {"row": "dense" if rank is None else f"rank{rank}", "config": {"rank": rank}, "settings": settings,
+            "seed": 0}
+
+
+def open_store(path: Path, reuse_stale: bool = False) -> Store:
+    """``<out>.jsonl`` (``launch/bench/store.py``); rows from before the store read as code unknown."""
+    def legacy(raw: dict) -> dict:
+        return {**_identity(raw["rank"], raw["settings"]), "result": {k: v for k, v in raw.items() if k != "settings"}}
+    return Store(path, suite="hf-trd-ranks", reuse_stale=reuse_stale, legacy=legacy,
+                 code_paths=(*CODE_PATHS, "examples/hf_trainer.py", "launch/bench/hf_trd_ranks.py"))
+
+
+def _write(out: Path, store: Store, settings: dict[str, Any]) -> None:
+    mine = [rec["result"] for rec in store.latest(settings=settings)]
     out.write_text(f"Machine: {platform.machine()} {os.cpu_count()} cores; torch {torch.__version__}; settings "
                    f"{json.dumps(settings)}\n\n" + _table(mine) + "\n")
     _plot(mine, out.with_suffix(".png"))
-    log.info("table: %s\n%s", out, out.read_text())
+
+
+def table(out: str) -> None:
+    """``python -m launch.bench table hf-trd-ranks --out OUT.md``: the table and plot from ``OUT.jsonl``, running
+    nothing, under the settings the existing ``OUT.md`` records."""
+    import re
+    m = re.search(r"settings (\{.*\})$", Path(out).read_text(), re.M)
+    if m is None:
+        raise SystemExit(f"{out}: no 'settings {{...}}' line to regenerate the table under")
+    _write(Path(out), open_store(Path(out).with_suffix(".jsonl")), json.loads(m.group(1)))
 
 
 if __name__ == "__main__":

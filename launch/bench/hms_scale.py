@@ -23,8 +23,9 @@ bounds: a 5B model is 25 layers of 4096 (700 of 768), and one trial of it takes 
 
 All modes get the same ZeRO-3 buffer bounds (``titan_ds.hms.install.ZERO3_BOUNDS``; HMS sets them by default, a
 DeepSpeed user would have to), so the comparison is of where the model's bytes live, not of bucket sizes.
-Every trial is saved at once to ``<out>.trials.jsonl``; a rerun reuses them (resumable). Table: ``<out>.{md,csv}``
-with the largest fitting model per (cap, mode), its cgroup peaks (anonymous memory sampled, and the kernel's
+Every trial is saved at once to ``<out>.trials.jsonl`` (``launch/bench/store.py``); a rerun reuses them from the
+same code (resumable; ``--reuse-stale``: from any code, e.g. the trials recorded before the store). Table:
+``<out>.{md,csv}`` with the largest fitting model per (cap, mode), its cgroup peaks (anonymous memory sampled, and the kernel's
 high-water mark with page cache), disk used, s/step, and the ratio of HMS's parameters to plain DeepSpeed's.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from launch.bench.harness import ResultLog, run_capped_clean  # noqa: E402
+from launch.bench.store import add_store_args  # noqa: E402
 from titan_ds.hms.install import ZERO3_BOUNDS  # noqa: E402
 from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
@@ -103,13 +105,15 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
 
 
 class Trials(ResultLog):
-    """The trial log: every finished trial, keyed by (mode, cap, layers, width); a rerun reuses them."""
+    """The trial log: every finished trial, keyed by (mode, cap, layers, width), in the results store
+    (``launch/bench/store.py``); a rerun reuses them under its rule (same code, or ``reuse_stale``)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, reuse_stale: bool = False):
         def load(r: dict) -> dict:
             r["params"] = gpt_params(r["layers"], r["width"])  # counted on the meta device
             return r
-        super().__init__(path, lambda r: self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"]), load)
+        super().__init__(path, lambda r: self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"]), load,
+                         suite="hms-scale", reuse_stale=reuse_stale)
 
     @staticmethod
     def key(mode, cap, layers, width) -> tuple:
@@ -184,6 +188,7 @@ def main() -> None:
     ap.add_argument("--rel", type=float, default=0.1, help="stop bisecting at this relative bracket width")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per trial")
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
+    add_store_args(ap)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_capped's cleanup then removes the cgroup
@@ -191,7 +196,7 @@ def main() -> None:
         raise SystemExit("hms_scale.py needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    trials = Trials(out.with_suffix(".trials.jsonl"))
+    trials = Trials(out.with_suffix(".trials.jsonl"), a.reuse_stale)
     kw = dict(path=a.path, steps=a.steps, timeout=a.timeout, logs=out.parent / "logs" / "hms_scale_cap")
     opts = {m: dict(width=a.width, start=a.start, max_layers=a.max_layers) for m in MODES}
     for item in filter(None, a.mode_opts.split(";")):

@@ -14,7 +14,9 @@ cache out, see ``titan_ds/memcap.py``).
 and the bytes per parameter that the structural model does not explain (least squares over the shapes), and
 writes ``titan_ds/plan_calibration.json``. Without it, the validation runs (other widths, depths and rank counts
 than the fit saw) are compared with the prediction: ``results/plan_accuracy.{md,csv}``. Every run is saved at
-once to ``<out>.runs.jsonl`` and reused by a rerun (resumable).
+once to ``<out>.runs.jsonl`` (``launch/bench/store.py``) and reused by a rerun from the same code (resumable;
+``--reuse-stale``: from any code); ``python -m launch.bench table plan-accuracy --out <out>`` rewrites the table
+from it and today's predictions without running anything.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from launch.bench.harness import ResultLog, run_capped_clean  # noqa: E402
+from launch.bench.store import add_store_args  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.plan import (CALIBRATION_FILE, MODES, _structure, candidate_config, model_spec,  # noqa: E402
                            predict)
@@ -76,10 +79,12 @@ def measure(mode: str, spec: str, ranks: int, *, path: str, cap_gib: float, logs
 
 
 class Runs(ResultLog):
-    """Every finished run, keyed by (mode, model, ranks); a rerun reuses them."""
+    """Every finished run, keyed by (mode, model, ranks), in the results store (``launch/bench/store.py``): a
+    rerun reuses them under its rule (same code, or ``reuse_stale``)."""
 
-    def __init__(self, path: Path):
-        super().__init__(path, lambda r: (r["mode"], r["model"], r["ranks"]))
+    def __init__(self, path: Path, reuse_stale: bool = False):
+        super().__init__(path, lambda r: (r["mode"], r["model"], r["ranks"]), suite="plan-accuracy",
+                         reuse_stale=reuse_stale)
 
     def get(self, mode, spec, ranks, **kw) -> dict:  # type: ignore[override]
         return super().get((mode, spec, ranks), lambda: measure(mode, spec, ranks, **kw),
@@ -122,22 +127,32 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=20, help="GiB: a cap no run reaches (measurement, not a limit)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(ROOT / "results" / "plan_accuracy"))
+    add_store_args(ap)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
     if not cgroup_available():
         raise SystemExit("plan_accuracy.py needs root and a cgroup v1 memory controller")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_capped's cleanup removes the cgroup
     out = Path(a.out)
-    runs = Runs(out.with_name(out.name + (".cal" if a.calibrate else "") + ".runs.jsonl"))
+    runs = Runs(out.with_name(out.name + (".cal" if a.calibrate else "") + ".runs.jsonl"), a.reuse_stale)
     kw = dict(path=a.path, cap_gib=a.cap, logs=out.parent / "logs" / "plan_accuracy", timeout=a.timeout)
     if a.calibrate:
         cal = calibrate(runs, a.cal_shapes.split(","), kw)
         CALIBRATION_FILE.write_text(json.dumps(cal, indent=1) + "\n")
         print(f"wrote {CALIBRATION_FILE}")
         return
+    for mode, spec, ranks in VALIDATION:
+        runs.get(mode, spec, ranks, **kw)
+    write_table(runs, out, f"PYTHONPATH=$PWD python launch/bench/plan_accuracy.py {' '.join(sys.argv[1:])}")
+
+
+def write_table(runs: Runs, out: Path, command: str) -> None:
+    """``<out>.md``/``.csv``: every validation run recorded in ``runs`` beside today's prediction for it."""
     rows = []
     for mode, spec, ranks in VALIDATION:
-        r = runs.get(mode, spec, ranks, **kw)
+        r = runs.rows.get((mode, spec, ranks))
+        if r is None:
+            continue
         c = predict(mode, model_spec(spec), ranks=ranks)
         pred = c.dram_peak * ranks / GiB
         rows.append({"mode": mode, "model": spec, "params_M": r["params"] / 1e6, "ranks": ranks,
@@ -152,16 +167,27 @@ def main() -> None:
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)
     errs = [abs(r["error_pct"]) for r in rows if isinstance(r["error_pct"], float)]
+    dates = [rec["date"] for rec in runs.store.records if rec.get("date")]
     md = ["### `titan-ds plan`: predicted vs measured peak DRAM", "",
-          f"Command: `PYTHONPATH=$PWD python launch/bench/plan_accuracy.py {' '.join(sys.argv[1:])}`",
+          f"Command: `{command}`",
           f"Calibration: `{json.loads(CALIBRATION_FILE.read_text())['command']}` (shapes not used below). "
           f"Measured: cgroup peak anonymous memory (rss + shmem, all ranks), 2 steps, micro-batch 1, context 128. "
-          f"{time.strftime('%Y-%m-%d')}.", "",
+          f"{max(dates) if dates else time.strftime('%Y-%m-%d')}.", "",
           f"Largest |error|: {max(errs):.1f}% over {len(errs)} runs (target: within 15%)." if errs else "", "",
           "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     md += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def table(out: str) -> None:
+    """``python -m launch.bench table plan-accuracy --out OUT``: ``OUT.md``/``.csv`` from ``OUT.runs.jsonl`` and
+    today's predictions, running nothing (the command is the one the existing ``OUT.md`` records)."""
+    import re
+    out_p = Path(out)
+    old = out_p.with_suffix(".md").read_text() if out_p.with_suffix(".md").exists() else ""
+    m = re.search(r"Command: `([^`]*)`", old)
+    write_table(Runs(out_p.with_name(out_p.name + ".runs.jsonl")), out_p, m.group(1) if m else "")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ and ``probe_sign``: no second moment, Lion's sign of the interpolated momentum (
 density 1) at 0.3x the lr. The rules are written here, plainly, as a probe (not titan code): the one chosen is
 ASDT's ``update="adaptive"`` (``titan_ds/optim/asdt.py``, tested against its own reference loop).
 
-Resumable: each finished row is appended to ``<out>.jsonl`` at once and a rerun skips it.
+Resumable: each finished row is recorded in ``<out>.jsonl`` at once (``launch/bench/store.py``) and a rerun from
+the same code skips it (``--reuse-stale``: from any code).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from launch.bench.harness import ResultLog  # noqa: E402
+from launch.bench.store import add_store_args  # noqa: E402
 
 RULES = ("full", "row", "row1d", "factored", "tensor", "sign")
 DESCRIBE = {"adamw": "torch AdamW (fp32 m and v)", "probe_full": "v per coordinate (fp32)",
@@ -110,10 +112,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW's best lr of the frontier grid")
     p.add_argument("--rows", default="adamw," + ",".join(f"probe_{r}" for r in RULES))
     p.add_argument("--out", default=str(ROOT / "results" / "second_moment_probe"))
+    add_store_args(p)
     a = p.parse_args(argv)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    store = ResultLog(out.with_suffix(".jsonl"), key=lambda r: (r["row"], r["steps"], r["seed"], r["lr"]))
+    store = ResultLog(out.with_suffix(".jsonl"), key=lambda r: (r["row"], r["steps"], r["seed"], r["lr"]),
+                      reuse_stale=a.reuse_stale)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 
