@@ -93,6 +93,13 @@ def test_install_routes_zero_init_only_with_titan_hms_and_uninstall_restores(dis
         with ctx:
             streamed = torch.nn.Linear(8, 8)
         assert isinstance(ctx, routed) and isinstance(dsc.param_swapper_of(streamed.weight), HMSParamSwapper)
+        # a json path, as HF also accepts (another store: the first model still lives in tmp_path/store)
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(_ds(tmp_path / "second")))
+        with routed(config_dict_or_path=str(path)):
+            from_path = torch.nn.Linear(8, 8)
+        swapper = dsc.param_swapper_of(from_path.weight)
+        assert isinstance(swapper, HMSParamSwapper) and swapper is not dsc.param_swapper_of(streamed.weight)
         assert routed.__name__ == "Init" and routed.override_module_apply is original.override_module_apply
     finally:
         titan_ds.uninstall()
@@ -174,3 +181,38 @@ def test_trainer_with_hms_trains_a_pretrained_llama(dist_env, tmp_path, installe
     finally:
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
         unset_hf_deepspeed_config()
+
+
+# ------------------------------------------------------------------------------------ under a memory cap
+CAP_GIB = 2.5  # measured uncapped (4 GiB+ cap), 103M-parameter Llama, 3 steps: ZeRO-3 CPU offload peaks at 4.41 GiB
+# of anonymous memory, Trainer + HMS at 1.60 GiB (tests/helpers/hf_hms_capped.py; docs/integrations.md)
+
+
+@pytest.mark.slow
+def test_under_a_cap_cpu_offload_is_killed_and_hms_trains(tmp_path):
+    """A 103M-parameter Llama (412 MB of fp32 weights) fine-tuned 3 steps by the Trainer under a 2.5 GiB cgroup:
+    ZeRO-3 with CPU offload (parameters, fp32 masters, gradients and Adam moments in RAM) is OOM-killed; with
+    titan.hms the same run trains (parameters and optimizer state in the store, the model built into it)."""
+    import subprocess
+    import sys
+
+    from titan_ds.memcap import cgroup_available, run_capped
+    if not cgroup_available():
+        pytest.skip("needs a cgroup v1 memory controller and root")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    runs = {}
+    for mode in ("cpu", "hms"):
+        work = tmp_path / mode
+        work.mkdir()
+        with open(work / "log.txt", "w") as log:
+            runs[mode] = run_capped([sys.executable, str(ROOT / "tests" / "helpers" / "hf_hms_capped.py"),
+                                     "--model-dir", str(tmp_path / "model"), "--work", str(work), "--mode", mode,
+                                     "--steps", "3"], int(CAP_GIB * 2**30), stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=900)
+    tail = {m: (tmp_path / m / "log.txt").read_text()[-3000:] for m in runs}
+    assert runs["cpu"].oom_killed and runs["cpu"].returncode != 0, tail["cpu"]
+    assert runs["hms"].ok, tail["hms"]
+    losses = json.loads(tail["hms"].strip().splitlines()[-1])
+    assert len(losses) == 3 and losses[2] < losses[0], losses

@@ -67,7 +67,7 @@ def _route_zero_init(original: type, *args: Any, **kwargs: Any) -> Any:
     """``deepspeed.zero.Init(...)`` while installed: :func:`titan_ds.zero_init` when the config has ``titan.hms``
     and no ``param_swapper`` is given (the caller's own swapper wins), else DeepSpeed's ``Init``."""
     bound = inspect.signature(original).bind(*args, **kwargs).arguments
-    config = bound.get("config_dict_or_path", bound.get("config"))
+    config = bound.get("config_dict_or_path") or bound.get("config")
     if bound.get("param_swapper") is not None or not bound.get("enabled", True) or not _hms_section(config):
         return original(*args, **kwargs)
     from .hms.install import zero_init
