@@ -176,6 +176,9 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("ZeRO-3 parameter check", "deepspeed.runtime.zero.partition_parameters", "is_zero_param", ("parameter",)),
     Symbol("ZeRO-3 parameter used outside its module", "deepspeed.runtime.zero.partition_parameters",
            "register_external_parameter", ("module", "parameter")),
+    Symbol("DeepSpeed's zero.Init class (titan_ds.install routes deepspeed.zero.Init; titan_ds.zero_init calls this "
+           "one)", "deepspeed.runtime.zero.partition_parameters", "Init",
+           ("module", "config_dict_or_path", "config", "enabled", "param_swapper")),
     Symbol("ZeRO-3 parameter status enum (HMS's parameter swapper sets it)",
            "deepspeed.runtime.swap_tensor.partitioned_param_swapper", "PartitionedParamStatus"),
 )
@@ -200,7 +203,7 @@ INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 PRIVATE_NAMES: frozenset[str] = frozenset(
     {s.path.rsplit(".", 1)[-1] for s in SYMBOLS if s.module != "deepspeed"} - {"is_zero_param",
                                                                              "register_external_parameter",
-                                                                             "PartitionedParamStatus"}
+                                                                             "PartitionedParamStatus", "Init"}
     | {a for attrs in INSTANCE_ATTRIBUTES.values() for a in attrs} | {"nvme_swapper", "sequence_parallel_size"})
 
 
@@ -447,6 +450,43 @@ def is_zero_param(p: Any) -> bool:
 def param_swapper_of(p: Any) -> Any:
     """The swapper a ZeRO-3 parameter streams through (``param.nvme_swapper``; None without NVMe offload)."""
     return getattr(p, "nvme_swapper", None)
+
+
+def zero_init_class() -> type:
+    """DeepSpeed's own ``zero.Init`` class (``partition_parameters.Init``), also while :func:`route_zero_init`
+    has replaced the public name ``deepspeed.zero.Init``."""
+    return _module("deepspeed.runtime.zero.partition_parameters").Init
+
+
+class _RoutedInitType(type):
+    """The type of the class :func:`route_zero_init` puts in ``deepspeed.zero.Init``'s place: calling it calls the
+    route; ``isinstance``/``issubclass`` and every other attribute answer as DeepSpeed's class would."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls.route(cls.original, *args, **kwargs)
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls.original)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, cls.original)
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(cls.original, name)
+
+
+def route_zero_init(route: Callable[..., Any]) -> Patch:
+    """``deepspeed.zero.Init(...)`` (the attribute ``Init`` of ``deepspeed.runtime.zero``, which transformers looks
+    up when it builds a model under ZeRO-3: ``modeling_utils.py`` ``get_init_context`` / ``_from_config``) calls
+    ``route(original_class, *args, **kwargs)`` instead. The replacement is a class whose instance and subclass
+    checks are the original's; DeepSpeed's own code uses ``partition_parameters.Init`` and is not affected. Not
+    applied."""
+    zero, original = _module("deepspeed.runtime.zero"), zero_init_class()
+    routed = _RoutedInitType("Init", (), {"original": original, "route": staticmethod(route),
+                                          "__doc__": f"deepspeed.zero.Init routed by titan_ds.install()\n\n"
+                                                     f"{original.__doc__ or ''}",
+                                          "__module__": __name__})
+    return Patch("deepspeed.zero.Init (titan_ds.install)", zero, "Init", routed)
 
 
 def register_external_parameter(module: Any, p: Any) -> None:

@@ -30,11 +30,13 @@ the ``hms`` metrics (hit rate, bytes read/written, stall seconds, per step) and 
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import os
 import shutil
 import uuid
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -262,13 +264,13 @@ def zero_init(ds_config: Any, **init_kwargs: Any):
     without one this is ``deepspeed.zero.Init(config_dict_or_path=ds_config)``. ``ds_config`` is completed in
     place (ZeRO-3 + NVMe offload and HMS's buffer bounds), as ``initialize`` would, when it is a dict.
     """
-    import deepspeed
     from ..config import TitanConfig, load_ds_config
+    init = dsc.zero_init_class()  # DeepSpeed's own, also while titan_ds.install() routes deepspeed.zero.Init here
     ds = ds_config if isinstance(ds_config, dict) else load_ds_config(ds_config)
     titan = TitanConfig.from_ds_config(ds) if "titan" in ds else None
     plain = {k: v for k, v in ds.items() if k != "titan"}
     if titan is None or titan.hms is None:
-        return deepspeed.zero.Init(config_dict_or_path=plain, **init_kwargs)
+        return init(config_dict_or_path=plain, **init_kwargs)
     problems = _folders_problems(titan.hms)
     try:
         configure_ds_config(json.loads(json.dumps(plain)), titan.hms.nvme_path)
@@ -279,8 +281,25 @@ def zero_init(ds_config: Any, **init_kwargs: Any):
     root = _prepare(titan.hms, plain)
     for k, v in plain.items():
         ds[k] = v
+    _refuse_live_store(root)
     pswap = build_param_swapper(titan.hms, plain, root)
-    return deepspeed.zero.Init(config_dict_or_path=plain, param_swapper=pswap, **init_kwargs)
+    _LIVE[root] = pswap
+    return init(config_dict_or_path=plain, param_swapper=pswap, **init_kwargs)
+
+
+# nvme_path -> the swapper of the last model built there by zero_init (the model's parameters hold it)
+_LIVE: "weakref.WeakValueDictionary[str, HMSParamSwapper]" = weakref.WeakValueDictionary()
+
+
+def _refuse_live_store(root: str) -> None:
+    """A model built under :func:`zero_init` lives in ``<root>/titan_hms``; a second build there would empty that
+    folder under the first model (e.g. ``from_pretrained`` twice under the Trainer's ZeRO-3 with titan.hms)."""
+    if root in _LIVE:
+        gc.collect()  # a model dropped by the caller but still in a reference cycle
+    if root in _LIVE:
+        raise TitanConfigError([f"titan.hms: a model built under titan_ds.zero_init still keeps its parameters in "
+                                f"{root!r}; building another there would delete them. Delete the first model, or "
+                                f"give the second one another titan.hms.nvme_path"])
 
 
 class _DiskGradientBuffer:
@@ -330,7 +349,6 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapper) -> None:
-    import deepspeed
     # ``zero.Init(module=...)`` partitions the parameters in the dtype they have, and DeepSpeed's engine casts the
     # module to bf16/fp16 only when it converts it itself: converted here first, a bf16 run would otherwise
     # train fp32 partitions (measured: the gathered parameters stayed fp32). Cast as the engine would.
@@ -338,7 +356,7 @@ def _convert_model(model: torch.nn.Module, ds_config: dict, pswap: HMSParamSwapp
     if dtype is not None:
         model.to(dtype)
     # dtype=None: Init then takes the dtype from the config; passing one hits the CPU dtype bug (seams 0.5)
-    deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, param_swapper=pswap)
+    dsc.zero_init_class()(module=model, config_dict_or_path=ds_config, param_swapper=pswap)
 
 
 class HMSPillar(Pillar):
