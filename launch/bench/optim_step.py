@@ -467,7 +467,8 @@ def plot(path: Path, records: list[dict[str, Any]]) -> None:
     fig, axes = plt.subplots(1, len(dts), figsize=(6.5 * len(dts), 4.5), squeeze=False)
     for ax, dt in zip(axes[0], dts):
         for name in ROWS:
-            pts = sorted((r["numel"], r["elements_per_s"] / 1e6) for r in speed if r["row"] == name and r["dtype"] == dt)
+            pts = sorted((r["numel"], r["elements_per_s"] / 1e6) for r in speed
+                         if r["row"] == name and r["dtype"] == dt)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_xscale("log", base=2)
