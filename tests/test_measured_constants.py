@@ -5,6 +5,7 @@ command is in the file; issue 31)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -16,6 +17,7 @@ def _optim_step():
     import importlib.util
     spec = importlib.util.spec_from_file_location("optim_step", ROOT / "launch" / "bench" / "optim_step.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("optim_step", mod)  # dataclasses look their module up while the module runs
     spec.loader.exec_module(mod)
     return mod
 

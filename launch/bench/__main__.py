@@ -135,7 +135,7 @@ RESULTS: list[Result] = [
     Result("soak", "results/soak/soak.md", lambda p: f"{sum(r.get('result') == 'ok' for r in table_rows(ROOT / p))}"
            f" of {sum('result' in r for r in table_rows(ROOT / p))} checks ok"),
     Result("optimizer-step", "results/optim_step.md", _f(
-        "titan_balanced, fp32, 2^26 elements: {M_s_2^26} M elements/s ({x_torchao_2^26}x torchao AdamW8bit), "
+        "titan_balanced, fp32, 2^26 elements: {M_s_2^26} M elements/s, x torchao AdamW8bit {x_torchao_2^26}, "
         "temporaries {temp_B_el_2^26} B/element, state {state_B_el_2^26} B/element", "optimizer", "titan_balanced")),
     Result("trd", "results/trd.md", _f("rank 12: {trd_x_linears}x on the block linears at {delta_vs_base} nats",
                                        "config", "trd_r12")),
