@@ -27,6 +27,7 @@ device; they are not calibrated here (this machine has no GPU), and the table sa
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any, Optional
 from .hms.install import ZERO3_BOUNDS
 
 __all__ = ["ModelSpec", "Candidate", "model_spec", "candidates", "plan", "candidate_config", "MODES",
-           "CALIBRATION_FILE", "format_table"]
+           "CALIBRATION_FILE", "STEP_TEMP_FILE", "load_step_temp", "format_table"]
 
 GiB = 1 << 30
 CALIBRATION_FILE = Path(__file__).with_name("plan_calibration.json")
@@ -44,10 +45,12 @@ MODES = ("zero2", "zero3", "zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")
 # per parameter: AdamW exp_avg + exp_avg_sq; ASDT one momentum buffer in bf16, or in 8 bits (+ a scale per block)
 OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1}
 # per element of the sub-group being stepped: the optimizer step's temporaries above its resident state, measured
-# (VmHWM over one step of a 67M-element fp32 parameter, 1 thread): torch AdamW 8; ASDT's reference update (the
-# momentum blend, the sign step and the masked write as whole-tensor temporaries) 25 with a bf16 momentum, 28 with
-# the 8-bit one (decode and encode); `python launch/bench/step_temp.py`, results/step_temp.md
-STEP_TEMP_BYTES = {"adamw": 8, "asdt_bf16": 25, "asdt_8bit": 28}
+# (VmHWM over one step of a 2^26-element fp32 parameter, 1 thread) by launch/bench/optim_step.py into
+# titan_ds/step_temp.json (the command is in the file): load_step_temp(); keys are MODE_OPTIMIZER's values and the
+# shipped profiles ("titan_balanced", "titan_memory")
+STEP_TEMP_FILE = Path(__file__).with_name("step_temp.json")
+STEP_TEMP_COMMAND = ("python launch/bench/optim_step.py --what temp --sizes 67108864 --dtypes fp32 "
+                     "--step-temp-json titan_ds/step_temp.json")
 MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "hms": "adamw", "hms_asdt": "asdt_bf16",
                   "hms_asdt_bf16": "asdt_8bit"}
 DESCRIPTION = {
@@ -180,6 +183,27 @@ def load_calibration(path: Path = CALIBRATION_FILE) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+@functools.lru_cache(maxsize=None)
+def load_step_temp(path: Path = STEP_TEMP_FILE) -> dict[str, float]:
+    """Bytes per element of the optimizer step's temporaries, by optimizer (``titan_ds/step_temp.json``)."""
+    fix = f"regenerate it: {STEP_TEMP_COMMAND}"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {fix}")
+    try:
+        table = json.loads(path.read_text())["bytes_per_element"]
+        out = {str(k): float(v) for k, v in table.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is malformed ({type(e).__name__}: {e}); it must hold \"bytes_per_element\": "
+                         f"{{optimizer: bytes}}; {fix}") from None
+    missing = sorted(set(MODE_OPTIMIZER.values()) - set(out))
+    bad = sorted(k for k, v in out.items() if not v >= 0)
+    if missing or bad:
+        raise ValueError(f"{path}: " + "; ".join(
+            ([f"no figure for {', '.join(missing)}"] if missing else []) +
+            ([f"{', '.join(bad)} not a number >= 0"] if bad else [])) + f"; {fix}")
+    return out
+
+
 def activation_bytes(m: ModelSpec, seq: int, micro: int, elem: int = 4) -> float:
     """Saved activations of one micro-batch, per layer s*b*(34h + 5*a*s) half-precision bytes (Korthikanti et
     al. 2022) scaled to ``elem`` bytes, plus the logits and their softmax (2 x b*s*vocab)."""
@@ -215,7 +239,7 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
                    buffers=w * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
         # the sub-group's master, gradient and state, and the step's temporaries
-        dram.update(optimizer=sub * (4 + 4 + S + STEP_TEMP_BYTES[MODE_OPTIMIZER[mode]]), cache=64 * 2**20)
+        dram.update(optimizer=sub * (4 + 4 + S + load_step_temp()[MODE_OPTIMIZER[mode]]), cache=64 * 2**20)
         disk.update(parameters=w * P / N, optimizer=(4 + S) * P / N,  # fp32 masters + state
                     gradients=4 * P / N)  # the swapped fp32 grads, or the mapping they are read from
     if gpu:

@@ -40,8 +40,8 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "hf-finetune": ("launch/bench/hf_finetune.py", "SmolLM2-135M under the HF Trainer: AdamW vs titan profiles"),
     "hf-trd-ranks": ("launch/bench/hf_trd_ranks.py", "TR-SVD of a pretrained model by rank"),
     "soak": ("launch/bench/soak.py", "3000 steps, every pillar, 2 ranks: leaks and bit-exact resume"),
-    "optimizer-step": ("launch/bench/asdt_state_speed.py", "ASDT's optimizer step time by state layout"),
-    "step-temp": ("launch/bench/step_temp.py", "the optimizer step's temporaries per element (plan.py's STEP_TEMP_BYTES)"),
+    "optimizer-step": ("launch/bench/optim_step.py", "one optimizer step: elements/s, temporaries, state by optimizer, "
+                       "size, dtype (titan_ds/step_temp.json)"),
     "trd": ("launch/bench/bench_trd.py", "TRD ranks vs dense AdamW"),
     "mlme": ("launch/bench/bench_mlme.py", "MLME activation memory and time"),
     "asdt": ("launch/bench/bench_asdt.py", "ASDT / BSPS vs AdamW"),
@@ -174,10 +174,9 @@ RESULTS: list[Result] = [
                                                          "before training", "rank", "16"), "python launch/bench/hf_trd_ranks.py"),
     Result("soak", "results/soak/soak.md", lambda p: f"{sum(r.get('result') == 'ok' for r in table_rows(ROOT / p))}"
            f" of {sum('result' in r for r in table_rows(ROOT / p))} checks ok"),
-    Result("optimizer-step", "results/asdt_state_speed.md", _f(
-        "titan_balanced's state: {s_step} s/step ({vs_first}x the bf16 row-v step)", "state", "8-bit momentum")),
-    Result("step-temp", "results/step_temp.md", _f("asdt_8bit: {bytes_element_above_the_resident_state} "
-                                                    "bytes/element", "optimizer", "asdt_8bit")),
+    Result("optimizer-step", "results/optim_step.md", _f(
+        "titan_balanced, fp32, 2^26 elements: {M_s_2^26} M elements/s, x torchao AdamW8bit {x_torchao_2^26}, "
+        "temporaries {temp_B_el_2^26} B/element, state {state_B_el_2^26} B/element", "optimizer", "titan_balanced")),
     Result("trd", "results/trd.md", _f("rank 12: {trd_x_linears}x on the block linears at {delta_vs_base} nats",
                                        "config", "trd_r12")),
     Result("mlme", "results/mlme.md", _f("MLME: activations {activ_MiB} MiB (eager 198.6), {delta_vs_base} nats",

@@ -1,6 +1,9 @@
 """ASDT's optimizer step with each state layout, on one thread: the cost of the 8-/4-bit state (issue 13).
 
-    OMP_NUM_THREADS=1 python launch/bench/asdt_state_speed.py --out results/asdt_state_speed.md
+A one-off probe: it answered what the 8-bit/4-bit per-coordinate state costs per step against the bf16 row state
+(results/asdt_state_speed.md); launch/bench/optim_step.py (the "optimizer-step" suite) replaces it.
+
+    OMP_NUM_THREADS=1 python launch/experiments/asdt_state_speed.py --out results/asdt_state_speed.md
 
 Times ``ASDT.step`` on the seed GPT's parameter shapes (4.9M parameters: the real model's tensors, random
 gradients) for the shipped ``titan_balanced`` state (8-bit momentum, 4-bit per-coordinate second moment), the
@@ -61,7 +64,7 @@ def main(argv=None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
-        cmd = "OMP_NUM_THREADS=1 python launch/bench/asdt_state_speed.py " + " ".join(sys.argv[1:])
+        cmd = "OMP_NUM_THREADS=1 python launch/experiments/asdt_state_speed.py " + " ".join(sys.argv[1:])
         Path(a.out).write_text(f"### ASDT optimizer step by state layout\n\nCommand: `{cmd}`\n\n" + text)
 
 
