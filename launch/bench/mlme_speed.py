@@ -1,5 +1,5 @@
 """MLME's parts against plain PyTorch on the seed GPT's shapes: forward+backward time and saved bytes (issue 28,
-item 3), the measurement behind the CPU attention kernel and the StripeFFN / chunked-loss auto rules.
+item 3), the measurement behind the CPU attention kernel and the StripeFFN / chunked-loss auto rules (stripe_ffn "budget").
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /tmp/titan_timed.lock \\
         python launch/bench/mlme_speed.py --reps 7 --out results/mlme_speed
@@ -10,7 +10,7 @@ and bf16 (``--dtypes``). One process, no DeepSpeed. Per part:
 * attention core (q, k, v of (B, 8, T, 32), causal): torch SDPA (what the plain GPT runs), the pure-PyTorch tiled
   reference at each ``--tiles``, and ``tiled_attention`` as dispatched here (what ``mlme.attention="tiled"`` runs);
 * MLP (256 -> 1024 -> 256, GELU): eager, and StripeFFN at each ``--stripes`` (tokens per stripe; the MLME module
-  with ``stripe="auto"`` is listed too);
+  with ``stripe="budget"`` is listed too);
 * LM loss (head 256 -> 256 + cross-entropy): eager (logits, fp32 CE), and the chunked loss at each ``--chunks``;
 * one transformer block (titan_ds.models.gpt.Block): eager forward+backward, the same block under
   ``recompute_blocks``, and the eager forward alone: recompute_blocks should cost about one extra forward,
@@ -104,9 +104,9 @@ def measure_parts(B: int, T: int, dtype: torch.dtype, reps: int, tiles: Sequence
     x = lambda: (torch.randn(B, T, WIDTH, dtype=dtype, requires_grad=True),)  # noqa: E731
     eager_mlp = nn.Sequential(fc, nn.GELU(), out)
     rows.append({"part": "mlp", "impl": "eager", **_measure(x, eager_mlp, eager_mlp.parameters(), reps)})
-    for s in [*stripes, "auto"]:
+    for s in [*stripes, "budget"]:
         ffn = StripeFFN.plain(fc, nn.GELU(), out, stripe=s)
-        label = f"StripeFFN, stripe {s}" + (f" ({ffn.stripe_for(dtype)} tokens)" if s == "auto" else "")
+        label = f"StripeFFN, stripe {s}" + (f" ({ffn.stripe_for(dtype)} tokens)" if s == "budget" else "")
         rows.append({"part": "mlp", "impl": label, **_measure(x, ffn, ffn.parameters(), reps)})
 
     head = nn.Linear(WIDTH, VOCAB, bias=False).to(dtype)

@@ -229,8 +229,8 @@ class StripeFFNPolicy:
     """
 
     def __init__(self, stripe: Union[int, str], verify: bool = True):
-        if stripe != "auto" and not (isinstance(stripe, int) and stripe >= 1):
-            raise ValueError(f"stripe must be >= 1 tokens or 'auto', got {stripe!r}")
+        if stripe != "budget" and not (isinstance(stripe, int) and stripe >= 1):
+            raise ValueError(f"stripe must be >= 1 tokens or 'budget', got {stripe!r}")
         self.name, self.stripe, self.verify = "mlme.stripe_ffn", stripe, verify
 
     def matches(self, name: str, module: nn.Module) -> bool:

@@ -24,22 +24,22 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-__all__ = ["StripeFFN", "stripe_ffn", "linear_parts", "auto_stripe", "STRIPE_AUTO_BYTES"]
+__all__ = ["StripeFFN", "stripe_ffn", "linear_parts", "budget_stripe", "STRIPE_BUDGET_BYTES"]
 
-# ``stripe="auto"``: the largest stripe whose transient hidden activations stay within this many bytes. Every stripe
+# ``stripe="budget"``: the largest stripe whose transient hidden activations stay within this many bytes. Every stripe
 # size saves the same bytes for backward (the input only); the size bounds only the transient, and more stripes
 # cost time (a Python loop of small matmuls: launch/bench/mlme_speed.py, results/mlme_speed.md). 16 MiB is the
 # hidden activation of one seed-GPT micro-batch (16 x 128 tokens, width 4 x 256, fc output + GELU output, fp32), so
 # the seed shapes run in one stripe and a large model's MLP in stripes of at most 16 MiB.
-STRIPE_AUTO_BYTES = 16 * 2**20
+STRIPE_BUDGET_BYTES = 16 * 2**20
 _HIDDEN_COPIES = {"plain": 2, "gated": 4}  # hidden-width tensors alive per stripe: fc, act / gate, up, act, product
 
 
-def auto_stripe(kind: str, hidden_width: int, dtype: torch.dtype, budget: Optional[int] = None) -> int:
-    """Tokens per stripe for ``stripe="auto"``: at most ``budget`` (default :data:`STRIPE_AUTO_BYTES`) bytes of the
+def budget_stripe(kind: str, hidden_width: int, dtype: torch.dtype, budget: Optional[int] = None) -> int:
+    """Tokens per stripe for ``stripe="budget"``: at most ``budget`` (default :data:`STRIPE_BUDGET_BYTES`) bytes of the
     stripe's hidden activations."""
     per_token = _HIDDEN_COPIES[kind] * hidden_width * torch.empty((), dtype=dtype).element_size()
-    return max(1, (STRIPE_AUTO_BYTES if budget is None else budget) // per_token)
+    return max(1, (STRIPE_BUDGET_BYTES if budget is None else budget) // per_token)
 
 
 def linear_parts(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
@@ -124,7 +124,7 @@ class StripeFFN(nn.Module):
 
     Build with :meth:`plain` (``out(act(fc(x)))``) or :meth:`gated` (``down(act(gate(x)) * up(x))``).
     ``dropout`` (a child name, optional) is applied to the output, outside the recomputed region. ``stripe``: tokens
-    per stripe, or ``"auto"`` (:func:`auto_stripe` of the activations' dtype, decided at each call).
+    per stripe, or ``"budget"`` (:func:`budget_stripe` of the activations' dtype, decided at each call).
     """
 
     def __init__(self, children: dict[str, nn.Module], kind: str, roles: dict[str, str], stripe: Union[int, str],
@@ -132,8 +132,8 @@ class StripeFFN(nn.Module):
         super().__init__()
         if kind not in ("plain", "gated"):
             raise ValueError(f"unknown StripeFFN kind {kind!r}; choose one of ['gated', 'plain']")
-        if stripe != "auto" and not (isinstance(stripe, int) and stripe >= 1):
-            raise ValueError(f"stripe must be >= 1 tokens or 'auto', got {stripe!r}")
+        if stripe != "budget" and not (isinstance(stripe, int) and stripe >= 1):
+            raise ValueError(f"stripe must be >= 1 tokens or 'budget', got {stripe!r}")
         for name, child in children.items():
             self.add_module(name, child)
         self.kind, self.roles, self.stripe, self.dropout_name = kind, dict(roles), stripe, dropout
@@ -190,13 +190,17 @@ class StripeFFN(nn.Module):
         return self._role("out")(self.hidden(x))
 
     def stripe_for(self, dtype: torch.dtype) -> int:
-        """Tokens per stripe for activations of ``dtype`` (``stripe="auto"``: :func:`auto_stripe`)."""
-        if self.stripe != "auto":
+        """Tokens per stripe for activations of ``dtype`` (``stripe="budget"``: :func:`budget_stripe`)."""
+        if self.stripe != "budget":
             return self.stripe
         out = self._role("out")
-        # the hidden width: the output projection's input (nn.Linear, HF Conv1D, or TRD's layer: in_features)
-        hidden = linear_parts(out)[0].shape[1] if self.out_is_linear else int(out.in_features)
-        return auto_stripe(self.kind, hidden, dtype)
+        # the hidden width: the output projection's input features (nn.Linear and TRD's layer: in_features; HF
+        # Conv1D: nx), read from the module, not from a weight that ZeRO-3 may have partitioned to size 0
+        hidden = getattr(out, "in_features", None) or getattr(out, "nx", None)
+        if hidden is None:
+            raise TypeError(f"stripe_ffn \"budget\" needs the output projection's input width; "
+                            f"{type(out).__name__} has neither in_features nor nx: give stripe_ffn in tokens")
+        return budget_stripe(self.kind, int(hidden), dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         stripe = self.stripe_for(x.dtype)
