@@ -57,6 +57,8 @@ def test_summary_medians_ratios_and_mfu():
     fpt = 6 * 100 + 12 * 1 * 10 * 10
     assert table["plain"]["mfu"] == pytest.approx(fpt * 200 / 1e6)
     assert table["titan_memory"]["peak"] == "bf16" and table["titan_memory"]["mfu"] == pytest.approx(fpt * 60 / 2e6)
+    cpu = {t["row"]: t for t in speed.summarise(rows, done, {"fp32": 3e6, "bf16": 1e6})}  # bf16 slower: fp32's peak
+    assert cpu["titan_memory"]["peak"] == "fp32" and cpu["titan_memory"]["mfu"] == pytest.approx(fpt * 60 / 3e6)
 
 
 def test_tiny_speed_run_alternates_rows_and_a_rerun_trains_nothing(tmp_path, monkeypatch):

@@ -17,7 +17,8 @@ product with the values, forward and backward, as in PaLM's appendix B); recompu
 not hardware FLOPs). The peak is measured in the same invocation before the rows: the best of ``--peak-reps``
 ``torch.mm`` of two ``--peak-n`` square matrices, fp32 and bf16, at this process's intra-op thread count (the
 children get the same ``OMP_NUM_THREADS``); a row whose weights are bf16 (titan_memory, adamw4bit_bf16) is divided by
-the bf16 peak, the others by the fp32 one.
+the bf16 peak where that is the faster one (a GPU), else by the fp32 one (this CPU has no bf16 instructions, and
+MLME's attention and loss accumulate in fp32); the others by the fp32 peak.
 
 Rows (``--rows``: comma-separated names or shell patterns):
 
@@ -145,11 +146,12 @@ def summarise(rows: list[Row], done: dict[tuple, dict], peak: dict[str, float]) 
         tps = [r["tokens_per_s"] for r in recs]
         m = recs[0]["model"]
         fpt = flops_per_token(recs[0]["trainable_params"], m["n_layer"], m["block_size"], m["n_embd"])
-        dtype = "bf16" if row.bf16_weights else "fp32"
+        # a bf16-weight row may run parts in fp32 (MLME's fp32 accumulation): its peak is the faster of the two
+        dtype = "bf16" if row.bf16_weights and peak["bf16"] > peak["fp32"] else "fp32"
         table.append({"row": row.name, "repeats": len(recs), "tokens_per_s": statistics.median(tps),
                       "min": min(tps), "max": max(tps), "flops_per_token": fpt, "peak": dtype,
                       "mfu": fpt * statistics.median(tps) / peak[dtype],
-                      "micro_batch": recs[0]["micro_batch"], "optimizer": recs[0].get("optimizer")})
+                      "micro_batch": recs[0]["micro_batch"], "optimizer": recs[0].get("optimizer"), "model": m})
     base = next((t for t in table if t["row"] == "plain"), None)
     for t in table:
         t["vs_plain"] = t["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -164,10 +166,10 @@ def _write(out: Path, table: list[dict], peak: dict[str, float], a: argparse.Nam
             f"{torch.get_num_threads()} intra-op thread(s); {datetime.date.today().isoformat()}. Matmul peak "
             f"(torch.mm {a.peak_n}x{a.peak_n}, best of {a.peak_reps}, this invocation): fp32 "
             f"{peak['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.1f} GFLOP/s.",
-            f"Workload: GPT 6x256, context 128, 16 sequences per step; {a.steps} timed steps per run after {WARM} "
+            f"Workload: GPT {_shape(table)}, 16 sequences per step; {a.steps} timed steps per run after {WARM} "
             f"warm-up steps, {a.repeats} repeat(s), rows alternated. tokens/s: median over the repeats (min-max "
             "beside it); vs plain: ratio of medians. MFU = (6 N + 12 L T d) x tokens/s / the matmul peak of the "
-            "row's weight dtype (N trainable parameters with embeddings, L layers, T context, d width).", ""]
+            "row's weight dtype, or fp32's where that is faster (N trainable parameters with embeddings, L layers, T context, d width).", ""]
     cols = ["row", "tokens/s", "min-max", "vs plain", "MFU %", "peak", "micro-batch", "optimizer", "repeats"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for t in table:
@@ -178,6 +180,11 @@ def _write(out: Path, table: list[dict], peak: dict[str, float], a: argparse.Nam
                      f"{100 * t['mfu']:.1f} | {t['peak']} | {t['micro_batch']} | {t['optimizer']} | {t['repeats']} |")
     out.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
     _plot(out.with_suffix(".png"), table)
+
+
+def _shape(table: list[dict]) -> str:
+    m = table[0]["model"] if table else {}
+    return f"{m.get('n_layer')}x{m.get('n_embd')}, context {m.get('block_size')}"
 
 
 def _plot(path: Path, table: list[dict]) -> None:
