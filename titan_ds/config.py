@@ -323,7 +323,8 @@ class MLMEConfig(_Strict):
 
     attention: "tiled" (titan_ds.kernels.attention), "sdpa" (torch SDPA), "off" (attention left as built);
     tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);
-    stripe_ffn: tokens per StripeFFN stripe, null = MLP left as built; chunked_loss: fuse the LM head with the
+    stripe_ffn: tokens per StripeFFN stripe, "budget" = the largest stripe whose hidden activations fit in
+    titan_ds.kernels.stripe_ffn.STRIPE_BUDGET_BYTES (16 MiB), null = MLP left as built; chunked_loss: fuse the LM head with the
     cross-entropy (reference GPT's lm_loss; HF Llama/Qwen2/Qwen3/Mistral/Gemma/GPT-2 causal LMs in training with
     labels, titan_ds/inject/hf_loss.py; another HF family raises);
     loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary);
@@ -333,7 +334,7 @@ class MLMEConfig(_Strict):
 
     attention: Literal["tiled", "sdpa", "off"] = "tiled"
     tile: int = Field(default=128, ge=16, le=1024)
-    stripe_ffn: Optional[int] = Field(default=256, ge=1)
+    stripe_ffn: Union[int, Literal["budget"], None] = "budget"
     chunked_loss: bool = True
     loss_chunk: int = Field(default=4096, ge=1)
     loss_vocab_chunk: Optional[int] = Field(default=None, ge=1)
@@ -345,6 +346,15 @@ class MLMEConfig(_Strict):
             raise ValueError("switches nothing on (attention \"off\", stripe_ffn null, chunked_loss "
                              "false, recompute_blocks false); remove the \"mlme\" section or switch one on")
         return self
+
+    @field_validator("stripe_ffn", mode="before")
+    @classmethod
+    def _stripe(cls, v: Any) -> Any:
+        if v is None or v == "budget":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"must be a number of tokens >= 1, \"budget\" or null, got {v!r}")
+        return v
 
     @field_validator("tile")
     @classmethod
@@ -425,7 +435,7 @@ _TRUE = {"true", "1", "yes", "on", "t", "y", "auto"}
 
 
 def _flag_on(value: Any) -> bool:
-    """A ds_config ``enabled`` value as DeepSpeed's (pydantic) config reads it; ``"auto"`` (HF accelerate fills it
+    """A ds_config ``enabled`` value as DeepSpeed's (pydantic) config reads it; ``"budget"`` (HF accelerate fills it
     from TrainingArguments) counts as on, so the rules that refuse a precision also refuse what may become it."""
     if isinstance(value, str):
         return value.strip().lower() in _TRUE

@@ -57,7 +57,8 @@ def _peak_bytes(fn: Callable[[], None]) -> int:
     return peak
 
 
-def _time(fn: Callable[[], None], reps: int) -> float:
+def median_time(fn: Callable[[], None], reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn`` after one warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
@@ -77,7 +78,7 @@ def _measure(make: Callable[[], tuple], forward: Callable, exclude=(), reps: int
     with SavedTensorMeter(exclude=exclude) as meter:
         out = forward(*inputs)
     del out
-    return {"saved_bytes": meter.bytes, "peak_bytes": _peak_bytes(step), "time_s": _time(step, reps)}
+    return {"saved_bytes": meter.bytes, "peak_bytes": _peak_bytes(step), "time_s": median_time(step, reps)}
 
 
 def kernel_rows(lengths: list[int], reps: int, tile: int, stripe: int, loss_chunk: int) -> list[dict]:

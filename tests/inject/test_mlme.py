@@ -98,12 +98,17 @@ def test_wrong_mlp_layout_is_caught():
         apply_mlme(model, MLMEConfig(attention="off", chunked_loss=False))
 
 
-def test_apply_publishes_report():
+def test_apply_publishes_report(monkeypatch):
+    monkeypatch.delenv("TITAN_KERNELS", raising=False)
     from titan_ds.engine import InitContext, prepare
     ctx = InitContext(model=GPT(TINY), titan=TitanConfig(mlme={"tile": 16}), ds_config={})
     prepare(ctx)
     assert len(ctx.reports["mlme"].entries) == 2 * TINY.n_layer + 1
     assert isinstance(ctx.model.blocks[0].attn.core, TiledAttention)
+    by = {e.policy: e.detail for e in ctx.reports["mlme"].entries}
+    assert by["mlme.attention"]["kernel"].startswith("cpu: torch_sdpa")  # the report says which kernel runs
+    assert by["mlme.stripe_ffn"] == {"stripe": "budget", "tokens_per_stripe": 16 * 2**20 // (2 * 4 * 64 * 4),
+                                     "dtype": "float32"}
 
 
 def test_config_validation():
@@ -115,6 +120,9 @@ def test_config_validation():
         TitanConfig(mlme={"attention": "off", "stripe_ffn": None, "chunked_loss": False})
     with pytest.raises(TitanConfigError, match="titan.mlme.loss_vocab_chunk must be >= 1"):
         TitanConfig(mlme={"loss_vocab_chunk": 0})
+    assert TitanConfig(mlme={}).mlme.stripe_ffn == "budget" == TitanConfig(mlme={"stripe_ffn": "budget"}).mlme.stripe_ffn
+    with pytest.raises(TitanConfigError, match='titan.mlme.stripe_ffn must be a number of tokens >= 1, "budget" or null'):
+        TitanConfig(mlme={"stripe_ffn": 0})
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("mlme*.json")), ids=lambda p: p.name)

@@ -113,3 +113,58 @@ def test_eager_baseline_matches_sdpa():
     kpm = torch.arange(13)[None] < torch.tensor([[13], [6]])
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=kpm[:, None, None] & torch.ones(13, 13, dtype=torch.bool).tril())
     torch.testing.assert_close(eager_attention(q, k, v, causal=True, key_padding_mask=kpm), ref, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------------------------------------- CPU dispatch
+from titan_ds.kernels.attention import attention_kernel, tiled_attention  # noqa: E402
+from titan_ds.kernels.saved import SavedTensorMeter  # noqa: E402
+
+
+@pytest.fixture
+def unset_backend(monkeypatch):
+    monkeypatch.delenv("TITAN_KERNELS", raising=False)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,D", [(37, 32), (128, 64), (5, 16)])
+def test_cpu_path_is_torch_flash_sdpa_and_matches_the_reference(unset_backend, causal, T, D):
+    """Unmasked CPU calls run PyTorch's CPU flash kernel (its autograd node says so), with the reference's result and
+    every gradient, and keep exactly the reference's saved bytes (q, k, v, O, LSE: O(T*D), no (T, T) matrix)."""
+    q, k, v = _inputs(2, 3, T, T, D, noncontig=(T == 37))
+    assert attention_kernel(q, k, v) == "torch_sdpa"
+    g = torch.randn(2, 3, T, D)
+    with SavedTensorMeter() as fast_saved:
+        out = tiled_attention(q, k, v, causal=causal, tile=16)
+    assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+    with SavedTensorMeter() as ref_saved:
+        tiled_attention_reference(q, k, v, causal=causal, tile=16)
+    assert fast_saved.bytes == ref_saved.bytes == 4 * q.numel() * 4 + 2 * 3 * T * 4
+    ours = (out, *torch.autograd.grad(out, (q, k, v), g))
+    ref = _grads(lambda a, b, c: tiled_attention_reference(a, b, c, causal=causal, tile=16), q, k, v, g)
+    _assert_all_close(ours, ref)
+
+
+def test_cpu_path_bf16_is_the_flash_kernel_within_twice_plain_bf16(unset_backend):
+    q, k, v = (t.detach() for t in _inputs(1, 2, 64, 64, 64))
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    assert attention_kernel(qb, kb, vb) == "torch_sdpa"
+    ours = tiled_attention(qb, kb, vb, causal=True)
+    assert type(ours.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    plain = torch.softmax((qb.detach() @ kb.detach().transpose(-1, -2)) / math.sqrt(64) +
+                          torch.full((64, 64), float("-inf")).triu(1), -1).bfloat16() @ vb.detach()
+    assert (ours.double() - exact).abs().max() <= 2 * (plain.double() - exact).abs().max()
+
+
+def test_masks_forced_reference_and_other_devices_run_the_reference(unset_backend, monkeypatch):
+    q, k, v = _inputs(1, 2, 9, 9, 32)
+    kpm = torch.tensor([[False, False] + [True] * 7])
+    assert attention_kernel(q, k, v, key_padding_mask=kpm) == "reference"  # a row may see no key: 0, not NaN
+    out = tiled_attention(q, k, v, causal=True, key_padding_mask=kpm)
+    assert type(out.grad_fn).__name__ == "_TiledAttentionFnBackward" and torch.all(out[0, :, :2] == 0)
+    assert attention_kernel(q, k, v, attn_mask=torch.ones(1, 1, 9, 9, dtype=torch.bool)) == "reference"
+    meta = [torch.empty(1, 2, 9, 32, device="meta") for _ in range(3)]
+    assert attention_kernel(*meta) == "reference"
+    monkeypatch.setenv("TITAN_KERNELS", "reference")  # the oracle stays reachable on the CPU
+    assert attention_kernel(q, k, v) == "reference"
+    assert type(tiled_attention(q, k, v, causal=True).grad_fn).__name__ == "_TiledAttentionFnBackward"

@@ -125,3 +125,28 @@ def test_non_linear_output_module_is_recomputed_whole():
     striped = StripeFFN.plain(eager.fc, eager.act, eager.out, 4)
     assert not striped.out_is_linear
     _check(eager, striped, torch.randn(2, 9, 12))
+
+
+def test_budget_stripe_is_the_largest_stripe_within_the_byte_budget(monkeypatch):
+    import sys
+    sf = sys.modules["titan_ds.kernels.stripe_ffn"]  # the module (titan_ds.kernels.stripe_ffn is also a function)
+    mib = 2**20
+    # the seed GPT's MLP (hidden 1024): fc output + GELU output per token, 4 bytes each in fp32
+    assert sf.budget_stripe("plain", 1024, torch.float32) == sf.STRIPE_BUDGET_BYTES // (2 * 1024 * 4) == 2048
+    assert sf.budget_stripe("plain", 1024, torch.bfloat16) == 4096
+    assert sf.budget_stripe("gated", 1536, torch.float32, budget=6 * mib) == 6 * mib // (4 * 1536 * 4)
+    assert sf.budget_stripe("plain", 10**9, torch.float32) == 1  # never 0 tokens
+    eager = EagerMLP()
+    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, "budget")
+    assert striped.stripe_for(torch.float32) == sf.STRIPE_BUDGET_BYTES // (2 * 96 * 4)
+    _check(eager, striped, torch.randn(3, 13, 24))  # one stripe
+
+    calls = []
+    monkeypatch.setattr(sf, "STRIPE_BUDGET_BYTES", 5 * 2 * 96 * 4)  # 5 tokens per stripe
+    hidden = striped.hidden
+    monkeypatch.setattr(striped, "hidden", lambda x: calls.append(x.shape[0]) or hidden(x))
+    assert striped.stripe_for(torch.float32) == 5
+    _check(eager, striped, torch.randn(3, 13, 24))
+    assert calls[:8] == [5] * 7 + [4]  # 39 tokens: 7 stripes of 5 and one of 4 in forward
+    with pytest.raises(ValueError, match="'budget'"):
+        StripeFFN.plain(eager.fc, eager.act, eager.out, "big")

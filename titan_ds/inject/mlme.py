@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..kernels.attention import TiledAttention, tiled_attention
+from ..kernels.attention import TiledAttention, kernels_by_device, tiled_attention
 from ..kernels.chunked_ce import ChunkedLMLoss
 from ..kernels.stripe_ffn import StripeFFN
 from .hf_loss import CapturingHead, HFChunkedLossPolicy
@@ -86,7 +86,14 @@ class AttentionCorePolicy:
         return TiledAttention(causal=causal, tile=self.tile) if self.mode == "tiled" else SDPAttention(causal)
 
     def detail(self, name: str, old: nn.Module, new: nn.Module) -> dict[str, Any]:
-        return {"mode": self.mode, "tile": self.tile if self.mode == "tiled" else None}
+        return {"mode": self.mode, "tile": self.tile if self.mode == "tiled" else None, "kernel": _kernel(self.mode)}
+
+
+def _kernel(mode: str) -> str:
+    """The report's "kernel": what an unmasked call runs, by device (titan_ds.kernels.attention.attention_kernel)."""
+    if mode == "sdpa":
+        return "torch SDPA (PyTorch's choice of backend)"
+    return ", ".join(f"{dev}: {k}" for dev, k in kernels_by_device().items())
 
 
 def _repeat_kv(x: Tensor, n_rep: int) -> Tensor:
@@ -199,7 +206,7 @@ class HFAttentionPolicy:
 
     def detail(self, name: str, old: nn.Module, new: nn.Module) -> dict[str, Any]:
         return {"mode": self.mode, "attn_implementation": f"{self._previous.get(name)} -> {self.impl}",
-                "tile": self.tile if self.mode == "tiled" else None}
+                "tile": self.tile if self.mode == "tiled" else None, "kernel": _kernel(self.mode)}
 
 
 # ---------------------------------------------------------------------------------------------- MLP
@@ -221,9 +228,9 @@ class StripeFFNPolicy:
     replace time, so an MLP whose forward is not the assumed layout raises instead of training wrongly.
     """
 
-    def __init__(self, stripe: int, verify: bool = True):
-        if stripe < 1:
-            raise ValueError(f"stripe must be >= 1 tokens, got {stripe}")
+    def __init__(self, stripe: Union[int, str], verify: bool = True):
+        if stripe != "budget" and not (isinstance(stripe, int) and stripe >= 1):
+            raise ValueError(f"stripe must be >= 1 tokens or 'budget', got {stripe!r}")
         self.name, self.stripe, self.verify = "mlme.stripe_ffn", stripe, verify
 
     def matches(self, name: str, module: nn.Module) -> bool:
@@ -259,6 +266,11 @@ class StripeFFNPolicy:
         if self.verify and not _zero3_partitioned(module):
             self._verify(name, module, new)
         return new
+
+    def detail(self, name: str, old: nn.Module, new: nn.Module) -> dict[str, Any]:
+        p = next(new.parameters(), None)
+        dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
+        return {"stripe": self.stripe, "tokens_per_stripe": new.stripe_for(dtype), "dtype": str(dtype)[6:]}
 
     @staticmethod
     def _verify(name: str, old: nn.Module, new: nn.Module) -> None:

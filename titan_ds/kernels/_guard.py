@@ -7,7 +7,9 @@ lazily, after :func:`require_triton` has succeeded. The backend of every op in `
 * ``TITAN_KERNELS=reference`` -- the pure-PyTorch reference (any device; the CPU fallback and the test oracle);
 * ``TITAN_KERNELS=triton``    -- the Triton kernel; needs Triton and a CUDA tensor, or ``TRITON_INTERPRET=1``
   (the Triton interpreter, fp32 only, for CPU tests on tiny shapes); raises an actionable error otherwise;
-* unset / empty               -- Triton on CUDA tensors when Triton imports, the reference everywhere else.
+* unset / empty               -- Triton on CUDA tensors when Triton imports, the reference everywhere else (an op
+  may have a faster exact kernel of PyTorch's own for CPU tensors: attention runs torch's CPU flash SDPA kernel,
+  ``attention.attention_kernel``; ``reference`` switches that off too).
 
 Any other value raises ``ValueError`` naming the choices.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "cuda_available",
     "aio_available",
     "require_triton",
+    "requested_backend",
     "kernel_backend",
     "describe",
 ]
@@ -89,7 +92,8 @@ def require_triton() -> tuple[Any, Any]:
     return importlib.import_module("triton"), importlib.import_module("triton.language")
 
 
-def _requested() -> str:
+def requested_backend() -> str:
+    """``TITAN_KERNELS`` as set (``"reference"``, ``"triton"``, or ``""`` when unset); any other value raises."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value and value not in BACKENDS:
         raise ValueError(f"{ENV_VAR}={value!r} is not a kernel backend; choose one of {list(BACKENDS)} "
@@ -103,7 +107,7 @@ def kernel_backend(*tensors: torch.Tensor, op: str = "kernel") -> str:
     Raises :class:`KernelBackendError` when ``TITAN_KERNELS=triton`` is set but the Triton kernel cannot run on
     these tensors (no Triton; CPU tensors without ``TRITON_INTERPRET=1``).
     """
-    requested = _requested()
+    requested = requested_backend()
     on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
     if requested == "reference":
         return "reference"

@@ -16,10 +16,17 @@ Saved for backward: q, k, v, O, LSE (O(T * D) per head, not O(T^2)). Backward, w
 3. for every visible tile pair (i, j): recompute S, P = exp(S - LSE_i);  dV_j += P^T dO_i;  dP = dO_i V_j^T;
    dS = P * (dP - Delta_i);  dQ_i += dS K_j * scale;  dK_j += dS^T Q_i * scale.
 
-Two backends behind :func:`tiled_attention` (``TITAN_KERNELS``, see ``_guard.py``): this file's pure-PyTorch
-reference (the CPU path and the test oracle) and a Triton kernel (``_attention_triton.py``) with the same
-contract; the Triton path supports ``causal`` and ``key_padding_mask`` but not a dense ``attn_mask``, which
-always runs on the reference.
+Three kernels behind :func:`tiled_attention`, chosen per call by :func:`attention_kernel` (``TITAN_KERNELS``, see
+``_guard.py``):
+
+* ``"triton"``: a Triton kernel (``_attention_triton.py``) with this contract, on CUDA; it supports ``causal`` and
+  ``key_padding_mask`` but not a dense ``attn_mask``, which always runs on the reference;
+* ``"torch_sdpa"``: on CPU tensors with no mask (``causal`` or not) and ``TITAN_KERNELS`` unset, PyTorch's CPU
+  flash-attention kernel (``F.scaled_dot_product_attention`` restricted to ``SDPBackend.FLASH_ATTENTION``): the same
+  algorithm (tiles, online softmax, O and the log-sum-exp saved, exact), in C++ -- it saves exactly the reference's
+  bytes (q, k, v, O, LSE; measured in ``tests/kernels/test_attention.py``) at a fraction of the Python loop's time
+  (results/mlme_speed.md). With masks the reference runs (it returns 0, not NaN, for a row with no visible key);
+* ``"reference"``: this file's pure-PyTorch loop (any device; the test oracle; ``TITAN_KERNELS=reference``).
 """
 from __future__ import annotations
 
@@ -29,9 +36,16 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ._guard import kernel_backend
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["tiled_attention", "tiled_attention_reference", "eager_attention", "TiledAttention", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+from ._guard import kernel_backend, requested_backend, triton_available
+
+__all__ = ["tiled_attention", "tiled_attention_reference", "eager_attention", "TiledAttention", "attention_kernel",
+           "kernels_by_device", "KERNELS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+
+KERNELS = ("triton", "torch_sdpa", "reference")
+_SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the CPU flash kernel's dtypes
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # the contract is 32..128; the reference is exact for any D in this range
 
@@ -152,22 +166,49 @@ def tiled_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool =
     return _TiledAttentionFn.apply(q, k, v, key_padding_mask, attn_mask, causal, scale, tile)
 
 
+def attention_kernel(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                     attn_mask: Optional[Tensor] = None) -> str:
+    """The kernel :func:`tiled_attention` runs for these tensors and masks: one of :data:`KERNELS` (module docstring)."""
+    if attn_mask is None and kernel_backend(q, k, v, op="attention") == "triton":
+        return "triton"
+    if (key_padding_mask is None and attn_mask is None and requested_backend() == ""
+            and all(t.device.type == "cpu" and t.dtype in _SDPA_DTYPES for t in (q, k, v))):
+        return "torch_sdpa"
+    return "reference"
+
+
+def kernels_by_device() -> dict[str, str]:
+    """What an unmasked ``mlme.attention="tiled"`` call runs on each device type here (for the MLME report)."""
+    requested = requested_backend()
+    cpu = "reference" if requested == "reference" else "triton (interpreter)" if requested == "triton" else \
+        "torch_sdpa (CPU flash kernel)"
+    cuda = "reference" if requested == "reference" or not (requested == "triton" or triton_available()) else "triton"
+    return {"cpu": cpu, "cuda": cuda}
+
+
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                     scale: Optional[float] = None, tile: int = 128) -> Tensor:
-    """Exact attention in tiles; the backend comes from ``TITAN_KERNELS`` (see ``_guard.kernel_backend``).
+    """Exact attention in tiles on the kernel :func:`attention_kernel` picks (``TITAN_KERNELS``, device, masks).
 
     ``key_padding_mask``: (B, Tk) bool, True for real tokens. ``attn_mask``: 4-D bool broadcastable to
     (B, H, Tq, Tk), True where attention is allowed (reference backend only). A query row that can see no
-    key returns 0 (SDPA returns NaN there).
+    key returns 0 (SDPA returns NaN there). ``tile`` is the Triton kernel's and the reference's tile; PyTorch's
+    CPU kernel picks its own.
     """
-    if attn_mask is None and kernel_backend(q, k, v, op="attention") == "triton":
-        _check(q, k, v, key_padding_mask, None, causal, tile)
-        from ._attention_triton import triton_attention  # imported only once Triton is known to be usable
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        return triton_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, tile=tile)
-    return tiled_attention_reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
-                                     attn_mask=attn_mask, scale=scale, tile=tile)
+    kernel = attention_kernel(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+    if kernel == "reference":
+        return tiled_attention_reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
+                                         attn_mask=attn_mask, scale=scale, tile=tile)
+    _check(q, k, v, key_padding_mask, None, causal, tile)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if kernel == "torch_sdpa":
+        # FLASH_ATTENTION only: were it unusable, SDPA raises rather than fall back to the math kernel, which would
+        # save the (Tq, Tk) probabilities
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    from ._attention_triton import triton_attention  # imported only once Triton is known to be usable
+    return triton_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, tile=tile)
 
 
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,

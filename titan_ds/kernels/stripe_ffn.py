@@ -19,12 +19,30 @@ Conv1D) -- e.g. TRD's tensor-ring layer -- is recomputed with the hidden part (s
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["StripeFFN", "stripe_ffn", "linear_parts"]
+__all__ = ["StripeFFN", "stripe_ffn", "linear_parts", "budget_stripe", "STRIPE_BUDGET_BYTES"]
+
+# ``stripe="budget"``: the largest stripe whose transient hidden activations stay within this many bytes. Every
+# stripe size saves the same bytes for backward (the input only); the size bounds only the transient, and fewer
+# stripes are never more work (same FLOPs, fewer loop iterations, larger matmuls). Measured on the seed shapes
+# (results/mlme_speed.md, fp32, a contended 2-core machine): stripes of 256 / 512 / 1024 / 2048 tokens cost 1.24 /
+# 1.11 / 1.02 / 1.04x the eager MLP's forward+backward, and the same 2048-token stripe measured again 1.34x, so
+# the spread there is as large as the trend. 16 MiB is the hidden activation of one seed-GPT micro-batch (16 x 128
+# tokens, width 4 x 256, fc output + GELU output, fp32): the seed shapes run in one stripe, a large model's MLP in
+# stripes of at most 16 MiB.
+STRIPE_BUDGET_BYTES = 16 * 2**20
+_HIDDEN_COPIES = {"plain": 2, "gated": 4}  # hidden-width tensors alive per stripe: fc, act / gate, up, act, product
+
+
+def budget_stripe(kind: str, hidden_width: int, dtype: torch.dtype, budget: Optional[int] = None) -> int:
+    """Tokens per stripe for ``stripe="budget"``: at most ``budget`` (default :data:`STRIPE_BUDGET_BYTES`) bytes of the
+    stripe's hidden activations."""
+    per_token = _HIDDEN_COPIES[kind] * hidden_width * torch.empty((), dtype=dtype).element_size()
+    return max(1, (STRIPE_BUDGET_BYTES if budget is None else budget) // per_token)
 
 
 def linear_parts(module: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
@@ -108,16 +126,17 @@ class StripeFFN(nn.Module):
     """An MLP computed by :func:`stripe_ffn`, holding the replaced MLP's submodules under their original names.
 
     Build with :meth:`plain` (``out(act(fc(x)))``) or :meth:`gated` (``down(act(gate(x)) * up(x))``).
-    ``dropout`` (a child name, optional) is applied to the output, outside the recomputed region.
+    ``dropout`` (a child name, optional) is applied to the output, outside the recomputed region. ``stripe``: tokens
+    per stripe, or ``"budget"`` (:func:`budget_stripe` of the activations' dtype, decided at each call).
     """
 
-    def __init__(self, children: dict[str, nn.Module], kind: str, roles: dict[str, str], stripe: int,
+    def __init__(self, children: dict[str, nn.Module], kind: str, roles: dict[str, str], stripe: Union[int, str],
                  dropout: Optional[str] = None):
         super().__init__()
         if kind not in ("plain", "gated"):
             raise ValueError(f"unknown StripeFFN kind {kind!r}; choose one of ['gated', 'plain']")
-        if stripe < 1:
-            raise ValueError(f"stripe must be >= 1 tokens, got {stripe}")
+        if stripe != "budget" and not (isinstance(stripe, int) and stripe >= 1):
+            raise ValueError(f"stripe must be >= 1 tokens or 'budget', got {stripe!r}")
         for name, child in children.items():
             self.add_module(name, child)
         self.kind, self.roles, self.stripe, self.dropout_name = kind, dict(roles), stripe, dropout
@@ -128,7 +147,7 @@ class StripeFFN(nn.Module):
             self.out_is_linear = False
 
     @classmethod
-    def plain(cls, fc: nn.Module, act: Callable[[Tensor], Tensor], out: nn.Module, stripe: int,
+    def plain(cls, fc: nn.Module, act: Callable[[Tensor], Tensor], out: nn.Module, stripe: Union[int, str],
               names: tuple[str, str, str] = ("fc", "act", "out"), dropout: Optional[tuple[str, nn.Module]] = None
               ) -> "StripeFFN":
         children = {names[0]: fc, names[2]: out}
@@ -140,7 +159,7 @@ class StripeFFN(nn.Module):
         return ffn
 
     @classmethod
-    def gated(cls, gate: nn.Module, up: nn.Module, down: nn.Module, act: nn.Module, stripe: int,
+    def gated(cls, gate: nn.Module, up: nn.Module, down: nn.Module, act: nn.Module, stripe: Union[int, str],
               names: tuple[str, str, str, str] = ("gate_proj", "up_proj", "down_proj", "act_fn")) -> "StripeFFN":
         children = {names[0]: gate, names[1]: up, names[2]: down, names[3]: act}
         return cls._build(children, "gated", {"gate": names[0], "up": names[1], "out": names[2], "act": names[3]},
@@ -173,12 +192,26 @@ class StripeFFN(nn.Module):
     def _whole(self, x: Tensor) -> Tensor:
         return self._role("out")(self.hidden(x))
 
+    def stripe_for(self, dtype: torch.dtype) -> int:
+        """Tokens per stripe for activations of ``dtype`` (``stripe="budget"``: :func:`budget_stripe`)."""
+        if self.stripe != "budget":
+            return self.stripe
+        out = self._role("out")
+        # the hidden width: the output projection's input features (nn.Linear and TRD's layer: in_features; HF
+        # Conv1D: nx), read from the module, not from a weight that ZeRO-3 may have partitioned to size 0
+        hidden = getattr(out, "in_features", None) or getattr(out, "nx", None)
+        if hidden is None:
+            raise TypeError(f"stripe_ffn \"budget\" needs the output projection's input width; "
+                            f"{type(out).__name__} has neither in_features nor nx: give stripe_ffn in tokens")
+        return budget_stripe(self.kind, int(hidden), dtype)
+
     def forward(self, x: Tensor) -> Tensor:
+        stripe = self.stripe_for(x.dtype)
         if self.out_is_linear:
             w_out, b_out = linear_parts(self._role("out"))
-            y = stripe_ffn(x, self.hidden, self._hidden_params(), w_out, b_out, self.stripe)
+            y = stripe_ffn(x, self.hidden, self._hidden_params(), w_out, b_out, stripe)
         else:
-            y = stripe_ffn(x, self._whole, list(self.parameters()), None, None, self.stripe)
+            y = stripe_ffn(x, self._whole, list(self.parameters()), None, None, stripe)
         if self.dropout_name is not None:
             y = getattr(self, self.dropout_name)(y)
         return y
