@@ -178,8 +178,12 @@ RESULTS: list[Result] = [
     Result("soak", "results/soak/soak.md", lambda p: f"{sum(r.get('result') == 'ok' for r in table_rows(ROOT / p))}"
            f" of {sum('result' in r for r in table_rows(ROOT / p))} checks ok"),
     Result("optimizer-step", "results/optim_step.md", _f(
-        "titan_balanced, fp32, 2^26 elements: {M_s_2^26} M elements/s, x torchao AdamW8bit {x_torchao_2^26}, "
-        "temporaries {temp_B_el_2^26} B/element, state {state_B_el_2^26} B/element", "optimizer", "titan_balanced")),
+        "titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24 (x torchao AdamW8bit {x_torchao_2^24}), "
+        "temporaries {temp_B_el_2^26} B/element at 2^26, state {state_B_el_2^26} B/element", "optimizer",
+        "titan_balanced")),
+    Result("profile", "results/profile_phases.md", _f(
+        "titan_balanced step {step_ms} ms, {vs_plain} plain's (optimizer {optimizer_ms} ms)", "row", "titan_balanced")),
+    Result("mlme-speed", "results/mlme_speed.md", lambda p: "MLME parts' forward+backward time vs plain PyTorch"),
     Result("trd", "results/trd.md", _f("rank 12: {trd_x_linears}x on the block linears at {delta_vs_base} nats",
                                        "config", "trd_r12")),
     Result("mlme", "results/mlme.md", _f("MLME: activations {activ_MiB} MiB (eager 198.6), {delta_vs_base} nats",
