@@ -67,7 +67,9 @@ def test_tiny_speed_run_alternates_rows_and_a_rerun_trains_nothing(tmp_path, mon
             "--train-args", TINY]
     table = speed.main(argv)
     assert [t["row"] for t in table] == ["plain", "titan_exact"] and all(t["repeats"] == 2 for t in table)
-    order = [(json.loads(x)["row"], json.loads(x)["repeat"]) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in out.with_suffix(".jsonl").read_text().splitlines()]
+    recs = [r.get("result", r) for r in recs]  # the results store's records hold each result under "result"
+    order = [(r["row"], r["repeat"]) for r in recs]
     assert order == [("plain", 0), ("titan_exact", 0), ("plain", 1), ("titan_exact", 1)]  # A B, A B
     assert all(t["tokens_per_s"] > 0 and 0 < t["mfu"] for t in table)
     md = out.with_suffix(".md").read_text()

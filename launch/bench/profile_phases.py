@@ -260,12 +260,16 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"steps": a.steps, "warmup": a.warmup, "profile_steps": a.profile_steps, "top": a.top,
                 "train_args": a.train_args}
-    store = ResultLog(out.with_suffix(".jsonl"), key=lambda r: (r["row"], json.dumps(r["settings"], sort_keys=True)))
+    # a row's ds_config and arguments are part of its key: editing a profile reruns its row
+    store = ResultLog(out.with_suffix(".jsonl"), key=lambda r: (r["row"], json.dumps(r["settings"], sort_keys=True),
+                                                                json.dumps(r.get("config"), sort_keys=True)))
     command = "python launch/bench/profile_phases.py " + shlex.join(argv)
     records = []
     for name in rows:
-        key = (name, json.dumps(settings, sort_keys=True))
-        records.append(store.get(key, lambda name=name: {**_run_child(name, a), "settings": settings},
+        config = list(row_config(name))
+        key = (name, json.dumps(settings, sort_keys=True), json.dumps(config, sort_keys=True))
+        records.append(store.get(key, lambda name=name, config=config: {**_run_child(name, a), "settings": settings,
+                                                                        "config": config},
                                  lambda r: f"{r['row']}: {r['step_ms']:.1f} ms/step"))
         write_table(records, out, command)
     print(out.with_suffix(".md").read_text())
