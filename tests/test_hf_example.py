@@ -91,6 +91,7 @@ def test_example_plain_config_is_plain_deepspeed(dist_env, tmp_path, ce_calls):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_hf_finetune_bench_rows_are_resumable(tmp_path):
     """launch/bench/hf_finetune.py on the tiny model: two rows, each one `deepspeed` launch, saved as they finish;
     a rerun with the same settings launches nothing. ASDT's accounted optimizer state is below AdamW's."""

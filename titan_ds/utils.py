@@ -11,8 +11,32 @@ __all__ = ["ensure_dist_env", "free_port", "rank", "get_logger", "release_deepsp
            "stale_deepspeed_shm", "guard_interpreter_exit", "after_init_distributed"]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port for a rendezvous, chosen at random *below* the kernel's ephemeral range. A port handed out
+    by ``bind(0)`` comes from that range, so any outgoing connection made before the store listens can take it
+    (CI failed once that way: EADDRINUSE in ``TCPStore``); ports outside it are only taken by explicit binds."""
+    import random
+    lo, _ = _ephemeral_range()
+    low, high = (20000, lo) if lo > 21000 else (1024, lo)
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every probe was taken: fall back on the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -8,7 +8,6 @@ no-offload path (ulp differences in the clip coefficient), so the reference is t
 which takes the same path.
 """
 import os
-import socket
 import sys
 from collections import Counter, OrderedDict
 
@@ -24,11 +23,8 @@ PY = sys.executable
 
 
 def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    from titan_ds.utils import free_port
+    return free_port()
 
 
 def run(tmp, name, *args, ranks=1):
@@ -256,6 +252,7 @@ def test_hms_equals_cpu_offload_with_clipping_and_grad_accumulation(tmp):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_resume_bit_exact_fresh_process_1rank(tmp):
     cont, = run(tmp, "hms_cont", "--mode", "hms", "--clip", 1.0)
     saved, = run(tmp, "hms_save", "--mode", "hms", "--clip", 1.0, "--steps", 3, "--save-at", 3,
@@ -267,6 +264,7 @@ def test_resume_bit_exact_fresh_process_1rank(tmp):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_deepspeed_own_nvme_swapper_loses_state_where_hms_does_not(tmp):
     """DeepSpeed's swappers over the titan aio-compatible handle (AsyncIOBuilder substituted in the three
     swap modules, seams 2.7 item 1): this isolates DeepSpeed's resume logic from the I/O backend."""

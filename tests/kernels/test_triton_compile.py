@@ -96,6 +96,7 @@ def test_attention_forward_compiles_for_sm90(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("cc", [90, 80])
 def test_attention_kernels_compile_bf16(cc, tmp_path):
     """Forward, dK/dV and dQ, bf16, head dims 32/64/128 at the default tile, for sm_90 and sm_80."""
@@ -104,6 +105,7 @@ def test_attention_kernels_compile_bf16(cc, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_attention_kernels_compile_fp32(tmp_path):
     """fp32 at head dim 64 (the fp32 block cap of 64: 128 x 128 blocks needed more shared memory than sm_90 has)."""
     _check(_compile([(k, "fp32", 64, cc) for k in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")

@@ -145,6 +145,7 @@ def _losses(p):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kill9_at_random_points_then_resume_bit_exact(tmp_path):
     """kill -9 while training and checkpointing every step (so also mid-save); resume continues exactly."""
     steps = 150  # long enough that the kill always lands mid-run

@@ -84,6 +84,7 @@ def _aborted(codes: list[int]) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_guarded_job_exits_cleanly_while_the_unguarded_one_aborts():
     """Guarded and unguarded runs of the same job, alternated, so both see the same machine and load (how often
     the race shows depends on both: 8 of 30 unguarded runs aborted here once, 1 of 12 on a busier day). The

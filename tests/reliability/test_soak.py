@@ -58,6 +58,7 @@ def test_too_few_samples_is_a_failure_not_a_pass():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_soak_short_budget(tmp_path):
     """40 steps, a checkpoint every 10: RSS, fds, threads, shm maps, temporary and HMS files flat after the
     first checkpoint; resuming from step 30 reproduces steps 31-40 bit for bit."""
