@@ -469,30 +469,35 @@ def _zero_inf_note(out: Path) -> str:
             f"8-bit state, density 1), gradient_buffer disk.")
 
 
-def write_speed(rows: list[dict], out: Path, a) -> None:
+def _write_table(base: Path, title: str, rows: list[dict], keys: list[str], notes: list[str], a) -> None:
+    """``base``.csv and ``base``.md (the command and machine first, then ``notes``, then the table)."""
     import csv
-    keys = ["cap_GiB", "mode", "shape", "params_M", "step_s", "x_zero_inf", "runs", "runs_step_s", "peak_anon_GiB",
-            "optimizer", "status"]
-    with open(out.parent / f"{out.name}.speed.csv", "w", newline="") as f:
+    with open(base.parent / f"{base.name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    notes = [f"Command: `PYTHONPATH=$PWD python launch/bench/hms_scale.py {a.cmdline}`",
-             f"Machine: {os.cpu_count()} CPU cores (shared), "
-             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM; {time.strftime('%Y-%m-%d')}",
-             f"Every mode at one shape under a {a.speed_cap:g} GiB cap, micro-batch 1, context 128: {a.speed_repeats} "
+    head = [f"Command: `PYTHONPATH=$PWD python launch/bench/hms_scale.py {a.cmdline}`",
+            f"Machine: {os.cpu_count()} CPU cores (shared), "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM; {time.strftime('%Y-%m-%d')}"]
+    md = f"### {title}\n\n" + "\n".join(head + notes) + "\n\n" + _md(rows, keys)
+    (base.parent / f"{base.name}.md").write_text(md)
+    print(md)
+
+
+def write_speed(rows: list[dict], out: Path, a) -> None:
+    keys = ["cap_GiB", "mode", "shape", "params_M", "step_s", "x_zero_inf", "runs", "runs_step_s", "peak_anon_GiB",
+            "optimizer", "status"]
+    notes = [f"Every mode at one shape under a {a.speed_cap:g} GiB cap, micro-batch 1, context 128: {a.speed_repeats} "
              f"runs per mode, the modes' order alternated between runs; each run {a.speed_warmup} warm-up + "
              f"{a.speed_steps} timed steps. step_s: median over the runs of each run's median timed step "
              f"(runs_step_s: each run's); x_zero_inf: step_s / ZeRO-Infinity's. optimizer: the engine's "
              f"basic_optimizer. Modes and configs: launch/bench/hms_scale.py's docstring. Shared 2-core machine: "
              f"indicative only.", _zero_inf_note(out)]
-    md = ("### HMS vs DeepSpeed's offload: s/step at one shape\n\n" + "\n".join(notes) + "\n\n" + _md(rows, keys))
-    (out.parent / f"{out.name}.speed.md").write_text(md)
-    print(md)
+    _write_table(out.parent / f"{out.name}.speed", "HMS vs DeepSpeed's offload: s/step at one shape", rows, keys,
+                 notes, a)
 
 
 def write(rows: list[dict], out: Path, a) -> None:
-    import csv
     gflops, disk_gbps = _speeds()
     for r in rows:
         if "params" in r:
@@ -500,15 +505,8 @@ def write(rows: list[dict], out: Path, a) -> None:
             if r.get("GiB_moved_per_step") is not None:
                 r["io_bound_s"] = r["GiB_moved_per_step"] * GiB / (disk_gbps * 1e9)
     keys = ["cap_GiB", "mode", "shape", "params_M", "x_zero3_cpu", "peak_anon_GiB", "max_usage_GiB", "peak_rss_GiB",
-            "disk_GiB", "step_s", "io_bound_s", "compute_bound_s", "next_fails"]
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    notes = [f"Command: `PYTHONPATH=$PWD python launch/bench/hms_scale.py {a.cmdline}`",
-             f"Machine: {os.cpu_count()} CPU cores (shared), "
-             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM; {time.strftime('%Y-%m-%d')}",
-             f"GPT of width {a.width} unless the shape says otherwise (heads width/64, vocab 256, context 128), micro-batch 1, {a.steps} steps, "
+            "disk_GiB", "step_s", "io_bound_s", "compute_bound_s", "next_fails", "status"]
+    notes = [f"GPT of width {a.width} unless the shape says otherwise (heads width/64, vocab 256, context 128), micro-batch 1, {a.steps} steps, "
              f"built under titan_ds.zero_init; depth bisected to {a.rel:.0%}. All modes: ZeRO-3 with "
              f"{', '.join(f'{k} {v:.0e}' for k, v in ZERO3_BOUNDS.items())}. peak_anon: sampled max of the cgroup's "
              f"rss + shmem; max_usage: the kernel's high-water mark (includes page cache, which the cap reclaims); "
@@ -516,9 +514,7 @@ def write(rows: list[dict], out: Path, a) -> None:
              f"s/step on a shared 2-core machine (other jobs ran beside it): indicative only."]
     if "zero_inf" in a.modes.split(","):
         notes.append(_zero_inf_note(out))
-    md = "### HMS at scale: largest GPT trained under a memory cap\n\n" + "\n".join(notes) + "\n\n" + _md(rows, keys)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    _write_table(out, "HMS at scale: largest GPT trained under a memory cap", rows, keys, notes, a)
 
 
 if __name__ == "__main__":
