@@ -189,7 +189,7 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     """Train once under the cap; the outcome and its measurements. ``aio``: ZeRO-Infinity's aio block; ``lock``:
     held around the run (:func:`timed_lock`); ``warmup``: first steps left out of s/step; ``tag``: file names."""
     out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width)}
-    nvme = os.path.join(path, f"{mode}_{layers}x{width}")
+    nvme = os.path.join(path, f"{mode}_{layers}x{width}{tag}")
     work = Path(path) / "cfg"
     work.mkdir(parents=True, exist_ok=True)
     name = f"{mode}_c{cap_gib:g}_{layers}x{width}{tag}"
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             aio = aio_settings(a.path, out.with_suffix(".aio_sweep.json"), a.lock)
             logging.info("zero_inf: aio %s (the best of the sweep in %s)", aio, out.with_suffix(".aio_sweep.json"))
-    kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / "hms_scale_cap", aio=aio, lock=a.lock)
+    kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / out.name, aio=aio, lock=a.lock)
     if speed is not None:
         st = SpeedTrials(out.with_suffix(".speed.jsonl"), a.reuse_stale)
         srows = speed_rows(st, modes, a.speed_cap, *speed, a.speed_warmup, a.speed_steps, a.speed_repeats, skip,
