@@ -235,6 +235,10 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     return out
 
 
+class NotMeasured(Exception):
+    """A trial the store does not hold, asked for under ``--no-run`` (tables from the store only)."""
+
+
 class Trials(ResultLog):
     """The trial log: every finished trial, keyed by (mode, cap, layers, width), in the results store
     (``launch/bench/store.py``); a rerun reuses them under its rule (same code, or ``reuse_stale``)."""
@@ -245,13 +249,18 @@ class Trials(ResultLog):
             return r
         super().__init__(path, lambda r: self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"]), load,
                          suite="hms-scale", reuse_stale=reuse_stale)
+        self.no_run = False  # True: a trial the store lacks raises NotMeasured instead of running
 
     @staticmethod
     def key(mode, cap, layers, width) -> tuple:
         return (mode, float(cap), int(layers), int(width))
 
     def run(self, mode, cap, layers, width, **kw) -> dict:
-        return self.get(self.key(mode, cap, layers, width), lambda: trial(mode, layers, width, cap, **kw),
+        def go() -> dict:
+            if self.no_run:
+                raise NotMeasured(f"{mode} cap {cap:g} GiB {layers}x{width}")
+            return trial(mode, layers, width, cap, **kw)
+        return self.get(self.key(mode, cap, layers, width), go,
                         lambda r: f"{mode} cap {cap:g} GiB {layers}x{width} ({r['params'] / 1e6:.0f}M): "
                                   f"{r['status']}, peak anon {r['peak_anon_GiB']:.2f} GiB, {r['wall_s']:.0f} s")
 
@@ -263,6 +272,7 @@ class SpeedTrials(ResultLog):
         super().__init__(path, lambda r: self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"], r["warmup"],
                                                   r["steps"], r["repeat"]),
                          suite="hms-scale-speed", reuse_stale=reuse_stale)
+        self.no_run = False
 
     @staticmethod
     def key(mode, cap, layers, width, warmup, steps, repeat) -> tuple:
@@ -270,6 +280,8 @@ class SpeedTrials(ResultLog):
 
     def run(self, mode, cap, layers, width, warmup, steps, repeat, **kw) -> dict:
         def go() -> dict:
+            if self.no_run:
+                raise NotMeasured(f"speed {mode} cap {cap:g} GiB {layers}x{width} run {repeat}")
             r = trial(mode, layers, width, cap, steps=warmup + steps, warmup=warmup, tag=f"_speed{repeat}", **kw)
             return dict(r, warmup=warmup, steps=steps, repeat=repeat)
         return self.get(self.key(mode, cap, layers, width, warmup, steps, repeat), go,
@@ -285,7 +297,10 @@ def speed_rows(st: SpeedTrials, modes: list[str], cap: float, layers: int, width
     for rep in range(repeats):
         for m in (modes if rep % 2 == 0 else modes[::-1]):  # alternate the order, so no mode always goes first
             if m not in skip:
-                runs[m].append(st.run(m, cap, layers, width, warmup, steps, rep, **kw))
+                try:
+                    runs[m].append(st.run(m, cap, layers, width, warmup, steps, rep, **kw))
+                except NotMeasured:
+                    pass
     rows = []
     for m in modes:
         row = {"cap_GiB": cap, "mode": m, "shape": f"{layers}x{width}", "params_M": gpt_params(layers, width) / 1e6}
@@ -293,7 +308,7 @@ def speed_rows(st: SpeedTrials, modes: list[str], cap: float, layers: int, width
         if m in skip:
             row["status"] = f"skipped: {skip[m]}"
         elif not ok:
-            row["status"] = "; ".join(sorted({r["status"] for r in runs[m]}))
+            row["status"] = "; ".join(sorted({r["status"] for r in runs[m]})) or "not measured"
         else:
             per_run = [r["step_s_median"] for r in ok]
             row.update(status="ok", runs=len(ok), step_s=statistics.median(per_run),
@@ -308,7 +323,19 @@ def speed_rows(st: SpeedTrials, modes: list[str], cap: float, layers: int, width
 
 def largest(trials: Trials, mode: str, cap: float, width: int, start: int, max_layers: int, rel: float,
             **kw) -> dict | None:
-    """Largest depth that fits: doubling from ``start`` to bracket, then bisection to ``rel`` relative width."""
+    """Largest depth that fits: doubling from ``start`` to bracket, then bisection to ``rel`` relative width.
+    Under ``trials.no_run`` the search stops at the first trial the store lacks: the largest recorded fit, with
+    ``unfinished`` naming that trial."""
+    try:
+        return _largest(trials, mode, cap, width, start, max_layers, rel, **kw)
+    except NotMeasured as e:
+        done = [r for r in trials.rows.values() if (r["mode"], r["cap_GiB"], r["width"]) == (mode, cap, width)]
+        best = max((r for r in done if r["fits"]), key=lambda r: r["layers"], default=None)
+        return dict(best or {}, unfinished=f"search unfinished: {e} not run")  # without "layers": no fit yet
+
+
+def _largest(trials: Trials, mode: str, cap: float, width: int, start: int, max_layers: int, rel: float,
+             **kw) -> dict | None:
     def fits(n: int) -> bool:
         return trials.run(mode, cap, n, width, **kw)["fits"]
 
@@ -373,6 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speed-steps", type=int, default=3, help="timed steps per speed run, after the warm-up")
     ap.add_argument("--speed-warmup", type=int, default=2, help="untimed first steps of a speed run")
     ap.add_argument("--speed-repeats", type=int, default=3, help="speed runs per mode, alternated")
+    ap.add_argument("--no-run", action="store_true",
+                    help="run nothing: the tables from the recorded trials (an unfinished search says so)")
     ap.add_argument("--lock", default=None, help="flock this file around each trial (e.g. /tmp/titan_timed.lock)")
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
     add_store_args(ap)
@@ -401,16 +430,18 @@ def main(argv: list[str] | None = None) -> None:
         if why is not None:
             logging.warning("zero_inf is skipped: %s", why)
             skip["zero_inf"] = why
-        else:
+        elif not (a.no_run and not out.with_suffix(".aio_sweep.json").exists()):  # --no-run measures nothing
             aio = aio_settings(a.path, out.with_suffix(".aio_sweep.json"), a.lock)
             logging.info("zero_inf: aio %s (the best of the sweep in %s)", aio, out.with_suffix(".aio_sweep.json"))
     kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / out.name, aio=aio, lock=a.lock)
     if speed is not None:
         st = SpeedTrials(out.with_suffix(".speed.jsonl"), a.reuse_stale)
+        st.no_run = a.no_run
         srows = speed_rows(st, modes, a.speed_cap, *speed, a.speed_warmup, a.speed_steps, a.speed_repeats, skip,
                            **kw)
         write_speed(srows, out, a)
     trials = Trials(out.with_suffix(".trials.jsonl"), a.reuse_stale)
+    trials.no_run = a.no_run
     kw["steps"] = a.steps
     opts = {m: dict(width=a.width, start=a.start, max_layers=a.max_layers) for m in MODES}
     for item in filter(None, a.mode_opts.split(";")):
@@ -435,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
             width = o["width"]
             best = largest(trials, mode, cap, width, max(o["start"], prev.get(mode, 0)), o["max_layers"], a.rel,
                            **kw)
+            if best is not None and "layers" not in best:
+                rows.append(dict(row, status=best["unfinished"]))
+                continue
             prev[mode] = best["layers"] if best else 0
             fail = [r for r in trials.rows.values() if r["mode"] == mode and r["cap_GiB"] == cap and not r["fits"]
                     and r["width"] == width]
@@ -449,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
                 row["shape"] = f"{best['layers']}x{width}"
                 row["next_fails"] = (f"{first_fail['layers']}x{width}: {first_fail['status']}"
                                      if first_fail else "-")
+                if best.get("unfinished"):
+                    row["next_fails"] += f"; {best['unfinished']}"
                 if mode == "zero3_cpu":
                     base = best["params"]
                 row["x_zero3_cpu"] = best["params"] / base if base else "-"
