@@ -22,7 +22,7 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
 - ``hms_balanced``: HMS with titan's quality-tested optimizer, the ``optimizer`` section of
   ``ds_configs/titan_balanced.json`` (ASDT, adaptive update, density 1, 8-bit state), fp32 parameters, and
   ``gradient_buffer: "disk"`` as in ``hms_asdt``; never the sign mode;
-- ``hms_asdt``: the same with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
+- ``hms_asdt``: ``hms`` with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
 - ``hms_asdt_bf16``: ``hms_asdt`` with bf16 parameters (``bf16.enabled``; the gradients still accumulate in fp32,
   ``data_types.grad_accum_dtype``, in the file mapping), ASDT's momentum in 8 bits, density 1 (no top-k
   selection: its cost dominated the step of a 405M model) and lr 1e-5 (sign steps at width 4096 need it):
@@ -30,10 +30,13 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   ``hms_asdt`` writes 14. For the full-size run (issue 16).
 
 ``--speed-shape LAYERSxWIDTH`` adds s/step at one shape every mode fits, under ``--speed-cap`` GiB: ``--speed-repeats``
-runs of each mode, alternated (mode order within a repeat), each ``--speed-warmup`` + ``--speed-steps`` steps;
+runs of each mode, alternated (the mode order reverses from one run to the next), each ``--speed-warmup`` + ``--speed-steps`` steps;
 a run's s/step is the median of its steps after the warm-up, the table's the median over the runs
 (``<out>.speed.{md,csv}``, trials in ``<out>.speed.jsonl``). ``--lock FILE`` holds ``flock FILE`` around each
 trial and the aio sweep (one trial at a time, so a hold lasts one trial), for machines where timed jobs share.
+``--no-run`` runs nothing and writes the tables from the recorded trials (give it the search options of the runs:
+a search that needs a trial not yet run says so in its row). A trial's key is (mode, cap, depth, width): the
+aio settings a ``zero_inf`` trial ran with are in its record, not its key. Trial logs: ``results/logs/<out name>/``.
 
 ``--mode-opts 'MODE:width=W,start=N,max_layers=N'`` (``;`` between modes) gives a mode its own width and search
 bounds: a 5B model is 25 layers of 4096 (700 of 768), and one trial of it takes about half an hour here.
