@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["next_fails"] = (f"{first_fail['layers']}x{width}: {first_fail['status']}"
                                      if first_fail else "-")
                 if best.get("unfinished"):
-                    row["next_fails"] += f"; {best['unfinished']}"
+                    row["next_fails"] = "; ".join(x for x in (row["next_fails"], best["unfinished"]) if x != "-")
                 if mode == "zero3_cpu":
                     base = best["params"]
                 row["x_zero3_cpu"] = best["params"] / base if base else "-"
