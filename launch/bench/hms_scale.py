@@ -10,13 +10,33 @@ that trains ``--steps`` steps with a finite loss inside a cgroup capped at C (``
 for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
 
 - ``zero3_cpu``: plain DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to CPU, torch AdamW;
+- ``zero_inf``: DeepSpeed's own NVMe offload (ZeRO-Infinity): ZeRO-3, optimizer state on NVMe through its
+  ``async_io`` op with the ``aio`` settings this disk measured best (:func:`aio_settings`: a small
+  ``ds_nvme_tune``-like sweep around DeepSpeed's recommended ones), parameters in CPU memory (``offload_param``
+  to ``nvme`` fails in DeepSpeed 0.19.8 at the second step here, see :data:`ZERO_INF_PARAM`), and DeepSpeed's
+  ``DeepSpeedCPUAdam`` built by DeepSpeed from the config's ``optimizer`` section (AdamW, the betas, lr and weight
+  decay launch/train.py gives torch AdamW; the weight decay applies to every tensor, where train.py's client
+  AdamW spares vectors). Needs libaio (``apt-get install libaio-dev``): checked at start
+  (:func:`async_io_status`); without it the mode is skipped with a reason row;
 - ``hms``: ZeRO-3 with titan HMS (parameters and optimizer state on disk), torch AdamW;
-- ``hms_asdt``: the same with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
+- ``hms_balanced``: HMS with titan's quality-tested optimizer, the ``optimizer`` section of
+  ``ds_configs/titan_balanced.json`` (ASDT, adaptive update, density 1, 8-bit state), fp32 parameters, and
+  ``gradient_buffer: "disk"`` as in ``hms_asdt``; never the sign mode;
+- ``hms_asdt``: ``hms`` with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
 - ``hms_asdt_bf16``: ``hms_asdt`` with bf16 parameters (``bf16.enabled``; the gradients still accumulate in fp32,
   ``data_types.grad_accum_dtype``, in the file mapping), ASDT's momentum in 8 bits, density 1 (no top-k
   selection: its cost dominated the step of a 405M model) and lr 1e-5 (sign steps at width 4096 need it):
   11 bytes/param on disk (bf16 partition 2, fp32 master 4, 8-bit momentum 1, fp32 gradient 4) where
   ``hms_asdt`` writes 14. For the full-size run (issue 16).
+
+``--speed-shape LAYERSxWIDTH`` adds s/step at one shape every mode fits, under ``--speed-cap`` GiB: ``--speed-repeats``
+runs of each mode, alternated (the mode order reverses from one run to the next), each ``--speed-warmup`` + ``--speed-steps`` steps;
+a run's s/step is the median of its steps after the warm-up, the table's the median over the runs
+(``<out>.speed.{md,csv}``, trials in ``<out>.speed.jsonl``). ``--lock FILE`` holds ``flock FILE`` around each
+trial and the aio sweep (one trial at a time, so a hold lasts one trial), for machines where timed jobs share.
+``--no-run`` runs nothing and writes the tables from the recorded trials (give it the search options of the runs:
+a search that needs a trial not yet run says so in its row). A trial's key is (mode, cap, depth, width): the
+aio settings a ``zero_inf`` trial ran with are in its record, not its key. Trial logs: ``results/logs/<out name>/``.
 
 ``--mode-opts 'MODE:width=W,start=N,max_layers=N'`` (``;`` between modes) gives a mode its own width and search
 bounds: a 5B model is 25 layers of 4096 (700 of 768), and one trial of it takes about half an hour here.
@@ -31,12 +51,15 @@ high-water mark with page cache), disk used, s/step, and the ratio of HMS's para
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import logging
 import math
 import os
 import shutil
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,27 +74,133 @@ from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
-MODES = ("zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")  # titan_ds.plan.MODES that stream or offload
+MODES = ("zero3_cpu", "zero_inf", "hms", "hms_balanced", "hms_asdt", "hms_asdt_bf16")
+BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms"}  # the titan_ds.plan mode each extra mode starts from
 GiB = 1 << 30
+# ZeRO-Infinity's parameter placement: "cpu". With "nvme", DeepSpeed 0.19.8 fails at the second step here ("param 3
+# already assigned swap buffer id 10"; with fewer buffers "Not enough buffers"), so the parameters stay in CPU memory
+ZERO_INF_PARAM = "cpu"
+# DeepSpeed's recommended aio settings (its docs' "aio" block, the defaults of 0.19.8's aio_config.py; thread_count
+# is intra_op_parallelism there) and the sweep around them (ds_nvme_tune sweeps these same knobs)
+AIO_RECOMMENDED = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                   "overlap_events": True}
+AIO_SWEEP = {"block_size": (262144, 1048576), "queue_depth": (8, 32), "intra_op_parallelism": (1, 2)}
+# the optimizer section of DeepSpeed's own offload: AdamW as launch/train.py's client AdamW sets it
+ZERO_INF_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": 0.1}}
 
 
 def gpt_params(layers: int, width: int) -> int:
     return model_spec(f"gpt:{layers}x{width}").params
 
 
-def ds_config(mode: str, nvme: str) -> dict:
-    return candidate_config(mode, nvme_path=nvme, micro_batch=1)  # what `titan-ds plan --out` writes
+def async_io_status() -> str | None:
+    """None when DeepSpeed's ``async_io`` op builds and loads here; else why not, with the fix."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        b = AsyncIOBuilder()
+        if not b.is_compatible(verbose=False):
+            return ("DeepSpeed's async_io op cannot be built: libaio is missing (as root: apt-get install -y "
+                    "libaio-dev, then rerun)")
+        b.load(verbose=False)
+    except Exception as e:  # a failed JIT build raises whatever the toolchain raised
+        return f"DeepSpeed's async_io op did not build or load ({type(e).__name__}: {e})"
+    return None
+
+
+def aio_sweep(path: str, mib: int = 256) -> list[dict]:
+    """Write then read a ``mib`` MiB file through DeepSpeed's aio handle (O_DIRECT) under each setting of
+    :data:`AIO_SWEEP` (the rest as recommended): one row per setting with its GB/s."""
+    import itertools
+
+    import torch
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    aio = AsyncIOBuilder().load(verbose=False)
+    os.makedirs(path, exist_ok=True)
+    f, rows = os.path.join(path, "aio_sweep.bin"), []
+    for values in itertools.product(*AIO_SWEEP.values()):
+        s = dict(AIO_RECOMMENDED, **dict(zip(AIO_SWEEP, values)))
+        h = aio.aio_handle(s["block_size"], s["queue_depth"], s["single_submit"], s["overlap_events"],
+                           s["intra_op_parallelism"])
+        buf = h.new_cpu_locked_tensor(mib << 20, torch.empty(0, dtype=torch.uint8))
+        buf.random_(0, 128)
+        speeds = {}
+        for op in ("write", "read"):
+            t = time.perf_counter()
+            n = h.sync_pwrite(buf, f) if op == "write" else h.sync_pread(buf, f)
+            if n < 0:
+                raise RuntimeError(f"aio {op} of {f} failed under {s}")
+            speeds[f"{op}_GBps"] = (mib << 20) / (time.perf_counter() - t) / 1e9
+        h.free_cpu_locked_tensor(buf)
+        rows.append({**s, **speeds})
+    os.remove(f)
+    return rows
+
+
+def aio_settings(path: str, sweep_file: Path, lock: str | None) -> dict:
+    """The ``aio`` block for ZeRO-Infinity: the swept setting with the best sum of read and write speed, measured
+    once into ``sweep_file`` (reused while it exists)."""
+    if sweep_file.exists():
+        rows = json.loads(sweep_file.read_text())
+    else:
+        with timed_lock(lock):
+            rows = aio_sweep(path)
+        sweep_file.write_text(json.dumps(rows, indent=1))
+    best = max(rows, key=lambda r: r["read_GBps"] + r["write_GBps"])
+    return {k: best[k] for k in AIO_RECOMMENDED}
+
+
+@contextlib.contextmanager
+def timed_lock(path: str | None):
+    """``flock path`` (exclusive, waiting) for the block; nothing when path is None."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
+    """The ds_config a mode trains: ``titan_ds.plan.candidate_config`` (what ``titan-ds plan --out`` writes) for its
+    modes; ``zero_inf`` and ``hms_balanced`` start from ``zero3_cpu`` and ``hms`` (so the same ZeRO-3 buffer
+    bounds) and change only what the docstring says. ``aio``: ZeRO-Infinity's aio block (default: recommended)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    cfg = candidate_config(BASE_MODE.get(mode, mode), nvme_path=nvme, micro_batch=1)
+    if mode == "zero_inf":
+        z = cfg["zero_optimization"]
+        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "pin_memory": True, "buffer_count": 4,
+                                  "fast_init": False}
+        z["offload_param"] = {"device": ZERO_INF_PARAM, "pin_memory": True}
+        cfg["aio"] = dict(aio or AIO_RECOMMENDED)
+        cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
+        cfg["zero_force_ds_cpu_optimizer"] = True  # DeepSpeed builds DeepSpeedCPUAdam from "optimizer"
+        cfg.pop("zero_allow_untested_optimizer")
+    elif mode == "hms_balanced":
+        balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
+        cfg["titan"]["optimizer"] = balanced
+        cfg["titan"]["hms"]["gradient_buffer"] = "disk"
+    return cfg
 
 
 def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, steps: int, timeout: float,
-          logs: Path) -> dict:
-    """Train once under the cap; the outcome and its measurements."""
-    nvme = os.path.join(path, f"{mode}_{layers}x{width}")
+          logs: Path, aio: dict | None = None, lock: str | None = None, warmup: int = 1, tag: str = "") -> dict:
+    """Train once under the cap; the outcome and its measurements. ``aio``: ZeRO-Infinity's aio block; ``lock``:
+    held around the run (:func:`timed_lock`); ``warmup``: first steps left out of s/step; ``tag``: file names."""
+    out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width)}
+    nvme = os.path.join(path, f"{mode}_{layers}x{width}{tag}")
     work = Path(path) / "cfg"
     work.mkdir(parents=True, exist_ok=True)
-    name = f"{mode}_c{cap_gib:g}_{layers}x{width}"
+    name = f"{mode}_c{cap_gib:g}_{layers}x{width}{tag}"
     cfg_path, summary = work / f"{name}.json", work / f"{name}.summary.json"
-    cfg_path.write_text(json.dumps(ds_config(mode, nvme)))
+    cfg = ds_config(mode, nvme, aio)
+    cfg_path.write_text(json.dumps(cfg))
+    if "aio" in cfg:
+        out["aio"] = cfg["aio"]
     summary.unlink(missing_ok=True)
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg_path), "--steps",
            str(steps), "--layers", str(layers), "--width", str(width), "--heads", str(max(1, width // 64)),
@@ -82,26 +211,35 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     env.setdefault("OMP_NUM_THREADS", "2")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     logs.mkdir(parents=True, exist_ok=True)
-    r = run_capped_clean(cmd, int(cap_gib * GiB), logs / f"{name}.log", env=env, cwd=str(ROOT), timeout=timeout)
-    out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width),
-           "peak_anon_GiB": r.peak_anon_bytes / GiB, "max_usage_GiB": r.max_usage_bytes / GiB, "wall_s": r.wall_s,
-           "returncode": r.returncode, "oom_killed": r.oom_killed, "timed_out": r.timed_out}
+    with timed_lock(lock):
+        r = run_capped_clean(cmd, int(cap_gib * GiB), logs / f"{name}.log", env=env, cwd=str(ROOT), timeout=timeout)
+    out.update({"peak_anon_GiB": r.peak_anon_bytes / GiB, "max_usage_GiB": r.max_usage_bytes / GiB, "wall_s": r.wall_s,
+           "returncode": r.returncode, "oom_killed": r.oom_killed, "timed_out": r.timed_out})
     s = json.loads(summary.read_text()) if summary.exists() else None
     finite = s is not None and math.isfinite(s["val_loss"]) and math.isfinite(s["train_loss_last10"])
-    out["fits"] = bool(r.ok and finite)
-    out["status"] = ("ok" if out["fits"] else "OOM-killed" if r.oom_killed else
+    # DeepSpeed's offload must run DeepSpeed's own optimizer: a run that fell back to another is not the mode
+    wrong_opt = mode == "zero_inf" and s is not None and s.get("optimizer") != "DeepSpeedCPUAdam"
+    out["fits"] = bool(r.ok and finite and not wrong_opt)
+    out["status"] = ("ok" if out["fits"] else f"optimizer {s.get('optimizer')}, not DeepSpeedCPUAdam" if wrong_opt else "OOM-killed" if r.oom_killed else
                      f"not finished in {timeout:.0f} s" if r.timed_out else
                      "non-finite loss" if s is not None else f"failed (exit {r.returncode})")
     if s is not None:
         hms = s.get("titan_metrics", {}).get("hms", {})
-        hist = [json.loads(x) for x in (work / f"{name}.metrics.jsonl").read_text().splitlines()[1:]]
+        hist = [json.loads(x) for x in (work / f"{name}.metrics.jsonl").read_text().splitlines()[warmup:]]
         steps_s = [h["step_s"] for h in hist]
+        out["step_s_all"] = steps_s
+        out["step_s_median"] = statistics.median(steps_s) if steps_s else float("nan")
+        out["optimizer"] = s.get("optimizer")
         moved = [h["hms"]["bytes_read"] + h["hms"]["bytes_written"] for h in hist if "hms" in h]
         out["GiB_moved_per_step"] = sum(moved) / len(moved) / GiB if moved else 0.0
         out.update(trainable=s["trainable_params"], step_s=sum(steps_s) / max(1, len(steps_s)), peak_rss_GiB=s["peak_rss"] / GiB,
                    disk_GiB=hms.get("disk_bytes", 0) / GiB, val_loss=s["val_loss"])
     shutil.rmtree(nvme, ignore_errors=True)
     return out
+
+
+class NotMeasured(Exception):
+    """A trial the store does not hold, asked for under ``--no-run`` (tables from the store only)."""
 
 
 class Trials(ResultLog):
@@ -114,20 +252,93 @@ class Trials(ResultLog):
             return r
         super().__init__(path, lambda r: self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"]), load,
                          suite="hms-scale", reuse_stale=reuse_stale)
+        self.no_run = False  # True: a trial the store lacks raises NotMeasured instead of running
 
     @staticmethod
     def key(mode, cap, layers, width) -> tuple:
         return (mode, float(cap), int(layers), int(width))
 
     def run(self, mode, cap, layers, width, **kw) -> dict:
-        return self.get(self.key(mode, cap, layers, width), lambda: trial(mode, layers, width, cap, **kw),
+        def go() -> dict:
+            if self.no_run:
+                raise NotMeasured(f"{mode} cap {cap:g} GiB {layers}x{width}")
+            return trial(mode, layers, width, cap, **kw)
+        return self.get(self.key(mode, cap, layers, width), go,
                         lambda r: f"{mode} cap {cap:g} GiB {layers}x{width} ({r['params'] / 1e6:.0f}M): "
                                   f"{r['status']}, peak anon {r['peak_anon_GiB']:.2f} GiB, {r['wall_s']:.0f} s")
 
 
+class SpeedTrials(ResultLog):
+    """The speed runs: keyed by (mode, cap, layers, width, warm-up, steps, repeat), in ``<out>.speed.jsonl``."""
+
+    def __init__(self, path: Path, reuse_stale: bool = False):
+        super().__init__(path, lambda r: self.key(r["mode"], r["cap_GiB"], r["layers"], r["width"], r["warmup"],
+                                                  r["steps"], r["repeat"]),
+                         suite="hms-scale-speed", reuse_stale=reuse_stale)
+        self.no_run = False
+
+    @staticmethod
+    def key(mode, cap, layers, width, warmup, steps, repeat) -> tuple:
+        return (mode, float(cap), int(layers), int(width), int(warmup), int(steps), int(repeat))
+
+    def run(self, mode, cap, layers, width, warmup, steps, repeat, **kw) -> dict:
+        def go() -> dict:
+            if self.no_run:
+                raise NotMeasured(f"speed {mode} cap {cap:g} GiB {layers}x{width} run {repeat}")
+            r = trial(mode, layers, width, cap, steps=warmup + steps, warmup=warmup, tag=f"_speed{repeat}", **kw)
+            return dict(r, warmup=warmup, steps=steps, repeat=repeat)
+        return self.get(self.key(mode, cap, layers, width, warmup, steps, repeat), go,
+                        lambda r: f"speed {mode} cap {cap:g} GiB {layers}x{width} run {repeat}: {r['status']}, "
+                                  f"{r.get('step_s_median', float('nan')):.2f} s/step")
+
+
+def speed_rows(st: SpeedTrials, modes: list[str], cap: float, layers: int, width: int, warmup: int, steps: int,
+               repeats: int, skip: dict, **kw) -> list[dict]:
+    """s/step of each mode at one shape: ``repeats`` runs, the modes alternated within each; a run's s/step is
+    the median of its steps after ``warmup``, the row's the median over the runs that trained."""
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(repeats):
+        for m in (modes if rep % 2 == 0 else modes[::-1]):  # alternate the order, so no mode always goes first
+            if m not in skip:
+                try:
+                    runs[m].append(st.run(m, cap, layers, width, warmup, steps, rep, **kw))
+                except NotMeasured:
+                    pass
+    rows = []
+    for m in modes:
+        row = {"cap_GiB": cap, "mode": m, "shape": f"{layers}x{width}", "params_M": gpt_params(layers, width) / 1e6}
+        ok = [r for r in runs[m] if r["fits"]]
+        if m in skip:
+            row["status"] = f"skipped: {skip[m]}"
+        elif not ok:
+            row["status"] = "; ".join(sorted({r["status"] for r in runs[m]})) or "not measured"
+        else:
+            per_run = [r["step_s_median"] for r in ok]
+            row.update(status="ok", runs=len(ok), step_s=statistics.median(per_run),
+                       runs_step_s=" ".join(f"{x:.2f}" for x in per_run),
+                       peak_anon_GiB=max(r["peak_anon_GiB"] for r in ok), optimizer=ok[0].get("optimizer"))
+        rows.append(row)
+    base = next((r["step_s"] for r in rows if r["mode"] == "zero_inf" and "step_s" in r), None)
+    for r in rows:
+        r["x_zero_inf"] = r["step_s"] / base if base and "step_s" in r else "-"
+    return rows
+
+
 def largest(trials: Trials, mode: str, cap: float, width: int, start: int, max_layers: int, rel: float,
             **kw) -> dict | None:
-    """Largest depth that fits: doubling from ``start`` to bracket, then bisection to ``rel`` relative width."""
+    """Largest depth that fits: doubling from ``start`` to bracket, then bisection to ``rel`` relative width.
+    Under ``trials.no_run`` the search stops at the first trial the store lacks: the largest recorded fit, with
+    ``unfinished`` naming that trial."""
+    try:
+        return _largest(trials, mode, cap, width, start, max_layers, rel, **kw)
+    except NotMeasured as e:
+        done = [r for r in trials.rows.values() if (r["mode"], r["cap_GiB"], r["width"]) == (mode, cap, width)]
+        best = max((r for r in done if r["fits"]), key=lambda r: r["layers"], default=None)
+        return dict(best or {}, unfinished=f"search unfinished: {e} not run")  # without "layers": no fit yet
+
+
+def _largest(trials: Trials, mode: str, cap: float, width: int, start: int, max_layers: int, rel: float,
+             **kw) -> dict | None:
     def fits(n: int) -> bool:
         return trials.run(mode, cap, n, width, **kw)["fits"]
 
@@ -174,11 +385,11 @@ def _md(rows: list[dict], keys: list[str]) -> str:
                      ["| " + " | ".join(f(r.get(k, "-")) for k in keys) + " |" for r in rows]) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", required=True, help="folder for HMS's files (on the disk to use, outside the repo)")
-    ap.add_argument("--caps", default="2,4,8", help="GiB, comma list")
-    ap.add_argument("--modes", default="zero3_cpu,hms")
+    ap.add_argument("--caps", default="2,4,8", help="GiB, comma list (empty: none, e.g. speed rows only)")
+    ap.add_argument("--modes", default="zero3_cpu,hms", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--mode-opts", default="",
                     help="'MODE:width=W,start=N,max_layers=N[;MODE:...]': a mode's own width and search bounds")
@@ -187,17 +398,54 @@ def main() -> None:
     ap.add_argument("--max-layers", type=int, default=512)
     ap.add_argument("--rel", type=float, default=0.1, help="stop bisecting at this relative bracket width")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per trial")
+    ap.add_argument("--speed-shape", default="", help="LAYERSxWIDTH: s/step of every mode at this shape")
+    ap.add_argument("--speed-cap", type=float, default=4.0, help="GiB cap of the speed runs")
+    ap.add_argument("--speed-steps", type=int, default=3, help="timed steps per speed run, after the warm-up")
+    ap.add_argument("--speed-warmup", type=int, default=2, help="untimed first steps of a speed run")
+    ap.add_argument("--speed-repeats", type=int, default=3, help="speed runs per mode, alternated")
+    ap.add_argument("--no-run", action="store_true",
+                    help="run nothing: the tables from the recorded trials (an unfinished search says so)")
+    ap.add_argument("--lock", default=None, help="flock this file around each trial (e.g. /tmp/titan_timed.lock)")
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
     add_store_args(ap)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    a.cmdline = " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_capped's cleanup then removes the cgroup
+    modes = a.modes.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    speed = None
+    if a.speed_shape:
+        try:
+            speed = tuple(int(x) for x in a.speed_shape.lower().split("x"))
+            assert len(speed) == 2 and min(speed) > 0
+        except (ValueError, AssertionError):
+            raise SystemExit(f"--speed-shape {a.speed_shape!r}: write LAYERSxWIDTH, e.g. 12x768") from None
     if not cgroup_available():
         raise SystemExit("hms_scale.py needs root and a cgroup v1 memory controller at /sys/fs/cgroup/memory")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    skip, aio = {}, None
+    if "zero_inf" in modes:
+        why = async_io_status()
+        if why is not None:
+            logging.warning("zero_inf is skipped: %s", why)
+            skip["zero_inf"] = why
+        elif not (a.no_run and not out.with_suffix(".aio_sweep.json").exists()):  # --no-run measures nothing
+            aio = aio_settings(a.path, out.with_suffix(".aio_sweep.json"), a.lock)
+            logging.info("zero_inf: aio %s (the best of the sweep in %s)", aio, out.with_suffix(".aio_sweep.json"))
+    kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / out.name, aio=aio, lock=a.lock)
+    if speed is not None:
+        st = SpeedTrials(out.with_suffix(".speed.jsonl"), a.reuse_stale)
+        st.no_run = a.no_run
+        srows = speed_rows(st, modes, a.speed_cap, *speed, a.speed_warmup, a.speed_steps, a.speed_repeats, skip,
+                           **kw)
+        write_speed(srows, out, a)
     trials = Trials(out.with_suffix(".trials.jsonl"), a.reuse_stale)
-    kw = dict(path=a.path, steps=a.steps, timeout=a.timeout, logs=out.parent / "logs" / "hms_scale_cap")
+    trials.no_run = a.no_run
+    kw["steps"] = a.steps
     opts = {m: dict(width=a.width, start=a.start, max_layers=a.max_layers) for m in MODES}
     for item in filter(None, a.mode_opts.split(";")):
         m, _, rest = item.partition(":")
@@ -209,21 +457,25 @@ def main() -> None:
         if set(opts[m]) != {"width", "start", "max_layers"}:
             raise SystemExit(f"--mode-opts: {item!r}: the keys are width, start and max_layers")
     rows, prev = [], {}
-    for cap in sorted(float(c) for c in a.caps.split(",")):
+    for cap in sorted(float(c) for c in filter(None, a.caps.split(","))):
         base = None
-        for mode in a.modes.split(","):
-            if mode not in MODES:
-                raise SystemExit(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        for mode in modes:
+            row = {"cap_GiB": cap, "mode": mode}
+            if mode in skip:
+                rows.append(dict(row, status=f"skipped: {skip[mode]}"))
+                continue
             # a larger cap starts where the smaller one ended
             o = opts[mode]
             width = o["width"]
             best = largest(trials, mode, cap, width, max(o["start"], prev.get(mode, 0)), o["max_layers"], a.rel,
                            **kw)
+            if best is not None and "layers" not in best:
+                rows.append(dict(row, status=best["unfinished"]))
+                continue
             prev[mode] = best["layers"] if best else 0
             fail = [r for r in trials.rows.values() if r["mode"] == mode and r["cap_GiB"] == cap and not r["fits"]
                     and r["width"] == width]
             first_fail = min(fail, key=lambda r: r["layers"]) if fail else None
-            row = {"cap_GiB": cap, "mode": mode}
             if best is None:
                 row.update(status="nothing fits")
             else:
@@ -234,16 +486,57 @@ def main() -> None:
                 row["shape"] = f"{best['layers']}x{width}"
                 row["next_fails"] = (f"{first_fail['layers']}x{width}: {first_fail['status']}"
                                      if first_fail else "-")
+                if best.get("unfinished"):
+                    row["next_fails"] = "; ".join(x for x in (row["next_fails"], best["unfinished"]) if x != "-")
                 if mode == "zero3_cpu":
                     base = best["params"]
                 row["x_zero3_cpu"] = best["params"] / base if base else "-"
             rows.append(row)
             write(rows, out, a)
-    write(rows, out, a)
+    if rows:
+        write(rows, out, a)
+
+
+def _zero_inf_note(out: Path) -> str:
+    sweep = out.with_suffix(".aio_sweep.json")
+    aio = (json.dumps({k: v for k, v in max(json.loads(sweep.read_text()), key=lambda r: r["read_GBps"] +
+                                               r["write_GBps"]).items() if k in AIO_RECOMMENDED})
+           if sweep.exists() else "not measured (async_io unavailable)")
+    return (f"zero_inf: DeepSpeed ZeRO-3 with offload_optimizer nvme (its async_io op; aio {aio}, the best of the "
+            f"sweep in {sweep.name}), offload_param {ZERO_INF_PARAM}, DeepSpeedCPUAdam from the config's optimizer "
+            f"section. hms_balanced: HMS with ds_configs/titan_balanced.json's optimizer section (ASDT adaptive, "
+            f"8-bit state, density 1), gradient_buffer disk.")
+
+
+def _write_table(base: Path, title: str, rows: list[dict], keys: list[str], notes: list[str], a) -> None:
+    """``base``.csv and ``base``.md (the command and machine first, then ``notes``, then the table)."""
+    import csv
+    with open(base.parent / f"{base.name}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    head = [f"Command: `PYTHONPATH=$PWD python launch/bench/hms_scale.py {a.cmdline}`",
+            f"Machine: {os.cpu_count()} CPU cores (shared), "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM; {time.strftime('%Y-%m-%d')}"]
+    md = f"### {title}\n\n" + "\n".join(head + notes) + "\n\n" + _md(rows, keys)
+    (base.parent / f"{base.name}.md").write_text(md)
+    print(md)
+
+
+def write_speed(rows: list[dict], out: Path, a) -> None:
+    keys = ["cap_GiB", "mode", "shape", "params_M", "step_s", "x_zero_inf", "runs", "runs_step_s", "peak_anon_GiB",
+            "optimizer", "status"]
+    notes = [f"Every mode at one shape under a {a.speed_cap:g} GiB cap, micro-batch 1, context 128: {a.speed_repeats} "
+             f"runs per mode, the modes' order alternated between runs; each run {a.speed_warmup} warm-up + "
+             f"{a.speed_steps} timed steps. step_s: median over the runs of each run's median timed step "
+             f"(runs_step_s: each run's); x_zero_inf: step_s / ZeRO-Infinity's. optimizer: the engine's "
+             f"basic_optimizer. Modes and configs: launch/bench/hms_scale.py's docstring. Shared 2-core machine: "
+             f"indicative only.", _zero_inf_note(out)]
+    _write_table(out.parent / f"{out.name}.speed", "HMS vs DeepSpeed's offload: s/step at one shape", rows, keys,
+                 notes, a)
 
 
 def write(rows: list[dict], out: Path, a) -> None:
-    import csv
     gflops, disk_gbps = _speeds()
     for r in rows:
         if "params" in r:
@@ -251,23 +544,16 @@ def write(rows: list[dict], out: Path, a) -> None:
             if r.get("GiB_moved_per_step") is not None:
                 r["io_bound_s"] = r["GiB_moved_per_step"] * GiB / (disk_gbps * 1e9)
     keys = ["cap_GiB", "mode", "shape", "params_M", "x_zero3_cpu", "peak_anon_GiB", "max_usage_GiB", "peak_rss_GiB",
-            "disk_GiB", "step_s", "io_bound_s", "compute_bound_s", "next_fails"]
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    notes = [f"Command: `PYTHONPATH=$PWD python launch/bench/hms_scale.py {' '.join(sys.argv[1:])}`",
-             f"Machine: {os.cpu_count()} CPU cores (shared), "
-             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM; {time.strftime('%Y-%m-%d')}",
-             f"GPT of width {a.width} unless the shape says otherwise (heads width/64, vocab 256, context 128), micro-batch 1, {a.steps} steps, "
+            "disk_GiB", "step_s", "io_bound_s", "compute_bound_s", "next_fails", "status"]
+    notes = [f"GPT of width {a.width} unless the shape says otherwise (heads width/64, vocab 256, context 128), micro-batch 1, {a.steps} steps, "
              f"built under titan_ds.zero_init; depth bisected to {a.rel:.0%}. All modes: ZeRO-3 with "
              f"{', '.join(f'{k} {v:.0e}' for k, v in ZERO3_BOUNDS.items())}. peak_anon: sampled max of the cgroup's "
              f"rss + shmem; max_usage: the kernel's high-water mark (includes page cache, which the cap reclaims); "
              f"peak_rss: the process's VmHWM (counts mapped files too). s/step: the steps after the first. io_bound_s: HMS's bytes read + written per step / dd's direct read speed (results/hms_streaming.csv); compute_bound_s: 6 x params x 128 tokens / the measured fp32 matmul GFLOP/s. next_fails: the smallest depth tried that did not fit, and why. "
              f"s/step on a shared 2-core machine (other jobs ran beside it): indicative only."]
-    md = "### HMS at scale: largest GPT trained under a memory cap\n\n" + "\n".join(notes) + "\n\n" + _md(rows, keys)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    if "zero_inf" in a.modes.split(","):
+        notes.append(_zero_inf_note(out))
+    _write_table(out, "HMS at scale: largest GPT trained under a memory cap", rows, keys, notes, a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,97 @@
+"""launch/bench/hms_scale.py: the configs its modes train (ZeRO-Infinity as DeepSpeed's docs set it up, HMS with
+titan_balanced's optimizer, the same ZeRO-3 buffer bounds everywhere), the aio choice, and a tiny capped
+ZeRO-Infinity trial that must run DeepSpeed's own CPU Adam."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from titan_ds.hms.install import ZERO3_BOUNDS
+
+_spec = importlib.util.spec_from_file_location("hms_scale", ROOT / "launch" / "bench" / "hms_scale.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["hms_scale"] = bench
+_spec.loader.exec_module(bench)
+
+
+def test_zero_inf_config_is_deepspeeds_nvme_offload_as_documented(tmp_path):
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    cfg = bench.ds_config("zero_inf", str(tmp_path))
+    z = DeepSpeedZeroConfig(**cfg["zero_optimization"])  # DeepSpeed's own parser, as the engine reads it
+    assert z.stage == 3
+    assert z.offload_optimizer.device == OffloadDeviceEnum.nvme and str(z.offload_optimizer.nvme_path) == str(tmp_path)
+    assert z.offload_param.device == OffloadDeviceEnum(bench.ZERO_INF_PARAM)
+    # the aio block: every key DeepSpeed reads, DeepSpeed's recommended values by default (its docs' block)
+    aio = get_aio_config(cfg)
+    assert {k: aio[k] for k in bench.AIO_RECOMMENDED} == bench.AIO_RECOMMENDED
+    assert bench.AIO_RECOMMENDED == {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+                                     "single_submit": False, "overlap_events": True}
+    # DeepSpeed builds the optimizer (DeepSpeedCPUAdam under offload): the config names it, no client optimizer
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["zero_force_ds_cpu_optimizer"] is True
+    assert "zero_allow_untested_optimizer" not in cfg and "titan" not in cfg
+    tuned = dict(bench.AIO_RECOMMENDED, queue_depth=32)
+    assert bench.ds_config("zero_inf", str(tmp_path), tuned)["aio"] == tuned
+
+
+@pytest.mark.parametrize("mode", bench.MODES)
+def test_every_mode_gets_the_same_zero3_buffer_bounds(mode, tmp_path):
+    z = bench.ds_config(mode, str(tmp_path))["zero_optimization"]
+    assert z["stage"] == 3 and {k: z[k] for k in ZERO3_BOUNDS} == ZERO3_BOUNDS
+
+
+def test_hms_balanced_trains_titan_balanceds_optimizer_not_the_sign_mode(tmp_path):
+    cfg = bench.ds_config("hms_balanced", str(tmp_path))
+    balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
+    opt = cfg["titan"]["optimizer"]
+    assert opt == balanced
+    assert opt["update"] == "adaptive" and opt["density"] == 1.0 and opt["state_dtype"] == "8bit"
+    assert cfg["titan"]["hms"]["nvme_path"] == str(tmp_path) and "offload_optimizer" not in cfg["zero_optimization"]
+
+
+def test_aio_settings_take_the_fastest_swept_setting_and_reuse_the_sweep(tmp_path):
+    rows = [dict(bench.AIO_RECOMMENDED, block_size=b, read_GBps=r, write_GBps=w)
+            for b, r, w in ((262144, 1.0, 1.0), (1048576, 1.5, 0.9), (4194304, 0.2, 0.1))]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(rows))
+    assert bench.aio_settings(str(tmp_path), sweep, None) == dict(bench.AIO_RECOMMENDED, block_size=1048576)
+
+
+def test_unknown_mode_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown mode 'zero_infinity'; choose from zero3_cpu, zero_inf"):
+        bench.ds_config("zero_infinity", str(tmp_path))
+    with pytest.raises(SystemExit, match="--speed-shape '12by768': write LAYERSxWIDTH"):
+        bench.main(["--path", str(tmp_path), "--speed-shape", "12by768"])
+
+
+@pytest.mark.slow  # ~100 s on the shared 2-core machine (DeepSpeed's start-up, two steps, validation)
+def test_tiny_zero_inf_trial_under_a_cap_runs_deepspeed_cpu_adam_on_nvme(tmp_path):
+    from titan_ds.memcap import cgroup_available
+    if not cgroup_available():
+        pytest.skip("needs root and a cgroup v1 memory controller")
+    why = bench.async_io_status()
+    if why is not None:
+        pytest.skip(why)
+    # 1x256: 0.9M parameters, one sub-group of 3.5 MB; DeepSpeed swaps only sub-groups >= max(1 MiB, block_size)
+    seen = []
+    real = bench.run_capped_clean
+
+    def spy(cmd, *a, **kw):  # the optimizer state must really be on the nvme path while it trains
+        r = real(cmd, *a, **kw)
+        seen.extend(p.name for p in tmp_path.rglob("*.tensor.swp"))
+        return r
+    bench.run_capped_clean = spy
+    try:
+        r = bench.trial("zero_inf", 1, 256, 2.0, path=str(tmp_path), steps=2, timeout=300, logs=tmp_path / "logs")
+    finally:
+        bench.run_capped_clean = real
+    assert r["fits"], (r, (tmp_path / "logs" / "zero_inf_c2_1x256.log").read_text()[-3000:])
+    assert r["optimizer"] == "DeepSpeedCPUAdam" and r["aio"] == bench.AIO_RECOMMENDED
+    assert any(n.endswith(".tensor.swp") for n in seen), "no optimizer swap file under the nvme path"
+    assert len(r["step_s_all"]) == 1 and r["step_s_median"] > 0
