@@ -40,7 +40,7 @@ demo2: $(SHM_OP)
 # Two pytest workers (pytest-xdist), one thread each: the 2-core CI machine runs the tiers in ~half the time.
 # `make test` is what CI runs (its budget: 25 min on a clean clone); `make test-heavy` runs the long reliability,
 # compile and benchmark-resume tests (~15 min more: kill -9 at random points, the soak, the gloo exit race,
-# Triton compiles, DeepSpeed's NVMe swapper bug), run before a release and by every session before it stops.
+# Triton compiles, DeepSpeed's NVMe swapper bug, a ZeRO-Infinity trial), run before a release and by every session before it stops.
 XDIST := -n 2
 test: $(SHM_OP) clean-shm
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests $(XDIST) --durations=10

@@ -71,6 +71,7 @@ def test_unknown_mode_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow  # ~100 s on the shared 2-core machine (DeepSpeed's start-up, two steps, validation)
+@pytest.mark.heavy  # and the async_io op's JIT build (libaio-dev) on a clean machine
 def test_tiny_zero_inf_trial_under_a_cap_runs_deepspeed_cpu_adam_on_nvme(tmp_path):
     from titan_ds.memcap import cgroup_available
     if not cgroup_available():
