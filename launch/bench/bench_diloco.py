@@ -107,10 +107,11 @@ def baseline_row(method: str, world: int, steps: int, *, corpus, lr: float, seed
 
 def specs(workers: list[int], lrs: list[float], seeds: list[int], steps: int, target: float, *,
           syncs: list[int], outer: list[tuple[float, float]], compressors: list[str],
-          baselines: tuple[str, ...] = ("dense", "rms")) -> list[dict]:
+          baselines: tuple[str, ...] = ("dense", "rms"), uncompressed: bool = True) -> list[dict]:
     """The grid, baselines first. ``target``: the received-bytes reduction the compressed rows aim at (``H`` gives
     ``H``x, the compressor the rest: all-reduced methods at ratio ``target / H``, the all-gathered ones (``topk``,
-    ``qtopk...``) at ``target / H * W / 2``). ``baselines``: which of ``dense`` (every lr) and ``rms`` to add."""
+    ``qtopk...``) at ``target / H * W / 2``). ``baselines``: which of ``dense`` (every lr) and ``rms`` to add;
+    ``uncompressed``: the ``none`` row at each H."""
     out = []
     for seed in seeds:
         for world in workers:
@@ -122,7 +123,8 @@ def specs(workers: list[int], lrs: list[float], seeds: list[int], steps: int, ta
                 for h in syncs:
                     for olr, mu in outer:
                         common = dict(sync_every=h, world=world, lr=lr, seed=seed, outer_lr=olr, outer_momentum=mu)
-                        out.append(dict(method="none", ratio=1.0, **common))
+                        if uncompressed:
+                            out.append(dict(method="none", ratio=1.0, **common))
                         for c in compressors:
                             ratio = target / h * (world / 2 if _gathered(c) else 1)
                             if ratio > 1:
@@ -234,6 +236,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     rows = [r for r in best(rows) if r["seed"] == min(x["seed"] for x in rows)]
+    if not rows:
+        return False
     family = {}  # one line per method: its best row (H, outer step, inner lr) at each W
     for r in rows:
         k = (_name(r).split(" H=")[0], r["world"])
@@ -250,7 +254,9 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax.set_xscale("log")
     ax.set_xlabel("MiB received per worker over the run (markers: square W=2, circle 8, triangle 32)")
     ax.set_ylabel("validation loss")
-    ax.set_title("each method at its best H / outer step / inner lr per W (seed 0, 200 steps)", fontsize=9)
+    steps = "/".join(str(x) for x in sorted({r["steps"] for r in rows}))
+    ax.set_title(f"each method at its best H / outer step / inner lr per W (seed {rows[0]['seed']}, {steps} steps)",
+                 fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -268,7 +274,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--outer", default="0.7:0.9", help="outer_lr:outer_momentum pairs, comma-separated")
     p.add_argument("--compressors", default="randk,topk,hge", help="outer-gradient compressors besides none")
     p.add_argument("--baselines", default="dense,rms", help="baseline rows to add: dense (every lr), rms")
-    p.add_argument("--no-baselines", dest="baselines", action="store_const", const="", help="skip the dense and rms rows")
+    p.add_argument("--no-baselines", dest="baselines", action="store_const", const="",
+                   help="skip the dense and rms rows")
+    p.add_argument("--no-uncompressed", dest="uncompressed", action="store_false",
+                   help="skip the uncompressed-outer (method none) row at each H")
     p.add_argument("--only-baselines", action="store_true", help="the baseline rows alone, no local-update rows")
     p.add_argument("--out", default="results/diloco")
     add_store_args(p)
@@ -287,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                  [int(x) for x in a.seeds.split(",")], a.steps, a.target, syncs=[int(x) for x in a.syncs.split(",")],
                  outer=[(float(x.split(":")[0]), float(x.split(":")[1])) for x in a.outer.split(",")],
                  compressors=[c for c in a.compressors.split(",") if c],
-                 baselines=tuple(b for b in a.baselines.split(",") if b))
+                 baselines=tuple(b for b in a.baselines.split(",") if b), uncompressed=a.uncompressed)
     if a.only_baselines:
         grid = [s for s in grid if s["sync_every"] == 1]
     store = open_store(jsonl, a.reuse_stale)
