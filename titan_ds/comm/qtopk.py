@@ -103,7 +103,7 @@ class QTopKCompressor:
         code |= (val < 0).to(torch.uint8) << (self.bits - 1)
         per = 8 // self.bits
         code = torch.nn.functional.pad(code.reshape(-1), (0, -code.numel() % per)).view(-1, per)
-        shifts = torch.arange(per, dtype=torch.uint8) * self.bits
+        shifts = torch.arange(per, dtype=torch.uint8, device=acc.device) * self.bits
         packed = (code << shifts).sum(dim=1, dtype=torch.uint8)                        # disjoint bits: sum == or
         ib = _index_bytes(c)
         index = idx.to(torch.int32).reshape(-1, 1)
@@ -119,12 +119,12 @@ class QTopKCompressor:
         index = sum(index[:, b] << (8 * b) for b in range(ib))
         per = 8 // self.bits
         packed = msg[m * ib:m * ib + -(-m // per)]
-        shifts = torch.arange(per, dtype=torch.uint8) * self.bits
+        shifts = torch.arange(per, dtype=torch.uint8, device=msg.device) * self.bits
         code = ((packed[:, None] >> shifts) & ((1 << self.bits) - 1)).reshape(-1)[:m].view(chunks, k)
         scale = msg[m * ib + -(-m // per):].clone().view(torch.float32)
         negative = (code >> (self.bits - 1)).bool()
         val = _dequantize((code & (levels - 1)).float(), negative, scale[:, None], levels)
-        pos = index.view(chunks, k) + torch.arange(chunks, dtype=torch.int64)[:, None] * c
+        pos = index.view(chunks, k) + torch.arange(chunks, dtype=torch.int64, device=msg.device)[:, None] * c
         return pos.reshape(-1), val.reshape(-1)
 
     def reduce(self, acc: torch.Tensor, comm: Collective, seed: int, *, layout: list[Segment],
