@@ -16,6 +16,7 @@ Rows at equal tokens (every worker sees ``micro_batch x context`` tokens per ste
   :class:`titan_ds.comm.diloco.OuterStep` (the package's code) with method ``none``: a dense all-reduce of the
   outer gradient every ``H`` steps; outer Nesterov lr 0.7, momentum 0.9;
 * ``diloco+<method>``: the same with the outer gradient compressed (``randk``/``hge``/``tgss`` all-reduced; ``topk``
+  and ``qtopk<bits>[c<chunk>]`` (chunked top-k, ``bits``-bit values, in-chunk indices; titan_ds/comm/qtopk.py)
   all-gathered at the ratio whose *received* bytes match the all-reduce rows').
 
 All collectives go through :class:`titan_ds.comm.wire.SimCollective`, whose bytes per worker are the costs of
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,7 @@ from launch.bench import compress_scale as cs  # noqa: E402
 from launch.bench.store import CODE_PATHS, Store, add_store_args, fields_identity  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.diloco import OuterStep  # noqa: E402
+from titan_ds.comm.qtopk import qtopk_reducer  # noqa: E402
 from titan_ds.comm.wire import SimCollective, ring_allreduce_bytes  # noqa: E402
 from titan_ds.data import Batcher, load_corpus  # noqa: E402
 from titan_ds.models import GPT  # noqa: E402
@@ -59,8 +62,7 @@ def diloco_row(method: str, ratio: float, sync_every: int, world: int, steps: in
     base = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)  # the same init as compress_scale
     models = [copy.deepcopy(base) for _ in range(world)]
     opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.999)) for m in models]
-    kw = {} if method == "none" else {"error_feedback": True}
-    outers = [OuterStep(list(m.named_parameters()), GradientReducer(method, ratio, seed=seed, **kw),
+    outers = [OuterStep(list(m.named_parameters()), _reducer(method, ratio, seed),
                         outer_lr=outer_lr, outer_momentum=outer_momentum) for m in models]
     batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
     sim = SimCollective(world)
@@ -105,22 +107,26 @@ def baseline_row(method: str, world: int, steps: int, *, corpus, lr: float, seed
 
 def specs(workers: list[int], lrs: list[float], seeds: list[int], steps: int, target: float, *,
           syncs: list[int], outer: list[tuple[float, float]], compressors: list[str],
-          baselines: bool = True) -> list[dict]:
+          baselines: tuple[str, ...] = ("dense", "rms"), uncompressed: bool = True) -> list[dict]:
     """The grid, baselines first. ``target``: the received-bytes reduction the compressed rows aim at (``H`` gives
-    ``H``x, the compressor the rest: all-reduced methods at ratio ``target / H``, top-k at ``target / H * W / 2``)."""
+    ``H``x, the compressor the rest: all-reduced methods at ratio ``target / H``, the all-gathered ones (``topk``,
+    ``qtopk...``) at ``target / H * W / 2``). ``baselines``: which of ``dense`` (every lr) and ``rms`` to add;
+    ``uncompressed``: the ``none`` row at each H."""
     out = []
     for seed in seeds:
         for world in workers:
-            if baselines:
+            if "dense" in baselines:
                 out += [dict(method="dense", ratio=1.0, sync_every=1, world=world, lr=lr, seed=seed) for lr in lrs]
+            if "rms" in baselines:
                 out.append(dict(method="rms", ratio=100.0, sync_every=1, world=world, lr=3e-3, seed=seed))
             for lr in lrs:
                 for h in syncs:
                     for olr, mu in outer:
                         common = dict(sync_every=h, world=world, lr=lr, seed=seed, outer_lr=olr, outer_momentum=mu)
-                        out.append(dict(method="none", ratio=1.0, **common))
+                        if uncompressed:
+                            out.append(dict(method="none", ratio=1.0, **common))
                         for c in compressors:
-                            ratio = target / h * (world / 2 if c == "topk" else 1)
+                            ratio = target / h * (world / 2 if _gathered(c) else 1)
                             if ratio > 1:
                                 out.append(dict(method=c, ratio=ratio, **common))
     for s in out:
@@ -128,6 +134,24 @@ def specs(workers: list[int], lrs: list[float], seeds: list[int], steps: int, ta
         s.setdefault("outer_lr", None)
         s.setdefault("outer_momentum", None)
     return out
+
+
+def _gathered(method: str) -> bool:
+    """All-gathered messages (received bytes grow with W): ``topk`` and ``qtopk<bits>[c<chunk>]``."""
+    return method == "topk" or _qtopk(method) is not None
+
+
+def _qtopk(method: str) -> Optional[dict]:
+    """``qtopk<bits>`` or ``qtopk<bits>c<chunk>`` (titan_ds/comm/qtopk.py; chunk 4096 unless given): its options."""
+    m = re.fullmatch(r"qtopk(\d)(?:c(\d+))?", method)
+    return None if m is None else {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096)}
+
+
+def _reducer(method: str, ratio: float, seed: int) -> GradientReducer:
+    q = _qtopk(method)
+    if q is not None:
+        return qtopk_reducer(ratio, **q)
+    return GradientReducer(method, ratio, seed=seed, **({} if method == "none" else {"error_feedback": True}))
 
 
 def _key(row: dict) -> tuple:
@@ -212,6 +236,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     rows = [r for r in best(rows) if r["seed"] == min(x["seed"] for x in rows)]
+    if not rows:
+        return False
     family = {}  # one line per method: its best row (H, outer step, inner lr) at each W
     for r in rows:
         k = (_name(r).split(" H=")[0], r["world"])
@@ -228,7 +254,9 @@ def plot(rows: list[dict], path: Path) -> bool:
     ax.set_xscale("log")
     ax.set_xlabel("MiB received per worker over the run (markers: square W=2, circle 8, triangle 32)")
     ax.set_ylabel("validation loss")
-    ax.set_title("each method at its best H / outer step / inner lr per W (seed 0, 200 steps)", fontsize=9)
+    steps = "/".join(str(x) for x in sorted({r["steps"] for r in rows}))
+    ax.set_title(f"each method at its best H / outer step / inner lr per W (seed {rows[0]['seed']}, {steps} steps)",
+                 fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -245,7 +273,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--syncs", default="20", help="sync_every values (H)")
     p.add_argument("--outer", default="0.7:0.9", help="outer_lr:outer_momentum pairs, comma-separated")
     p.add_argument("--compressors", default="randk,topk,hge", help="outer-gradient compressors besides none")
-    p.add_argument("--no-baselines", dest="baselines", action="store_false", help="skip the dense and rms rows")
+    p.add_argument("--baselines", default="dense,rms", help="baseline rows to add: dense (every lr), rms")
+    p.add_argument("--no-baselines", dest="baselines", action="store_const", const="",
+                   help="skip the dense and rms rows")
+    p.add_argument("--no-uncompressed", dest="uncompressed", action="store_false",
+                   help="skip the uncompressed-outer (method none) row at each H")
+    p.add_argument("--only-baselines", action="store_true", help="the baseline rows alone, no local-update rows")
     p.add_argument("--out", default="results/diloco")
     add_store_args(p)
     a = p.parse_args(argv)
@@ -262,7 +295,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     grid = specs([int(x) for x in a.workers.split(",")], [float(x) for x in a.lrs.split(",")],
                  [int(x) for x in a.seeds.split(",")], a.steps, a.target, syncs=[int(x) for x in a.syncs.split(",")],
                  outer=[(float(x.split(":")[0]), float(x.split(":")[1])) for x in a.outer.split(",")],
-                 compressors=[c for c in a.compressors.split(",") if c], baselines=a.baselines)
+                 compressors=[c for c in a.compressors.split(",") if c],
+                 baselines=tuple(b for b in a.baselines.split(",") if b), uncompressed=a.uncompressed)
+    if a.only_baselines:
+        grid = [s for s in grid if s["sync_every"] == 1]
     store = open_store(jsonl, a.reuse_stale)
     for spec in grid:
         want = {**spec, "method": _label(spec)}

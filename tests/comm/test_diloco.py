@@ -7,7 +7,9 @@ import torch
 
 from tests.helpers.collectives import run_ranks
 from titan_ds.comm import GradientReducer
-from titan_ds.comm.diloco import OuterStep, reference_round
+from titan_ds.comm.base import topk_budget
+from titan_ds.comm.diloco import OuterStep, param_layout, reference_round
+from titan_ds.comm.qtopk import QTopKCompressor, qtopk_budget, qtopk_message_bytes, qtopk_reducer, reference_qtopk
 from titan_ds.comm.wire import SimCollective, ring_allgather_bytes, ring_allreduce_bytes
 from titan_ds.config import TitanConfig, TitanConfigError
 
@@ -31,7 +33,13 @@ def _flat(named) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for _, p in named])
 
 
+QTOPK = {"bits": 2, "chunk": 16}  # 72 elements: 4 full chunks and a partial one
+
+
 def _outer(method, ratio, *, mu=0.9, ef=True):
+    if method == "qtopk":
+        return lambda named: OuterStep(named, qtopk_reducer(ratio, error_feedback=ef, **QTOPK), outer_lr=0.7,
+                                       outer_momentum=mu)
     kw = {} if method == "none" else {"error_feedback": ef}
     return lambda named: OuterStep(named, GradientReducer(method, ratio, **kw), outer_lr=0.7, outer_momentum=mu)
 
@@ -58,11 +66,11 @@ def _run_reference(world, rounds, method, ratio, mu=0.9, ef=True):
             _inner(named, r, rnd)
             xs.append(_flat(named))
         anchor, m, res = reference_round(xs, anchor, m, res, method=method, ratio=ratio, outer_lr=0.7,
-                                         outer_momentum=mu, error_feedback=ef)
+                                         outer_momentum=mu, error_feedback=ef, **QTOPK)
     return anchor
 
 
-@pytest.mark.parametrize("method,ratio", [("none", 1.0), ("topk", 4.0)])
+@pytest.mark.parametrize("method,ratio", [("none", 1.0), ("topk", 4.0), ("qtopk", 4.0)])
 def test_outer_step_equals_reference_bitwise(method, ratio):
     out = _run_threads(3, 4, _outer(method, ratio))
     ref = _run_reference(3, 4, method, ratio)
@@ -71,10 +79,69 @@ def test_outer_step_equals_reference_bitwise(method, ratio):
     assert not torch.equal(ref, _flat(_params(0)))
 
 
-def test_outer_momentum_and_error_feedback_change_the_result():
-    base = _run_reference(2, 3, "topk", 4.0)
-    assert not torch.equal(_run_threads(2, 3, _outer("topk", 4.0, mu=0.0))[0][0], base)
-    assert not torch.equal(_run_threads(2, 3, _outer("topk", 4.0, ef=False))[0][0], base)
+@pytest.mark.parametrize("method", ["topk", "qtopk"])
+def test_outer_momentum_and_error_feedback_change_the_result(method):
+    base = _run_reference(2, 3, method, 4.0)
+    assert not torch.equal(_run_threads(2, 3, _outer(method, 4.0, mu=0.0))[0][0], base)
+    assert not torch.equal(_run_threads(2, 3, _outer(method, 4.0, ef=False))[0][0], base)
+    assert torch.equal(_run_threads(2, 3, _outer(method, 4.0, ef=False))[0][0],
+                       _run_reference(2, 3, method, 4.0, ef=False))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("chunk,n", [(16, 72), (256, 1000), (300, 1000), (4096, 9000)])
+def test_qtopk_message_equals_reference_and_its_bytes_are_its_real_size(bits, chunk, n):
+    """One worker: what it sends (decoded from its packed message) is the oracle's, bit for bit; the message is a
+    uint8 tensor of the size the budget promised, within 4 n / ratio bytes; W workers each receive (W-1) of them."""
+    ratio, world = 10.0, 3
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(17 * r + bits)) for r in range(world)]
+    xs[0][5] = 0.0  # an exact zero and a partial last chunk (n % chunk) on the way
+    comp = QTopKCompressor(ratio, bits=bits, chunk=chunk)
+    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk)
+    msg = comp.encode(xs[0], k)
+    assert msg.dtype == torch.uint8 and msg.numel() == qtopk_message_bytes(n, k, bits=bits, chunk=chunk)
+    assert msg.numel() <= 4 * n / ratio or k == 1
+    sim = SimCollective(world)
+    out = sim.run(lambda w, comm: comp.reduce(xs[w].clone(), comm, 0, layout=[]))
+    refs = [reference_qtopk(x, ratio, bits=bits, chunk=chunk) for x in xs]
+    for w in range(world):
+        assert torch.equal(out[w][1], refs[w])
+        assert torch.equal(out[w][0], refs[0] + refs[1] + refs[2])
+    assert sim.received == [(world - 1) * msg.numel()] * world
+    levels = 2 ** (bits - 1)
+    for lo in range(0, n, chunk):  # each chunk: k values (fewer only in a short last chunk), each within half a level
+        x, s = xs[0][lo:lo + chunk], refs[0][lo:lo + chunk]
+        sel = s != 0
+        assert int(sel.sum()) == min(k, x.numel())
+        scale = x[sel].abs().max()
+        assert bool(((x[sel] - s[sel]).abs() <= scale / (2 * levels) + 1e-6 * scale).all())
+        assert bool(((torch.sign(s[sel]) == torch.sign(x[sel])) | (x[sel] == 0)).all())
+
+
+def test_qtopk_sends_more_coordinates_than_topk_and_error_feedback_keeps_the_rest():
+    """At the same bytes 2-bit qtopk sends > 3x topk's coordinates (2-byte in-chunk index + 2 bits against 8 bytes);
+    the reducer's residual is what was not sent: acc where nothing was sent, the quantization error where it was."""
+    n, ratio = 4 * 4096 - 5, 20.0
+    named = [("w", torch.nn.Parameter(torch.zeros(n)))]
+    reducer = qtopk_reducer(ratio, bits=2, chunk=4096)
+    acc = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    layout = param_layout(named)
+    summed = SimCollective(1).run(lambda w, comm: reducer.reduce(acc.clone(), layout, comm, 0))[0]
+    reducer.end_step()
+    sent = reference_qtopk(acc, ratio, bits=2, chunk=4096)
+    assert torch.equal(summed, sent)
+    assert int((sent != 0).sum()) > 3 * topk_budget(n, ratio)
+    residual = torch.zeros(n)
+    reducer.residuals.add_into(residual, layout)
+    assert torch.equal(residual, acc - sent)
+    assert torch.equal(residual[sent == 0], acc[sent == 0])
+    assert bool((residual[sent != 0].abs() < acc[sent != 0].abs()).all())
+
+
+def test_qtopk_refuses_bits_and_chunks_it_cannot_pack():
+    for kw, words in [({"bits": 3}, "bits=3"), ({"chunk": 1}, "chunk=1"), ({"chunk": 70000}, "chunk=70000")]:
+        with pytest.raises(ValueError, match=words):
+            QTopKCompressor(10.0, **kw)
 
 
 def test_simulator_equals_threads_and_counts_received_bytes():

@@ -18,7 +18,8 @@ One outer step on worker ``r`` (:meth:`OuterStep.sync`), over the flat fp32 vect
 
 The inner optimizer's state (AdamW's moments) stays per worker and is never averaged, as in DiLoCo.
 
-:func:`reference_round` is the plain-PyTorch oracle of steps 1-4 for ``none`` and ``topk`` (all workers in one
+:func:`reference_round` is the plain-PyTorch oracle of steps 1-4 for ``none``, ``topk`` and ``qtopk`` (the
+chunked, low-bit top-k of SparseLoCo, ``qtopk.py``: more coordinates at the same bytes; all workers in one
 process, no collective object): the tests hold the DeepSpeed path and the simulator to it bit for bit.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from .base import Segment, all_finite
 from .compressor import GradientReducer
+from .qtopk import reference_qtopk
 
 __all__ = ["OuterStep", "param_layout", "reference_round"]
 
@@ -109,11 +111,13 @@ class OuterStep:
 
 def reference_round(xs: list[torch.Tensor], anchor: torch.Tensor, momentum: Optional[torch.Tensor],
                     residuals: list[Optional[torch.Tensor]], *, method: str, ratio: float, outer_lr: float,
-                    outer_momentum: float, nesterov: bool = True,
-                    error_feedback: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor], list]:
+                    outer_momentum: float, nesterov: bool = True, error_feedback: bool = True, bits: int = 2,
+                    chunk: int = 4096) -> tuple[torch.Tensor, Optional[torch.Tensor], list]:
     """The oracle of one outer step for ``W = len(xs)`` workers' flat parameters: ``(new anchor, new momentum,
-    new residuals)``. ``method``: ``none`` (mean of the deltas) or ``topk`` (each worker's ``n / (2 ratio)``
-    largest entries of ``delta + residual``, summed in worker order)."""
+    new residuals)``. ``method``: ``none`` (mean of the deltas), ``topk`` (each worker's ``n / (2 ratio)``
+    largest entries of ``delta + residual``, summed in worker order) or ``qtopk`` (each worker's
+    :func:`~titan_ds.comm.qtopk.reference_qtopk` of ``delta + residual`` at ``bits``/``chunk``, summed in worker
+    order; the residual keeps the rest and the quantization error)."""
     world, summed = len(xs), torch.zeros_like(anchor)
     new_res: list = []
     for r, x in enumerate(xs):
@@ -129,8 +133,13 @@ def reference_round(xs: list[torch.Tensor], anchor: torch.Tensor, momentum: Opti
             res = acc.clone()
             res[idx] = 0.0
             new_res.append(res if error_feedback else None)
+        elif method == "qtopk":
+            acc = d + residuals[r] if (error_feedback and residuals[r] is not None) else d
+            sent = reference_qtopk(acc, ratio, bits=bits, chunk=chunk)
+            summed = summed + sent
+            new_res.append(acc - sent if error_feedback else None)
         else:
-            raise ValueError(f"the reference knows methods 'none' and 'topk', not {method!r}")
+            raise ValueError(f"the reference knows methods 'none', 'topk' and 'qtopk', not {method!r}")
     g = summed / world
     if outer_momentum > 0:
         # the same primitives as OuterStep (ATen's add with alpha may fuse the multiply): bitwise comparable
