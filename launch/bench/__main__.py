@@ -66,7 +66,7 @@ TABLES: dict[str, tuple[str, list[str]]] = {
                                                      "results/compress_rms_1000_rss"]),
     "compression-scale": ("launch.bench.compress_scale", ["results/compress_w2_300", "results/compress_w2_1000",
                                                            "results/compress_scale_w"]),
-    "local-updates": ("launch.bench.bench_diloco", ["results/diloco"]),
+    "local-updates": ("launch.bench.bench_diloco", ["results/diloco", "results/diloco_long"]),
     "plan-accuracy": ("launch.bench.plan_accuracy", ["results/plan_accuracy"]),
     "hf-finetune": ("launch.bench.hf_finetune", ["results/hf_finetune.md", "results/hf_finetune_s1.md",
                                                   "results/hf_finetune_memory.md"]),
@@ -150,6 +150,17 @@ RESULTS: list[Result] = [
         "diloco+topk H=20"), "python launch/bench/bench_diloco.py --workers 8,32 --steps 200 --lrs 1e-3 --seeds 1 "
         "--syncs 20 --outer 0.7:0.5 --compressors topk --out results/diloco (every invocation: "
         "results/diloco/commands.txt)"),
+    Result("local-updates", "results/diloco_long/table.md", _f(
+        "W=8, 1000 steps, {x_recv}x received: DiLoCo + qtopk (2-bit) outer {delta_vs_dense} nats vs dense (target "
+        "0.05: missed)", "method", "diloco+qtopk2c256 H=20"), "python launch/bench/bench_diloco.py --workers 8 "
+        "--steps 1000 --lrs 1e-3 --seeds 0 --syncs 20 --outer 0.7:0.5 --compressors qtopk2c256 --no-baselines "
+        "--reuse-stale --out results/diloco_long (every invocation: results/diloco_long/commands.txt)"),
+    Result("hms-scale", "results/hms_scale_zinf.md", _f(
+        "2 GiB cap: ZeRO-Infinity (optimizer on NVMe) trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload",
+        "mode", "zero_inf")),
+    Result("hms-scale", "results/hms_scale_zinf.speed.md", _f(
+        "12x768 under 4 GiB: HMS + AdamW at {x_zero_inf}x ZeRO-Infinity's s/step (one run, shared machine)",
+        "mode", "hms")),
     Result("hms-scale", "results/hms_scale_cap2.md", _f(
         "2 GiB cap: HMS+ASDT trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload", "mode", "hms_asdt")),
     Result("hms-scale", "results/hms_scale_cap8.md", _f(
