@@ -22,6 +22,15 @@ LAYOUTS = {
 KINDS = [("8bit", "4bit"), ("4bit", "4bit")]
 
 
+@pytest.fixture(autouse=True)
+def _compiled_or_error():
+    """Past dynamo's recompile limit a compiled function silently runs eagerly, which would make these
+    comparisons trivially pass: raise instead."""
+    import torch._dynamo
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
+
+
 def _setup(lengths, state_kinds, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
@@ -102,7 +111,7 @@ def test_a_wrong_beta_in_the_compiled_step_fails(monkeypatch):
         hp[2] -= 1e-3
         return real(w, g, m_raw, v_raw, bc1, inv_bc2, hp, *rest)
 
-    monkeypatch.setattr(core, "_compiled", lambda: wrong)  # eager _fused_chunk: the same function, uncompiled
+    monkeypatch.setattr(core, "_compiled", lambda *static: wrong)  # eager _fused_chunk: the same function, uncompiled
     wc, sc, _ = _run(lengths, chunk, KINDS[0], torch.float32, compiled=True)
     assert not torch.equal(we, wc)
     assert not torch.equal(se["v"], sc["v"])

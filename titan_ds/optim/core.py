@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import types
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Optional, Union
@@ -206,7 +207,7 @@ def _unit_second_moment(g_flat: torch.Tensor, slices: list[Slice], seconds: torc
     return (((v.double() / bc2).sqrt() + eps) * bc1).float()
 
 
-# The compiled step sees a chunk as [units, rows, 2, 128] (every unit a whole number of FUSED_BLOCK = 256 values,
+# The compiled step sees a chunk as [1, rows, 2, 128] (every unit a whole number of FUSED_BLOCK = 256 values,
 # so an 8-bit block is one row and a 4-bit block half of one): block scales then index by whole dimensions. A flat
 # dynamic length made inductor compute ``i % (256 * (n // 256))`` at each load, and a flat 4-bit block index
 # (``i // 128``) made it emit scalar loops or fail (an assertion in its CPU loop split at 256 rows).
@@ -252,7 +253,7 @@ def _decode(raw: tuple, tables: Optional[tuple], kind: Optional[str]) -> torch.T
 
 def _encode(x: torch.Tensor, like: tuple, tables: Optional[tuple], kind: Optional[str]) -> tuple:
     """torchao's scale_tensor (each block over its absmax, clipped at 1e-12) and qstate's encoding, over the
-    blocks of ``x`` ([units, rows, 2, 128]) as whole dimensions."""
+    blocks of ``x`` ([1, rows, 2, 128]) as whole dimensions."""
     if kind is None:
         return (x.to(like[0].dtype),)
     from . import qstate
@@ -278,8 +279,8 @@ def _fused_chunk(w: torch.Tensor, g: torch.Tensor, m_raw: tuple, v_raw: tuple, b
                  inv_bc2: torch.Tensor, hp: torch.Tensor, m_tables: Optional[tuple], v_tables: Optional[tuple],
                  m_kind: Optional[str], v_kind: Optional[str], importance: str, clip: bool, out_dtype: torch.dtype):
     """:func:`dense_step`'s adaptive per-coordinate chunk as one pure function (what ``torch.compile`` fuses):
-    ``w``, ``g``: ``[units, rows, 2, 128]``; ``m_raw``, ``v_raw``: :func:`_unpacked` slices; ``bc1``,
-    ``inv_bc2``: ``[units, 1, 1, 1]``; ``hp``: fp32 ``(b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
+    ``w``, ``g``: ``[1, rows, 2, 128]``; ``m_raw``, ``v_raw``: :func:`_unpacked` slices; ``bc1``,
+    ``inv_bc2``: ``[1, rows, 1, 1]`` (each row's unit's); ``hp``: fp32 ``(b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
     update_clip)``. Returns the new weights (``out_dtype``), the new raw momentum and second moment, and the
     count of changed elements. The arithmetic is the eager loop's, op for op."""
     gf, wf = g.float(), w.float()
@@ -294,25 +295,26 @@ def _fused_chunk(w: torch.Tensor, g: torch.Tensor, m_raw: tuple, v_raw: tuple, b
             mask.sum())
 
 
-def _fused_step(fn, w_flat: torch.Tensor, g_flat: torch.Tensor, s: Slice, momentum: StateBuffer,
+def _fused_step(w_flat: torch.Tensor, g_flat: torch.Tensor, s: Slice, momentum: StateBuffer,
                 variance: StateBuffer, bc1: torch.Tensor, inv_bc2: torch.Tensor, hp: torch.Tensor, importance: str,
                 clip: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Chunk ``s`` on the compiled :func:`_fused_chunk` ``fn``, its results stored in place; the count of changed
+    """Chunk ``s`` on the compiled :func:`_fused_chunk`, its results stored in place; the count of changed
     elements. bf16 weights with stochastic rounding get the fp32 result rounded eagerly (round_to: the draws of the
     eager path, from the same generator)."""
     from . import qstate
-    rows = s.hi - s.lo
-    shape = (rows, s.uniform // FUSED_BLOCK)
+    shape = (1, s.n // FUSED_BLOCK)  # units and their rows as one dimension: one graph for any count of units
     full = (*shape, *FUSED_ROW)
+    per_row = [x[s.lo:s.hi].repeat_interleave(s.uniform // FUSED_BLOCK).view(*shape, 1, 1) for x in (bc1, inv_bc2)]
     w = w_flat[s.flat:s.flat + s.n]
     m_raw, v_raw = _state_in(momentum, s, shape), _state_in(variance, s, shape)
     m_in, v_in = (_unpacked(raw, shape) for raw in (m_raw, v_raw))
     tables = [None if b.kind is None else qstate._on(b.kind, b.signed, w.device) for b in (momentum, variance)]
     sr = generator is not None and w.dtype == torch.bfloat16
+    out_dtype = torch.float32 if sr else w.dtype
+    fn = _compiled(momentum.kind, variance.kind, importance, clip, out_dtype)
     new, m_new, v_new, count = fn(w.view(full), g_flat[s.flat:s.flat + s.n].view(full),
-                                  m_in, v_in, bc1[s.lo:s.hi].view(rows, 1, 1, 1), inv_bc2[s.lo:s.hi].view(rows, 1, 1, 1),
-                                  hp, *tables, momentum.kind, variance.kind, importance, clip,
-                                  torch.float32 if sr else w.dtype)
+                                  m_in, v_in, *per_row,
+                                  hp, *tables, momentum.kind, variance.kind, importance, clip, out_dtype)
     w.copy_(round_to(w.dtype, new.view(-1), generator) if sr else new.view(-1))
     for dst, src in zip(m_raw + v_raw, m_new + v_new):
         dst.copy_(qstate._pack4(src.view(-1)) if dst.shape != src.shape else src)  # 4-bit codes: packed
@@ -320,10 +322,15 @@ def _fused_step(fn, w_flat: torch.Tensor, g_flat: torch.Tensor, s: Slice, moment
 
 
 @lru_cache(maxsize=None)
-def _compiled():
+def _compiled(*static):
     """:func:`_fused_chunk` under ``torch.compile`` (inductor: vectorized C++ on a CPU, Triton on a GPU), with
-    dynamic shapes: one graph serves every chunk length (rows of one unit and of many compile apart)."""
-    return torch.compile(_fused_chunk, dynamic=True, options=OPTIONS)
+    dynamic shapes: one graph serves every chunk length and count of units (per state kinds, weight dtype,
+    importance and clip; a chunk of one 256-value row compiles apart)."""
+    # One copy of the function (its own code object, so its own dynamo cache and recompile limit) per ``static``
+    # (kinds, importance, clip, weight dtype): otherwise the variants of one process (tests run many) pass
+    # dynamo's limit of 8 graphs a code object, past which it silently runs the function eagerly.
+    fn = types.FunctionType(_fused_chunk.__code__.replace(), _fused_chunk.__globals__, "_fused_chunk")
+    return torch.compile(fn, dynamic=True, options=OPTIONS)
 
 
 def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], momentum: StateBuffer, *,
@@ -355,14 +362,13 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
     elif update != "sign":
         raise ValueError(f"dense_step: unknown update {update!r}")
     selected: Union[int, torch.Tensor] = 0
-    fused = None
-    if adaptive and variance is not None and (COMPILE if compiled is None else compiled):
-        fused = _compiled()
+    fused = adaptive and variance is not None and (COMPILE if compiled is None else compiled)
+    if fused:
         hp = torch.tensor([b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
                            0.0 if update_clip is None else update_clip], dtype=torch.float32, device=w_flat.device)
     for s in slices:
-        if fused is not None and _fusable(s, momentum, variance):
-            selected = selected + _fused_step(fused, w_flat, g_flat, s, momentum, variance, bc1, inv_bc2, hp,
+        if fused and _fusable(s, momentum, variance):
+            selected = selected + _fused_step(w_flat, g_flat, s, momentum, variance, bc1, inv_bc2, hp,
                                               importance, update_clip is not None, generator)
             continue
         w = w_flat[s.flat:s.flat + s.n]
