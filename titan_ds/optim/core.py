@@ -30,8 +30,8 @@ gradient first (each unit's mean square). Strategies that need a whole unit or e
 density < 1, the TGSS sketch, BSPS modes, a unit split across ranks) stay in :mod:`~titan_ds.optim.asdt_math`;
 ASDT routes to this core when none is on.
 
-**The compiled fused chunk** (:func:`_fused_chunk` under ``torch.compile``, :data:`COMPILE`, off with
-``TITAN_CORE_COMPILE=0`` or ``dense_step(compiled=False)``): the adaptive step with the per-coordinate second
+**The compiled fused chunk** (:func:`_fused_chunk` under ``torch.compile``; on with ``TITAN_CORE_COMPILE=1``
+(:data:`COMPILE`) or ``dense_step(compiled=True)``): the adaptive step with the per-coordinate second
 moment runs each chunk of units of one length (a multiple of 256; 4-bit codes starting on a byte) as one graph:
 decode, update, weight step and encode, which inductor fuses into a few loops (vectorized C++ on a CPU, Triton on
 a GPU). It stores what the eager loop stores, bit for bit: the one op it leaves to ATen is the square root
@@ -62,14 +62,15 @@ __all__ = ["CHUNK", "Slice", "StateBuffer", "plan", "dense_step"]
 # slower than 256K-1M ones on this CPU).
 CHUNK, MAX_CHUNK, PARTS = 1 << 16, 1 << 20, 32
 
-# Whether dense_step runs the adaptive per-coordinate chunks on the compiled fused step (_fused_chunk) by default;
-# TITAN_CORE_COMPILE=0 keeps every chunk on the eager path (the oracle).
-# Measured (results/tmp runs, 2^20-2^22 elements, 1 thread, bit-for-bit equal): 1.3-1.6x the eager loop's
-# elements/s for titan_balanced/titan_memory; compiling costs ~5-20 s per variant (state kinds, weight dtype, one
-# unit or many) in a fresh process, on the first step that meets it.
-_env = os.environ.get("TITAN_CORE_COMPILE", "1")
+# Whether dense_step runs the adaptive per-coordinate chunks on the compiled fused step (_fused_chunk) by default.
+# Off by default (TITAN_CORE_COMPILE=1 turns it on). Measured (smoke runs on a shared 2-core CPU, 2^20 elements,
+# 1 thread, bit-for-bit equal): 1.3-1.6x the eager loop's elements/s for titan_balanced/titan_memory, far from
+# DeepSpeedCPUAdam; compiling costs ~5-20 s and ~37 MB of peak RSS per variant (state kinds, weight dtype,
+# importance, clip) on the first step that meets it, which the step-temporaries contract (tests/optim/test_core.py,
+# step 2 of a fresh process) then counts: 9.1 B/element at 2^22 elements.
+_env = os.environ.get("TITAN_CORE_COMPILE", "0")
 if _env not in ("0", "1"):
-    raise ValueError(f"TITAN_CORE_COMPILE={_env!r}: set 1 (the compiled fused step, default) or 0 (the eager loop)")
+    raise ValueError(f"TITAN_CORE_COMPILE={_env!r}: set 1 (the compiled fused step) or 0 (the eager loop, default)")
 COMPILE = _env == "1"
 # The lookup tables are indexed by codes and 16-bit patterns that are in range by construction; inductor's bounds
 # check of each indirect load cost ~30% of the 8-bit step (measured once, on a shared CPU).
