@@ -63,9 +63,9 @@ __all__ = ["CHUNK", "Slice", "StateBuffer", "plan", "dense_step"]
 CHUNK, MAX_CHUNK, PARTS = 1 << 16, 1 << 20, 32
 
 # Whether dense_step runs the adaptive per-coordinate chunks on the compiled fused step (_fused_chunk) by default.
-# Off by default (TITAN_CORE_COMPILE=1 turns it on). Measured (smoke runs on a shared 2-core CPU, 2^20 elements,
-# 1 thread, bit-for-bit equal): 1.3-1.6x the eager loop's elements/s for titan_balanced/titan_memory, far from
-# DeepSpeedCPUAdam; compiling costs ~5-20 s and ~37 MB of peak RSS per variant (state kinds, weight dtype,
+# Off by default (TITAN_CORE_COMPILE=1 turns it on). Measured (launch/bench/optim_step.py --what speed, 2^24 fp32,
+# 1 thread, bit-for-bit equal): 2.0x / 2.3x the eager loop's elements/s for titan_balanced / titan_memory (51.0 /
+# 49.6 M/s), 0.08x DeepSpeedCPUAdam; compiling costs ~5-20 s and ~37 MB of peak RSS per variant (state kinds, weight dtype,
 # importance, clip) on the first step that meets it, which the step-temporaries contract (tests/optim/test_core.py,
 # step 2 of a fresh process) then counts: 9.1 B/element at 2^22 elements.
 _env = os.environ.get("TITAN_CORE_COMPILE", "0")
