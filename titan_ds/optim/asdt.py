@@ -501,9 +501,11 @@ class ASDT(torch.optim.Optimizer):
             self._place(t, st, layout)  # (a zero stored 4-bit unsigned decodes to 1/16 of a tiny absmax, not 0)
         key = id(t)
         slices = self._slices.get(key)
-        if slices is None or slices[0] is not layout:
-            slices = self._slices[key] = (layout, core.plan(layout.pieces))
-        lengths = [pc.length for pc in layout.pieces]
+        if slices is None or slices[0] is not layout:  # per layout, not per step: a row-unit embedding has ~50k
+            slices = self._slices[key] = (layout, core.plan(layout.pieces),  # units (core.block_starts caches
+                                          tuple(pc.length for pc in layout.pieces),  # their blocks per lengths)
+                                          [self.units[pc.unit].numel for pc in layout.pieces])
+        lengths = slices[2]
         adaptive = self.update == "adaptive"
         coordinate = self.second_moment == "coordinate"
         self._selected_acc += core.dense_step(
@@ -511,7 +513,7 @@ class ASDT(torch.optim.Optimizer):
             core.StateBuffer.of(st, "momentum", self.quant, True, lengths),
             variance=core.StateBuffer.of(st, _VARIANCE, self.second_quant, False, lengths)
             if adaptive and coordinate else None,
-            unit_numels=[self.units[pc.unit].numel for pc in layout.pieces] if adaptive and not coordinate else None,
+            unit_numels=slices[3] if adaptive and not coordinate else None,
             seconds=st[_SECOND].view(-1, 2) if adaptive else None, lr=group["lr"], betas=group["betas"],
             weight_decay=group["weight_decay"], importance=self.importance, update=self.update, eps=self.eps,
             update_clip=self.update_clip if adaptive else None, generator=self._generator(t))

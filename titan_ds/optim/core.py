@@ -29,10 +29,24 @@ The per-unit second moment (``second_moment="unit"``, the HF profiles' rows) tak
 gradient first (each unit's mean square). Strategies that need a whole unit or every unit at once (a top-k at
 density < 1, the TGSS sketch, BSPS modes, a unit split across ranks) stay in :mod:`~titan_ds.optim.asdt_math`;
 ASDT routes to this core when none is on.
+
+**The compiled fused chunk** (:func:`_fused_chunk` under ``torch.compile``; on with ``TITAN_CORE_COMPILE=1``
+(:data:`COMPILE`) or ``dense_step(compiled=True)``): the adaptive step with the per-coordinate second
+moment runs each chunk of units of one length (a multiple of 256; 4-bit codes starting on a byte) as one graph:
+decode, update, weight step and encode, which inductor fuses into a few loops (vectorized C++ on a CPU, Triton on
+a GPU). It stores what the eager loop stores, bit for bit: the one op it leaves to ATen is the square root
+(:func:`_eager_sqrt`), because ATen's CPU sqrt is not correctly rounded and inductor's is. 4-bit codes are
+unpacked before the graph and packed after it, eagerly; stochastic rounding of bf16 weights stays eager
+(``round_to``: the same draws). Other chunks (mixed or odd unit lengths, the sign update, the per-unit second
+moment) take the eager loop, the oracle (``tests/optim/test_core_compiled.py``).
 """
 from __future__ import annotations
 
+import itertools
+import os
+import types
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from typing import Optional, Union
 
 import torch
@@ -47,6 +61,20 @@ __all__ = ["CHUNK", "Slice", "StateBuffer", "plan", "dense_step"]
 # a large tensor; larger chunks cost less Python per element (measured: 64K-element chunks step a 16M tensor ~30%
 # slower than 256K-1M ones on this CPU).
 CHUNK, MAX_CHUNK, PARTS = 1 << 16, 1 << 20, 32
+
+# Whether dense_step runs the adaptive per-coordinate chunks on the compiled fused step (_fused_chunk) by default.
+# Off by default (TITAN_CORE_COMPILE=1 turns it on). Measured (launch/bench/optim_step.py --what speed, 2^24 fp32,
+# 1 thread, bit-for-bit equal): 2.0x / 2.3x the eager loop's elements/s for titan_balanced / titan_memory (51.0 /
+# 49.6 M/s), 0.08x DeepSpeedCPUAdam; compiling costs ~5-20 s and ~37 MB of peak RSS per variant (state kinds, weight dtype,
+# importance, clip) on the first step that meets it, which the step-temporaries contract (tests/optim/test_core.py,
+# step 2 of a fresh process) then counts: 9.1 B/element at 2^22 elements.
+_env = os.environ.get("TITAN_CORE_COMPILE", "0")
+if _env not in ("0", "1"):
+    raise ValueError(f"TITAN_CORE_COMPILE={_env!r}: set 1 (the compiled fused step) or 0 (the eager loop, default)")
+COMPILE = _env == "1"
+# The lookup tables are indexed by codes and 16-bit patterns that are in range by construction; inductor's bounds
+# check of each indirect load cost ~30% of the 8-bit step (measured once, on a shared CPU).
+OPTIONS = {"assert_indirect_indexing": False}
 
 
 @dataclass(frozen=True)
@@ -64,6 +92,11 @@ class Slice:
     @property
     def n(self) -> int:
         return sum(self.lengths)
+
+    @cached_property
+    def uniform(self) -> int:
+        """The units' common length, or 0 when they differ."""
+        return self.lengths[0] if len(set(self.lengths)) == 1 else 0
 
 
 def plan(pieces: list[Piece], chunk: Optional[int] = None) -> list[Slice]:
@@ -110,15 +143,12 @@ class StateBuffer:
     block0: Optional[list[int]] = None
 
     @classmethod
-    def of(cls, st: dict, key: str, kind: Optional[str], signed: bool, lengths: list[int]) -> "StateBuffer":
+    def of(cls, st: dict, key: str, kind: Optional[str], signed: bool, lengths: tuple[int, ...]) -> "StateBuffer":
+        """The buffer ``st[key]`` (with ``st[key + "_absmax"]`` when quantized) of units of ``lengths`` (a tuple:
+        each unit's first block is cached per lengths and kind, not recounted every step)."""
         if kind is None or f"{key}_absmax" not in st:
             return cls(st[key])
-        from . import qstate
-        block0, at = [], 0
-        for n in lengths:
-            block0.append(at)
-            at += qstate.blocks([n], kind)
-        return cls(st[key], st[f"{key}_absmax"], kind, signed, block0)
+        return cls(st[key], st[f"{key}_absmax"], kind, signed, block_starts(tuple(lengths), kind))
 
     def _where(self, s: Slice) -> tuple[int, int]:
         from . import qstate
@@ -138,6 +168,14 @@ class StateBuffer:
         from . import qstate
         start, b0 = self._where(s)
         qstate.write(self.data, self.absmax, start, b0, x, list(s.lengths), self.kind, self.signed)
+
+
+@lru_cache(maxsize=64)
+def block_starts(lengths: tuple[int, ...], kind: str) -> tuple[int, ...]:
+    """The index of each unit's first block scale in a ``kind`` buffer of units of ``lengths``."""
+    from . import qstate
+    block = qstate.KINDS[kind][0]
+    return tuple(itertools.accumulate((-(-n // block) for n in lengths[:-1]), initial=0)) if lengths else ()
 
 
 def _per_element(values: torch.Tensor, s: Slice) -> torch.Tensor:
@@ -170,12 +208,139 @@ def _unit_second_moment(g_flat: torch.Tensor, slices: list[Slice], seconds: torc
     return (((v.double() / bc2).sqrt() + eps) * bc1).float()
 
 
+# The compiled step sees a chunk as [1, rows, 2, 128] (every unit a whole number of FUSED_BLOCK = 256 values,
+# so an 8-bit block is one row and a 4-bit block half of one): block scales then index by whole dimensions. A flat
+# dynamic length made inductor compute ``i % (256 * (n // 256))`` at each load, and a flat 4-bit block index
+# (``i // 128``) made it emit scalar loops or fail (an assertion in its CPU loop split at 256 rows).
+FUSED_BLOCK, FUSED_ROW = 256, (2, 128)
+
+
+def _fusable(s: Slice, *bufs: StateBuffer) -> bool:
+    """Whether the compiled step takes chunk ``s``: units of one length, a multiple of :data:`FUSED_BLOCK` (so
+    whole quantization blocks), starting on a byte of 4-bit codes. Any other chunk steps eagerly."""
+    return s.uniform % FUSED_BLOCK == 0 and s.uniform > 0 and all(b.kind != "4bit" or s.buf % 2 == 0 for b in bufs)
+
+
+def _state_in(buf: StateBuffer, s: Slice, shape: tuple[int, int]) -> tuple:
+    """The raw slice of ``buf`` that chunk ``s`` (``shape``: its units and rows of :data:`FUSED_BLOCK`) reads
+    and writes: ``(values,)`` of a plain buffer, ``(codes, absmax)`` of a quantized one (4-bit: the packed
+    codes, flat, and two block scales a row)."""
+    if buf.kind is None:
+        return (buf.data[s.buf:s.buf + s.n].view(*shape, *FUSED_ROW),)
+    from . import qstate
+    block, bits = qstate.KINDS[buf.kind]
+    b0 = buf.block0[s.lo] + s.offset // block
+    absmax = buf.absmax[b0:b0 + s.n // block].view(*shape, FUSED_BLOCK // block)
+    if bits == 4:  # unpacked before the step and packed after it, eagerly: in the graph, the step's arithmetic
+        # was inlined into a scalar loop over the byte pairs (4-bit steps took 2.5x the time of 8-bit ones)
+        return buf.data[s.buf // 2:(s.buf + s.n) // 2], absmax
+    return buf.data[s.buf:s.buf + s.n].view(*shape, *FUSED_ROW), absmax
+
+
+def _unpacked(raw: tuple, shape: tuple[int, int]) -> tuple:
+    """:func:`_state_in`'s slices as the compiled step takes them: 4-bit codes one a byte."""
+    if raw[0].dim() != 1:
+        return raw
+    from . import qstate
+    return (qstate._unpack4(raw[0]).view(*shape, *FUSED_ROW),) + raw[1:]
+
+
+def _decode(raw: tuple, tables: Optional[tuple], kind: Optional[str]) -> torch.Tensor:
+    if kind is None:
+        return raw[0].float()
+    from . import qstate
+    return qstate.decode_with(tables[0], raw[0], raw[1], qstate.KINDS[kind][0]).view(raw[0].shape)
+
+
+def _encode(x: torch.Tensor, like: tuple, tables: Optional[tuple], kind: Optional[str]) -> tuple:
+    """torchao's scale_tensor (each block over its absmax, clipped at 1e-12) and qstate's encoding, over the
+    blocks of ``x`` ([1, rows, 2, 128]) as whole dimensions."""
+    if kind is None:
+        return (x.to(like[0].dtype),)
+    from . import qstate
+    dims = (-1,) if qstate.KINDS[kind][0] == FUSED_ROW[1] else (-2, -1)
+    scale = x.abs().amax(dims, keepdim=True).clip(1e-12)
+    return qstate.encode_with(x / scale, tables[1], tables[2]), scale.view(like[1].shape)
+
+
+@torch.library.custom_op("titan::eager_sqrt", mutates_args=())
+def _eager_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sqrt`` as the eager path runs it, kept out of the compiled graph: on this CPU build the eager
+    kernel (ATen's vml sqrt) is not correctly rounded (it differs from the IEEE sqrt inductor emits in the last
+    bit for ~15% of values), and the compiled step is to store what the eager one stores, bit for bit."""
+    return torch.sqrt(x)
+
+
+@_eager_sqrt.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _fused_chunk(w: torch.Tensor, g: torch.Tensor, m_raw: tuple, v_raw: tuple, bc1: torch.Tensor,
+                 inv_bc2: torch.Tensor, hp: torch.Tensor, m_tables: Optional[tuple], v_tables: Optional[tuple],
+                 m_kind: Optional[str], v_kind: Optional[str], importance: str, clip: bool, out_dtype: torch.dtype):
+    """:func:`dense_step`'s adaptive per-coordinate chunk as one pure function (what ``torch.compile`` fuses):
+    ``w``, ``g``: ``[1, rows, 2, 128]``; ``m_raw``, ``v_raw``: :func:`_unpacked` slices; ``bc1``,
+    ``inv_bc2``: ``[1, rows, 1, 1]`` (each row's unit's); ``hp``: fp32 ``(b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
+    update_clip)``. Returns the new weights (``out_dtype``), the new raw momentum and second moment, and the
+    count of changed elements. The arithmetic is the eager loop's, op for op."""
+    gf, wf = g.float(), w.float()
+    m = _decode(m_raw, m_tables, m_kind) * hp[0] + gf * hp[1]
+    v = _decode(v_raw, v_tables, v_kind) * hp[2] + (gf * gf) * hp[3]
+    c = m / ((_eager_sqrt(v * inv_bc2) + hp[4]) * bc1)
+    if clip:
+        c = c.clamp(-hp[7], hp[7])
+    mask = (c.abs() if importance == "momentum" else (gf * wf).abs()) > 0
+    new = torch.where(mask, wf - (c + hp[6] * wf) * hp[5], wf)
+    return (new.to(out_dtype), _encode(m, m_raw, m_tables, m_kind), _encode(v, v_raw, v_tables, v_kind),
+            mask.sum())
+
+
+def _fused_step(w_flat: torch.Tensor, g_flat: torch.Tensor, s: Slice, momentum: StateBuffer,
+                variance: StateBuffer, bc1: torch.Tensor, inv_bc2: torch.Tensor, hp: torch.Tensor, importance: str,
+                clip: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Chunk ``s`` on the compiled :func:`_fused_chunk`, its results stored in place; the count of changed
+    elements. bf16 weights with stochastic rounding get the fp32 result rounded eagerly (round_to: the draws of the
+    eager path, from the same generator)."""
+    from . import qstate
+    shape = (1, s.n // FUSED_BLOCK)  # units and their rows as one dimension: one graph for any count of units
+    full = (*shape, *FUSED_ROW)
+    per_row = [x[s.lo:s.hi].repeat_interleave(s.uniform // FUSED_BLOCK).view(*shape, 1, 1) for x in (bc1, inv_bc2)]
+    w = w_flat[s.flat:s.flat + s.n]
+    m_raw, v_raw = _state_in(momentum, s, shape), _state_in(variance, s, shape)
+    m_in, v_in = (_unpacked(raw, shape) for raw in (m_raw, v_raw))
+    tables = [None if b.kind is None else qstate._on(b.kind, b.signed, w.device) for b in (momentum, variance)]
+    sr = generator is not None and w.dtype == torch.bfloat16
+    out_dtype = torch.float32 if sr else w.dtype
+    fn = _compiled(momentum.kind, variance.kind, importance, clip, out_dtype)
+    new, m_new, v_new, count = fn(w.view(full), g_flat[s.flat:s.flat + s.n].view(full),
+                                  m_in, v_in, *per_row,
+                                  hp, *tables, momentum.kind, variance.kind, importance, clip, out_dtype)
+    w.copy_(round_to(w.dtype, new.view(-1), generator) if sr else new.view(-1))
+    for dst, src in zip(m_raw + v_raw, m_new + v_new):
+        dst.copy_(qstate._pack4(src.view(-1)) if dst.shape != src.shape else src)  # 4-bit codes: packed
+    return count
+
+
+@lru_cache(maxsize=None)
+def _compiled(*static):
+    """:func:`_fused_chunk` under ``torch.compile`` (inductor: vectorized C++ on a CPU, Triton on a GPU), with
+    dynamic shapes: one graph serves every chunk length and count of units (per state kinds, weight dtype,
+    importance and clip; a chunk of one 256-value row compiles apart)."""
+    # One copy of the function (its own code object, so its own dynamo cache and recompile limit) per ``static``
+    # (kinds, importance, clip, weight dtype): otherwise the variants of one process (tests run many) pass
+    # dynamo's limit of 8 graphs a code object, past which it silently runs the function eagerly.
+    fn = types.FunctionType(_fused_chunk.__code__.replace(), _fused_chunk.__globals__, "_fused_chunk")
+    return torch.compile(fn, dynamic=True, options=OPTIONS)
+
+
 def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], momentum: StateBuffer, *,
                lr: float, betas: tuple[float, float], weight_decay: float, importance: str = "momentum",
                update: str = "adaptive", variance: Optional[StateBuffer] = None,
                seconds: Optional[torch.Tensor] = None, unit_numels: Optional[list[int]] = None, eps: float = 1e-8,
                update_clip: Optional[float] = None,
-               generator: Optional[torch.Generator] = None) -> Union[int, torch.Tensor]:
+               generator: Optional[torch.Generator] = None,
+               compiled: Optional[bool] = None) -> Union[int, torch.Tensor]:
     """One step of every unit of ``slices`` (see the module docstring), in place: the weights ``w_flat`` (fp32 or
     bf16), ``momentum`` and (adaptive) ``variance``; ``seconds`` (adaptive): the ``[units, 2]`` (v, t) rows, whose
     t counts each unit's steps (incremented here). With ``unit_numels`` instead of ``variance``, the second moment
@@ -198,7 +363,15 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
     elif update != "sign":
         raise ValueError(f"dense_step: unknown update {update!r}")
     selected: Union[int, torch.Tensor] = 0
+    fused = adaptive and variance is not None and (COMPILE if compiled is None else compiled)
+    if fused:
+        hp = torch.tensor([b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
+                           0.0 if update_clip is None else update_clip], dtype=torch.float32, device=w_flat.device)
     for s in slices:
+        if fused and _fusable(s, momentum, variance):
+            selected = selected + _fused_step(w_flat, g_flat, s, momentum, variance, bc1, inv_bc2, hp,
+                                              importance, update_clip is not None, generator)
+            continue
         w = w_flat[s.flat:s.flat + s.n]
         g = g_flat[s.flat:s.flat + s.n].float()
         wf = w.float()

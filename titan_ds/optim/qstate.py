@@ -71,8 +71,9 @@ def _midpoints(kind: str, signed: bool) -> torch.Tensor:
 
 @lru_cache(maxsize=None)
 def _table(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, next_midpoint)``: the code of the smallest float32 of each top-16-bit pattern, and the midpoints
-    with +inf appended (so a code's next midpoint always exists)."""
+    """``(codes, next_midpoint)`` of each top-16-bit pattern: the code of the smallest float32 with those bits,
+    and the midpoint above that code (+inf above the last code), where a value with those bits rounds one code
+    up (a value below it, which then has no midpoint in its 16-bit bucket, never reaches it)."""
     mids = _midpoints(kind, signed)
     h = torch.arange(1 << 16, dtype=torch.int32)
     neg = h >= (1 << 15)  # sign bit set: the low 16 bits all ones give the smallest value
@@ -82,7 +83,8 @@ def _table(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(lo) & torch.isfinite(hi)
     if int((b - a)[finite].max()) > 1:  # two midpoints in one bucket: one comparison would not be enough
         raise AssertionError(f"qstate: the {kind} {'signed' if signed else 'unsigned'} map is finer than bf16")
-    return a.to(torch.int32), torch.cat([mids, torch.tensor([float("inf")])])
+    a = a.to(torch.int32)
+    return a, torch.cat([mids, torch.tensor([float("inf")])]).index_select(0, a)
 
 
 @lru_cache(maxsize=None)
@@ -96,10 +98,22 @@ def _encode(scaled: torch.Tensor, kind: str, signed: bool) -> torch.Tensor:
     """The nearest code of each value of ``scaled`` (in [-1, 1]): ``bucketize(scaled, midpoints, right=True)``
     (a midpoint rounds up, as in torchao), by the table of :func:`_table`."""
     _, codes, nxt = _on(kind, signed, scaled.device)
-    x = scaled.contiguous().float()
-    c = codes.index_select(0, ((x.view(torch.int32) >> 16) & 0xFFFF).view(-1)).view(x.shape)
-    c += x >= nxt.index_select(0, c.view(-1)).view(x.shape)
-    return c.to(torch.uint8)
+    return encode_with(scaled.contiguous().float(), codes, nxt)
+
+
+def encode_with(x: torch.Tensor, codes: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    """:func:`_encode` of the contiguous fp32 ``x`` with the tables of :func:`_on` given (pure tensor code, so
+    core's compiled step traces it): both tables are indexed by the top 16 bits (no lookup depends on another)."""
+    top = ((x.view(torch.int32) >> 16) & 0xFFFF).view(-1)
+    c = codes.index_select(0, top) + (x.view(-1) >= nxt.index_select(0, top))
+    return c.to(torch.uint8).view(x.shape)
+
+
+def decode_with(q: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
+    """The fp32 values of ``codes`` (one per value, whole blocks of ``block``) with the code map ``q`` and one
+    block scale each of ``absmax`` (of any shape), as ``[*absmax.shape, block]``: torchao's dequant_with_qmap,
+    with index_select for its qmap[codes] (4x faster on this CPU)."""
+    return q.index_select(0, codes.reshape(-1).int()).view(*absmax.shape, block) * absmax.float().unsqueeze(-1)
 
 
 def nbytes_per_value(kind: str) -> float:
@@ -180,8 +194,7 @@ def _values(codes: torch.Tensor, absmax: torch.Tensor, lengths: list[int], kind:
         if padded != length:
             c = torch.nn.functional.pad(c, (0, padded - length))
         nb = rows * padded // block
-        # torchao's dequant_with_qmap, with index_select for its qmap[codes] (4x faster on this CPU)
-        vals = q.index_select(0, c.reshape(-1).int()).view(nb, block) * absmax[at:at + nb].float().view(-1, 1)
+        vals = decode_with(q, c, absmax[at:at + nb], block)
         out[start:start + rows * length] = vals.view(rows, padded)[:, :length].reshape(-1)
         at += nb
     if at != absmax.numel():
