@@ -73,6 +73,7 @@ def _fused_chunks(lengths, chunk, state_kinds):
 
 # Each variant compiles (kinds, weight dtype, one unit or many): 10-100 s on this 2-core machine, hence slow.
 @pytest.mark.slow
+@pytest.mark.heavy  # 12 compiles of 10-100 s each on 2 cores; CI runs the clip case below and the wrong-beta one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("state_kinds", KINDS, ids=["-".join(k) for k in KINDS])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
