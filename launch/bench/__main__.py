@@ -192,6 +192,11 @@ RESULTS: list[Result] = [
         "titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24 (x torchao AdamW8bit {x_torchao_2^24}), "
         "temporaries {temp_B_el_2^26} B/element at 2^26, state {state_B_el_2^26} B/element", "optimizer",
         "titan_balanced")),
+    Result("optimizer-step", "results/optim_step_compiled/README.md", _f(
+        "compiled core (TITAN_CORE_COMPILE=1): titan_balanced {compiled_M_s} M/s, {compiled___eager} the eager loop",
+        "optimizer", "titan_balanced"), "TITAN_CORE_COMPILE=1 python launch/bench/optim_step.py --what speed --sizes "
+        "16777216 --dtypes fp32 --rows titan_balanced,titan_memory,ds_cpu_adam,torchao_adamw8bit --repeats 2 "
+        "--steps 10 (and TITAN_CORE_COMPILE=0 for the eager column)"),
     Result("profile", "results/profile_phases.md", _f(
         "titan_balanced step {step_ms} ms, {vs_plain} plain's (optimizer {optimizer_ms} ms)", "row", "titan_balanced")),
     Result("mlme-speed", "results/mlme_speed.md", lambda p: "MLME parts' forward+backward time vs plain PyTorch"),
