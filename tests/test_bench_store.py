@@ -2,9 +2,11 @@
 of config, settings, seed or code; stale records only with reuse_stale, marked), records appended at once (a
 run killed mid-row keeps every finished row), and records from before the store read as code unknown."""
 import json
-import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,23 +74,29 @@ def test_a_failed_run_is_not_recorded_and_runs_again(tmp_path, code):
     assert not (tmp_path / "t.jsonl").exists()
 
 
-def _killed_mid_row(path: str, code: dict) -> None:
-    st.code_identity = lambda paths=st.CODE_PATHS: dict(code)
-    s = Store(path, suite="t")
-    for i in range(3):
-        def run(i=i):
-            if i == 2:  # the third row is in flight when the run is killed
-                os.kill(os.getpid(), signal.SIGKILL)
-            return {"val": i}
-        s.get(f"r{i}", config={}, settings={}, seed=0, run=run)
+# A fresh interpreter (not a fork of the pytest worker: under pytest-xdist a worker that has run many tests was
+# refused os.fork() with ENOMEM once) that records two rows and is SIGKILLed while the third runs.
+_KILLED_MID_ROW = """
+import json, os, signal, sys
+from launch.bench import store as st
+code = json.loads(sys.argv[2])
+st.code_identity = lambda paths=st.CODE_PATHS: dict(code)
+s = st.Store(sys.argv[1], suite="t")
+for i in range(3):
+    def run(i=i):
+        if i == 2:  # the third row is in flight when the run is killed
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"val": i}
+    s.get(f"r{i}", config={}, settings={}, seed=0, run=run)
+"""
 
 
 def test_a_run_killed_mid_row_keeps_every_finished_row(tmp_path, code):
     path = tmp_path / "t.jsonl"
-    p = mp.get_context("fork").Process(target=_killed_mid_row, args=(str(path), CODE_A))
-    p.start()
-    p.join(60)
-    assert p.exitcode == -signal.SIGKILL
+    root = Path(st.__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", _KILLED_MID_ROW, str(path), json.dumps(CODE_A)], cwd=root,
+                       env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     s = _open(path)
     assert [r["row"] for r in s.records] == ["r0", "r1"]
     ran = []

@@ -97,10 +97,10 @@ def run_capped(cmd: Sequence[str], cap_bytes: int, *, env: Optional[Mapping[str,
         _write(os.path.join(group, "memory.limit_in_bytes"), str(int(cap_bytes)))
         _write(os.path.join(group, "memory.memsw.limit_in_bytes"), str(int(cap_bytes)))
         procs_file = os.path.join(group, "cgroup.procs")
-
-        def enter():  # in the child, before exec: everything it starts stays in the group
-            with open(procs_file, "w") as f:
-                f.write(str(os.getpid()))
+        # The child joins the group itself (a shell writes its pid, then execs cmd: everything it starts stays in
+        # the group) rather than through preexec_fn: that forces a real fork() of this process, which the kernel's
+        # overcommit check refused (ENOMEM) for a large pytest worker, where Popen's vfork path needs no copy.
+        wrapped = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs_file, *cmd]
 
         peak: list = [0, None]
         done = threading.Event()
@@ -114,8 +114,8 @@ def run_capped(cmd: Sequence[str], cap_bytes: int, *, env: Optional[Mapping[str,
                 done.wait(sample_s)
 
         t0 = time.perf_counter()
-        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), cwd=cwd, stdout=stdout,
-                                stderr=stderr, preexec_fn=enter, start_new_session=True)
+        proc = subprocess.Popen(wrapped, env=None if env is None else dict(env), cwd=cwd, stdout=stdout,
+                                stderr=stderr, start_new_session=True)
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         timed_out = False
