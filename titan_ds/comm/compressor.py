@@ -72,9 +72,10 @@ class GradientReducer:
     def __init__(self, method: str, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0,
                  rows: int = 3, seed: int = 0, rank: int = 1, min_compression: float = 2.0,
                  dgc: Optional[DGCOptions] = None, ratio_warmup_steps: int = 0, ratio_warmup_start: float = 2.0,
-                 precondition: Optional[RMSOptions] = None):
-        self.compressor = build_compressor(method, ratio, rows, rank=rank, min_compression=min_compression,
-                                           seed=seed)
+                 precondition: Optional[RMSOptions] = None, compressor: Any = None):
+        # ``compressor``: one built outside the registry (qtopk.qtopk_reducer's); ``method`` then names it
+        self.compressor = compressor if compressor is not None else build_compressor(
+            method, ratio, rows, rank=rank, min_compression=min_compression, seed=seed)
         self.method, self.ratio = method, ratio
         self.error_feedback, self.warmup_steps, self.seed = error_feedback, warmup_steps, seed
         if ratio_warmup_steps > 0 and not 1.0 <= ratio_warmup_start < ratio:

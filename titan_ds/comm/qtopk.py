@@ -146,9 +146,8 @@ def qtopk_reducer(ratio: float, *, bits: int = 2, chunk: int = 4096, error_feedb
     """A :class:`~titan_ds.comm.compressor.GradientReducer` whose compressor is :class:`QTopKCompressor` (what
     :class:`~titan_ds.comm.diloco.OuterStep` takes; ``method`` reads ``qtopk``)."""
     from .compressor import GradientReducer
-    reducer = GradientReducer("topk", ratio, error_feedback=error_feedback)
-    reducer.compressor, reducer.method = QTopKCompressor(ratio, bits=bits, chunk=chunk), "qtopk"
-    return reducer
+    return GradientReducer("qtopk", ratio, error_feedback=error_feedback,
+                           compressor=QTopKCompressor(ratio, bits=bits, chunk=chunk))
 
 
 def reference_qtopk(acc: torch.Tensor, ratio: float, *, bits: int = 2, chunk: int = 4096) -> torch.Tensor:
