@@ -196,6 +196,7 @@ def test_under_a_cap_cpu_offload_is_killed_and_hms_trains(tmp_path):
     import subprocess
     import sys
 
+    from tests.helpers.launch import clean_env  # not this worker's MASTER_PORT: its process group holds it
     from titan_ds.memcap import cgroup_available, run_capped
     if not cgroup_available():
         pytest.skip("needs a cgroup v1 memory controller and root")
@@ -209,7 +210,8 @@ def test_under_a_cap_cpu_offload_is_killed_and_hms_trains(tmp_path):
         with open(work / "log.txt", "w") as log:
             runs[mode] = run_capped([sys.executable, str(ROOT / "tests" / "helpers" / "hf_hms_capped.py"),
                                      "--model-dir", str(tmp_path / "model"), "--work", str(work), "--mode", mode,
-                                     "--steps", "3"], int(CAP_GIB * 2**30), stdout=log, stderr=subprocess.STDOUT,
+                                     "--steps", "3"], int(CAP_GIB * 2**30), env=clean_env(), stdout=log,
+                                    stderr=subprocess.STDOUT,
                                     timeout=900)
     tail = {m: (tmp_path / m / "log.txt").read_text()[-3000:] for m in runs}
     assert runs["cpu"].oom_killed and runs["cpu"].returncode != 0, tail["cpu"]
