@@ -192,9 +192,9 @@ def test_state_of_another_method_is_refused():
 
 # ------------------------------------------------------------------ registry (the sketches: test_tgss.py, test_hge.py)
 def test_registry_unknown_name_lists_choices():
-    assert sorted(REGISTRY) == ["hge", "none", "powersgd", "randk", "tgss", "topk"]
+    assert sorted(REGISTRY) == ["hge", "none", "powersgd", "qtopk", "randk", "tgss", "topk"]
     with pytest.raises(ValueError, match=r"unknown compressor 'dgc'; choose one of "
-                                         r"\['hge', 'none', 'powersgd', 'randk', 'tgss', 'topk'\]"):
+                                         r"\['hge', 'none', 'powersgd', 'qtopk', 'randk', 'tgss', 'topk'\]"):
         build_compressor("dgc", 10.0)
 
 

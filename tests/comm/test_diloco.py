@@ -9,7 +9,7 @@ from tests.helpers.collectives import run_ranks
 from titan_ds.comm import GradientReducer
 from titan_ds.comm.base import topk_budget
 from titan_ds.comm.diloco import OuterStep, param_layout, reference_round
-from titan_ds.comm.qtopk import QTopKCompressor, qtopk_budget, qtopk_message_bytes, qtopk_reducer, reference_qtopk
+from titan_ds.comm.qtopk import QTopKCompressor, qtopk_budget, qtopk_message_bytes, reference_qtopk
 from titan_ds.comm.wire import SimCollective, ring_allgather_bytes, ring_allreduce_bytes
 from titan_ds.config import TitanConfig, TitanConfigError
 
@@ -37,10 +37,7 @@ QTOPK = {"bits": 2, "chunk": 16}  # 72 elements: 4 full chunks and a partial one
 
 
 def _outer(method, ratio, *, mu=0.9, ef=True):
-    if method == "qtopk":
-        return lambda named: OuterStep(named, qtopk_reducer(ratio, error_feedback=ef, **QTOPK), outer_lr=0.7,
-                                       outer_momentum=mu)
-    kw = {} if method == "none" else {"error_feedback": ef}
+    kw = {} if method == "none" else {"error_feedback": ef, **(QTOPK if method == "qtopk" else {})}
     return lambda named: OuterStep(named, GradientReducer(method, ratio, **kw), outer_lr=0.7, outer_momentum=mu)
 
 
@@ -123,7 +120,7 @@ def test_qtopk_sends_more_coordinates_than_topk_and_error_feedback_keeps_the_res
     the reducer's residual is what was not sent: acc where nothing was sent, the quantization error where it was."""
     n, ratio = 4 * 4096 - 5, 20.0
     named = [("w", torch.nn.Parameter(torch.zeros(n)))]
-    reducer = qtopk_reducer(ratio, bits=2, chunk=4096)
+    reducer = GradientReducer("qtopk", ratio, bits=2, chunk=4096)
     acc = torch.randn(n, generator=torch.Generator().manual_seed(3))
     layout = param_layout(named)
     summed = SimCollective(1).run(lambda w, comm: reducer.reduce(acc.clone(), layout, comm, 0))[0]

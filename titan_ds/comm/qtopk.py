@@ -23,8 +23,12 @@ One message, worker ``r`` (``acc``: its error-compensated outer gradient, ``n`` 
    entries *and* the quantization error of the sent ones.
 
 :func:`reference_qtopk` is the oracle: a loop over chunks and values with no packing, which the tests hold this
-class to bit for bit. Not (yet) a ``titan.compression.method``: :func:`qtopk_reducer` builds the
-:class:`~titan_ds.comm.compressor.GradientReducer` that :class:`~titan_ds.comm.diloco.OuterStep` takes.
+class to bit for bit. ``titan.compression.method: "qtopk"`` with ``bits`` and ``chunk`` (``registry.py``): per
+step on DeepSpeed's reduce path (any ZeRO stage, like ``topk``) or as DiLoCo's outer compressor
+(``sync_every > 1``, ``diloco.py``).
+
+The largest ratio a chunk size allows is one value per chunk, ``4 C / (index_bytes + 4 + bits / 8)``
+(:func:`qtopk_max_ratio`: 195x at chunk 256 and 2 bits); the config refuses a ratio above it.
 """
 from __future__ import annotations
 
@@ -35,13 +39,23 @@ import torch
 
 from .base import Collective, Segment
 
-__all__ = ["QTopKCompressor", "qtopk_budget", "qtopk_message_bytes", "qtopk_reducer", "reference_qtopk"]
+__all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "MAX_CHUNK", "QTopKCompressor", "qtopk_budget", "qtopk_max_ratio",
+           "qtopk_message_bytes", "reference_qtopk"]
 
 BITS = (2, 4, 8)
+MAX_CHUNK = 65536  # an in-chunk index is at most 2 bytes
+# the defaults of titan.compression.bits / chunk: the simulator's best at equal received bytes (docs/compress.md:
+# W=8, 1000 steps, DiLoCo H=20, 100x received: chunk 256 +0.253 nats vs dense, chunk 4096 +0.270, top-k +0.403)
+DEFAULT_BITS, DEFAULT_CHUNK = 2, 256
 
 
 def _index_bytes(chunk: int) -> int:
     return 1 if chunk <= 256 else 2
+
+
+def qtopk_max_ratio(*, bits: int, chunk: int) -> float:
+    """The largest ratio ``chunk`` allows: one value per chunk (``k = 1``), on whole chunks."""
+    return 4.0 * chunk / (_index_bytes(chunk) + 4 + bits / 8.0)
 
 
 def qtopk_message_bytes(n: int, k: int, *, bits: int, chunk: int) -> int:
@@ -63,8 +77,8 @@ def qtopk_budget(n: int, ratio: float, *, bits: int, chunk: int) -> int:
 def _check(bits: int, chunk: int) -> None:
     if bits not in BITS:
         raise ValueError(f"qtopk bits={bits}: choose one of {BITS} (codes are packed 8 / bits to a byte)")
-    if not 2 <= chunk <= 65536:
-        raise ValueError(f"qtopk chunk={chunk}: must be in [2, 65536] (an in-chunk index is 1 or 2 bytes)")
+    if not 2 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"qtopk chunk={chunk}: must be in [2, {MAX_CHUNK}] (an in-chunk index is 1 or 2 bytes)")
 
 
 def _quantize(mag: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
@@ -82,8 +96,12 @@ class QTopKCompressor:
     """The module's steps 1-4 (``ratio``: dense fp32 bytes / message bytes per worker, as for ``topk``)."""
 
     name = "qtopk"
+    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "ratio_warmup_steps",
+                                    "ratio_warmup_start")
+    init_options = ("bits", "chunk")
 
-    def __init__(self, ratio: float, *, bits: int = 2, chunk: int = 4096):
+    def __init__(self, ratio: float, rows: int = 1, *, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK):
+        del rows  # CompressionConfig refuses sketch_rows for "qtopk" (not in config_keys)
         _check(bits, chunk)
         self.ratio, self.bits, self.chunk = ratio, bits, chunk
 
@@ -142,15 +160,8 @@ class QTopKCompressor:
         return summed[:n], sent[:n]
 
 
-def qtopk_reducer(ratio: float, *, bits: int = 2, chunk: int = 4096, error_feedback: bool = True):
-    """A :class:`~titan_ds.comm.compressor.GradientReducer` whose compressor is :class:`QTopKCompressor` (what
-    :class:`~titan_ds.comm.diloco.OuterStep` takes; ``method`` reads ``qtopk``)."""
-    from .compressor import GradientReducer
-    return GradientReducer("qtopk", ratio, error_feedback=error_feedback,
-                           compressor=QTopKCompressor(ratio, bits=bits, chunk=chunk))
-
-
-def reference_qtopk(acc: torch.Tensor, ratio: float, *, bits: int = 2, chunk: int = 4096) -> torch.Tensor:
+def reference_qtopk(acc: torch.Tensor, ratio: float, *, bits: int = DEFAULT_BITS,
+                    chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """The oracle of what one worker sends (dense, decoded): chunk by chunk, value by value, no packing."""
     _check(bits, chunk)
     n, levels = acc.numel(), 1 << (bits - 1)
