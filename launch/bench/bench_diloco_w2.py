@@ -74,10 +74,12 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--topk", action="store_true", help="add the DiLoCo + topk row")
     p.add_argument("--out", default="results/diloco_w2/rows")
+    p.add_argument("--reuse-stale", action="store_true", help="reuse rows recorded by other code too")
     a = p.parse_args(argv)
     command = "python launch/bench/bench_diloco_w2.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = compare(rows(a.topk), steps=a.steps, out=a.out, num_ranks=2, extra_args=["--count-wire"],
-                      title=f"DiLoCo, 2 ranks, {a.steps} steps", command=command, resume=True)
+                      title=f"DiLoCo, 2 ranks, {a.steps} steps", command=command, resume=True,
+                      reuse_stale=a.reuse_stale)
     md = Path(a.out).with_suffix(".md")
     md.write_text(md.read_text() + "\n" + render(results, command, a.steps))
     print(md.read_text())

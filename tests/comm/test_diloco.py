@@ -115,6 +115,27 @@ def test_qtopk_message_equals_reference_and_its_bytes_are_its_real_size(bits, ch
         assert bool(((torch.sign(s[sel]) == torch.sign(x[sel])) | (x[sel] == 0)).all())
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("chunk,n", [(16, 1000), (300, 5000)])
+def test_qtopk_blocks_change_nothing(monkeypatch, bits, chunk, n):
+    """encode/decode run block by block (a few chunks each here, several blocks and a partial last one): the
+    message is the one-block message byte for byte, and the sums are the oracle's."""
+    from titan_ds.comm import qtopk
+    ratio, world = 6.0, 2
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(5 * r + bits)) for r in range(world)]
+    comp = QTopKCompressor(ratio, bits=bits, chunk=chunk)
+    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk)
+    whole = comp.encode(xs[0], k)
+    assert len(comp._blocks(-(-n // chunk))) == 1
+    monkeypatch.setattr(qtopk, "BLOCK", 5 * chunk)  # 4 chunks a block
+    assert len(comp._blocks(-(-n // chunk))) > 2
+    assert torch.equal(comp.encode(xs[0], k), whole)
+    out = SimCollective(world).run(lambda w, comm: comp.reduce(xs[w].clone(), comm, 0, layout=[]))
+    refs = [reference_qtopk(x, ratio, bits=bits, chunk=chunk) for x in xs]
+    for w in range(world):
+        assert torch.equal(out[w][1], refs[w]) and torch.equal(out[w][0], refs[0] + refs[1])
+
+
 def test_qtopk_sends_more_coordinates_than_topk_and_error_feedback_keeps_the_rest():
     """At the same bytes 2-bit qtopk sends > 3x topk's coordinates (2-byte in-chunk index + 2 bits against 8 bytes);
     the reducer's residual is what was not sent: acc where nothing was sent, the quantization error where it was."""
