@@ -15,6 +15,7 @@ run would have seen.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import titan_ds  # noqa: E402
+from titan_ds.comm.wire import WireCount, count_collectives  # noqa: E402
 from titan_ds.config import TitanConfig, load_ds_config  # noqa: E402
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
 from titan_ds.metrics import ActivationCounter, accounted_memory, optimizer_state_bytes, peak_rss_bytes  # noqa: E402
@@ -128,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--summary-out", default=None, help="one JSON object at the end (rank 0)")
     p.add_argument("--plot", default=None, help="PNG of loss and memory at the end (rank 0)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--count-wire", action="store_true",
+                   help="count every torch.distributed collective of the training steps (titan_ds/comm/wire.py: "
+                        "ring costs, sent and received); the summary gets wire_per_rank and peak_rss_per_rank")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model under titan_ds.zero_init (ZeRO-3: partitioned, and with titan.hms streamed "
                         "to disk, as each module is built; for models that do not fit whole in RAM)")
@@ -181,6 +186,15 @@ def _sum_over_ranks(value: int, world: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     torch.distributed.all_reduce(t)  # every rank runs this line once, after its last step
     return int(t.item())
+
+
+def _per_rank(wire: dict, rss: int, world: int) -> dict:
+    """``wire_per_rank`` and ``peak_rss_per_rank``: every rank's (in rank order; every rank runs this once)."""
+    gathered: list = [(wire, rss)]
+    if world > 1:
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, (wire, rss))
+    return {"wire_per_rank": [g[0] for g in gathered], "peak_rss_per_rank": [g[1] for g in gathered]}
 
 
 def main(argv=None) -> dict:
@@ -240,6 +254,9 @@ def main(argv=None) -> dict:
     last: dict = {}
     if args.val_every and start == 0:  # the untrained baseline, so a curve (and a test) can show the drop
         val_history.append((0, validate(engine, corpus, args, val_mb)))
+    wire, counting = WireCount(), contextlib.ExitStack()
+    if args.count_wire:  # the training steps' collectives (DeepSpeed's, titan's), not the final summary's
+        counting.enter_context(count_collectives(wire))
     for step in range(start + 1, args.steps + 1):
         x, y = batches.get(step)
         t0 = time.perf_counter()
@@ -283,6 +300,7 @@ def main(argv=None) -> dict:
             bar.update(1)
         if args.save_dir and args.save_every and step % args.save_every == 0:
             engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
+    counting.close()
     if bar:
         bar.close()
     val = validate(engine, corpus, args, val_mb)
@@ -307,6 +325,9 @@ def main(argv=None) -> dict:
         "titan_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))},
         "val_history": val_history,
     }
+    if args.count_wire:
+        summary.update(_per_rank({"sent": wire.sent, "received": wire.received, "calls": dict(wire.calls)},
+                                 peak_rss_bytes(), world))
     if rank == 0:
         log.info("final validation loss %.4f", val)
         if mfile:

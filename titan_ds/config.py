@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .comm.qtopk import BITS as _QTOPK_BITS, DEFAULT_BITS, DEFAULT_CHUNK, MAX_CHUNK, qtopk_max_ratio
 from .comm.registry import REGISTRY as _COMPRESSORS
 
 __all__ = [
@@ -180,11 +181,15 @@ class CompressionConfig(_Strict):
     momentum where a value was sent), ``local_clip`` (max L2 norm of each parameter's local gradient before it is
     accumulated; DGC: the global clipping threshold / sqrt(ranks)). ``powersgd`` only: ``rank`` (of the low-rank
     approximation) and ``min_compression`` (a matrix is compressed only if it shrinks at least this much, else sent
-    dense). ``precondition="rms"`` (every method but ``none``): each rank divides its gradient by the RMS of its own
-    gradients (Adam's second moment, ``precondition_beta2``/``precondition_eps``, kept per rank) before error
-    feedback and the compressor, so the reduced sum is an Adam-scaled update that plain SGD applies: titan turns
-    the ds_config's Adam/AdamW (or the Adam/AdamW passed to initialize) into SGD with the same lr and weight
-    decay (titan_ds/comm/precondition.py). A key that the chosen method does not use is an error, not ignored.
+    dense). ``qtopk`` only (SparseLoCo's message, titan_ds/comm/qtopk.py): ``bits`` (2, 4 or 8 bits per sent value,
+    with a per-chunk fp32 scale) and ``chunk`` (entries per chunk, 2 to 65536; each chunk sends its top values with
+    in-chunk indices of 1 byte up to chunk 256, else 2 bytes; the ratio must fit one value per chunk,
+    ``4 chunk / (index bytes + 4 + bits / 8)``: 195x at chunk 256 and 2 bits). ``precondition="rms"`` (every
+    method but ``none``): each rank divides its gradient by the RMS of its own gradients (Adam's second moment,
+    ``precondition_beta2``/``precondition_eps``, kept per rank) before error feedback and the compressor, so the
+    reduced sum is an Adam-scaled update that plain SGD applies: titan turns the ds_config's Adam/AdamW (or the
+    Adam/AdamW passed to initialize) into SGD with the same lr and weight decay (titan_ds/comm/precondition.py).
+    A key that the chosen method does not use is an error, not ignored.
 
     ``sync_every=H > 1`` switches to **local updates** (DiLoCo; titan_ds/comm/diloco.py, docs/compress.md): every
     rank takes H steps of its own optimizer with no gradient all-reduce, then the ranks exchange their parameter
@@ -205,6 +210,8 @@ class CompressionConfig(_Strict):
     local_clip: Optional[float] = Field(default=None, gt=0)
     rank: int = Field(default=1, ge=1, le=1024)
     min_compression: float = Field(default=2.0, ge=1)
+    bits: Literal[_QTOPK_BITS] = DEFAULT_BITS  # type: ignore[valid-type]
+    chunk: int = Field(default=DEFAULT_CHUNK, ge=2, le=MAX_CHUNK)
     precondition: Literal["none", "rms"] = "none"
     precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
     precondition_eps: float = Field(default=1e-8, gt=0)
@@ -244,6 +251,11 @@ class CompressionConfig(_Strict):
             raise ValueError(f"has {', '.join(bad)}, which method={self.method!r} does not use; remove "
                              f"{'it' if len(bad) == 1 else 'them'} or choose a method that uses "
                              f"{'it' if len(bad) == 1 else 'them'}")
+        if self.method == "qtopk" and self.ratio > qtopk_max_ratio(bits=self.bits, chunk=self.chunk):
+            top = qtopk_max_ratio(bits=self.bits, chunk=self.chunk)
+            raise ValueError(f"has ratio={self.ratio:g} with method='qtopk' and chunk={self.chunk}, which sends at "
+                             f"least one value per chunk: at most {top:.4g}x; raise chunk (in-chunk indices are 1 "
+                             f"byte up to 256, 2 bytes up to {MAX_CHUNK}) or lower ratio")
         if "ratio_warmup_start" in self.model_fields_set and self.ratio_warmup_steps == 0:
             raise ValueError("has ratio_warmup_start but ratio_warmup_steps is 0 (no ramp); set ratio_warmup_steps "
                              "or remove ratio_warmup_start")

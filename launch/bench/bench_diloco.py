@@ -43,7 +43,6 @@ from launch.bench import compress_scale as cs  # noqa: E402
 from launch.bench.store import CODE_PATHS, Store, add_store_args, fields_identity  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.diloco import OuterStep  # noqa: E402
-from titan_ds.comm.qtopk import qtopk_reducer  # noqa: E402
 from titan_ds.comm.wire import SimCollective, ring_allreduce_bytes  # noqa: E402
 from titan_ds.data import Batcher, load_corpus  # noqa: E402
 from titan_ds.models import GPT  # noqa: E402
@@ -148,10 +147,11 @@ def _qtopk(method: str) -> Optional[dict]:
 
 
 def _reducer(method: str, ratio: float, seed: int) -> GradientReducer:
+    """The package's reducer, built as ``titan.compression`` builds it (``qtopk<bits>[c<chunk>]``: method ``qtopk``
+    with those ``bits`` and ``chunk``)."""
     q = _qtopk(method)
-    if q is not None:
-        return qtopk_reducer(ratio, **q)
-    return GradientReducer(method, ratio, seed=seed, **({} if method == "none" else {"error_feedback": True}))
+    name, opts = ("qtopk", q) if q is not None else (method, {})
+    return GradientReducer(name, ratio, seed=seed, **opts, **({} if method == "none" else {"error_feedback": True}))
 
 
 def _key(row: dict) -> tuple:

@@ -1,8 +1,9 @@
 """Run by ``deepspeed --num_gpus 2`` from test_diloco.py (not collected by pytest itself).
 
-Local updates (``titan.compression.sync_every``) on DeepSpeed's path at ZeRO-0, for each outer method: the
-final parameters against the plain-PyTorch oracle (:func:`titan_ds.comm.diloco.reference_round`, both ranks' inner
-loops run in this process) and against the simulator (:class:`titan_ds.comm.wire.SimCollective`), bit for bit;
+Local updates (``titan.compression.sync_every``) on DeepSpeed's path at ZeRO-0, for each outer method (``none``,
+``topk``, ``qtopk`` at ``--bits``/``--chunk``): the final parameters against the plain-PyTorch oracle
+(:func:`titan_ds.comm.diloco.reference_round`, both ranks' inner loops run in this process) and against the
+simulator (:class:`titan_ds.comm.wire.SimCollective`), bit for bit;
 bytes counted on ``torch.distributed`` (:func:`titan_ds.comm.wire.count_collectives`) against the simulator's;
 a checkpoint saved mid-round resumes bit for bit. Rank 0 writes a JSON summary.
 """
@@ -25,7 +26,9 @@ from titan_ds.comm.wire import SimCollective, WireCount, count_collectives
 from titan_ds.utils import after_init_distributed
 
 p = argparse.ArgumentParser()
-p.add_argument("--methods", default="none,topk")
+p.add_argument("--methods", default="none,topk,qtopk")
+p.add_argument("--bits", type=int, default=4)     # qtopk: not the defaults (2, 256), so that the config's reach
+p.add_argument("--chunk", type=int, default=100)  # the reducer is tested; 731 parameters: 7 chunks + a partial one
 p.add_argument("--ratio", type=float, default=4.0)
 p.add_argument("--sync-every", type=int, default=4)
 p.add_argument("--steps", type=int, default=12)
@@ -50,7 +53,13 @@ def comp(method: str) -> dict:
     out = {"method": method, "sync_every": args.sync_every, "outer_lr": OUTER_LR, "outer_momentum": MU}
     if method != "none":
         out["ratio"] = args.ratio
+    if method == "qtopk":
+        out.update(bits=args.bits, chunk=args.chunk)
     return out
+
+
+def qtopk_options(method: str) -> dict:
+    return {"bits": args.bits, "chunk": args.chunk} if method == "qtopk" else {}
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -106,7 +115,8 @@ def reference_run(method: str, world: int) -> torch.Tensor:
             step(model, opt.step, lambda loss: loss.backward(), xs, ys, s)
         if (s + 1) % args.sync_every == 0:
             anchor, m, res = reference_round([flat(x) for x in models], anchor, m, res, method=method,
-                                             ratio=args.ratio, outer_lr=OUTER_LR, outer_momentum=MU)
+                                             ratio=args.ratio, outer_lr=OUTER_LR, outer_momentum=MU,
+                                             **qtopk_options(method))
             with torch.no_grad():
                 for model in models:
                     off = 0
@@ -118,7 +128,7 @@ def reference_run(method: str, world: int) -> torch.Tensor:
 
 def simulator_run(method: str, world: int) -> tuple[torch.Tensor, SimCollective]:
     models, opts, datas = inner_models(world)
-    kw = {} if method == "none" else {"error_feedback": True}
+    kw = {} if method == "none" else {"error_feedback": True, **qtopk_options(method)}
     outers = [OuterStep(list(x.named_parameters()), GradientReducer(method, args.ratio if method != "none" else 1.0,
                                                                     **kw), outer_lr=OUTER_LR, outer_momentum=MU)
               for x in models]
@@ -153,6 +163,7 @@ def main() -> None:
             "resume_bit_exact": all(torch.equal(f[0], f[1]) for f in finals),
             "moved": not torch.equal(ref, flat(make_model())),
             "received_real": [f[2] for f in finals], "received_sim": sim.received, "sent_real": r["sent"],
+            "params": flat(make_model()).numel(),
             "calls_real": r["calls"], "allreduce_off": r["allreduce_off_while_installed"],
             "allreduce_restored": r["allreduce_back_after_uninstall"]}
     if rank == 0:

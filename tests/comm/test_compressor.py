@@ -9,7 +9,9 @@ from titan_ds.comm import REGISTRY, GradientReducer, Segment, build_compressor
 from titan_ds.comm.base import LocalCollective, check_layout, sketch_budget, topk_budget
 
 LOSSY = ["topk", "tgss", "hge"]
-# every compressor that keeps residuals; randk is not exact on sparse input (it does not choose), so not in LOSSY
+# every compressor that keeps residuals; randk is not exact on sparse input (it does not choose), so not in LOSSY;
+# qtopk sends quantized values (so not in EF's exact invariant) and is added where a test does not need exact sums
+# (its own oracle tests: test_diloco.py)
 EF = [*LOSSY, "randk"]
 
 
@@ -87,6 +89,25 @@ def test_error_feedback_invariant(method):
         old = new
 
 
+def test_qtopk_residual_is_what_was_not_sent_quantization_error_included():
+    """Per step, one rank: qtopk's sum is its oracle's message of ``x + old residual`` and the new residual is the
+    rest, bit for bit; ``sent + residual`` is ``x + old`` up to one rounding (the quantized values are not acc's)."""
+    from titan_ds.comm.qtopk import reference_qtopk
+    n, ratio = 3000, 20.0
+    red = GradientReducer("qtopk", ratio, bits=2, chunk=256)
+    old = torch.zeros(n)
+    for step in range(4):
+        x = torch.randn(n)
+        out = red.reduce(x, one(n), LocalCollective(), step)
+        red.end_step()
+        new = red.residuals.residuals["p"].clone()
+        assert torch.equal(out, reference_qtopk(x + old, ratio, bits=2, chunk=256))
+        assert torch.equal(new, (x + old) - out)
+        torch.testing.assert_close(out + new, x + old, rtol=0, atol=1e-5)
+        assert 0 < (out != 0).sum() < n // 5  # it did compress
+        old = new
+
+
 @pytest.mark.parametrize("method", EF)
 def test_residuals_follow_parameters_not_buckets(method):
     """The same parameters arriving in differently composed buckets keep one residual each."""
@@ -131,7 +152,7 @@ def test_bytes_on_the_wire_meet_the_ratio(method, ratio):
     assert off.take_metrics()["hge_compression_ratio"] == 1.0
 
 
-@pytest.mark.parametrize("method", EF)
+@pytest.mark.parametrize("method", [*EF, "qtopk"])
 def test_error_feedback_off_loses_mass_on(method):
     """A constant gradient over T steps: with error feedback the delivered total is T g minus one bounded
     residual; without it, most of T g never arrives. (Fails if error_feedback is a no-op either way.)"""
@@ -162,7 +183,7 @@ def test_warmup_steps_are_dense():
 
 
 # ------------------------------------------------------------------ 4. state round trip
-@pytest.mark.parametrize("method", EF)
+@pytest.mark.parametrize("method", [*EF, "qtopk"])
 def test_state_round_trip_keeps_residuals(method):
     n = 1500
     a = GradientReducer(method, 15.0, seed=3)
@@ -192,15 +213,15 @@ def test_state_of_another_method_is_refused():
 
 # ------------------------------------------------------------------ registry (the sketches: test_tgss.py, test_hge.py)
 def test_registry_unknown_name_lists_choices():
-    assert sorted(REGISTRY) == ["hge", "none", "powersgd", "randk", "tgss", "topk"]
+    assert sorted(REGISTRY) == ["hge", "none", "powersgd", "qtopk", "randk", "tgss", "topk"]
     with pytest.raises(ValueError, match=r"unknown compressor 'dgc'; choose one of "
-                                         r"\['hge', 'none', 'powersgd', 'randk', 'tgss', 'topk'\]"):
+                                         r"\['hge', 'none', 'powersgd', 'qtopk', 'randk', 'tgss', 'topk'\]"):
         build_compressor("dgc", 10.0)
 
 
 # ------------------------------------------------------------------ non-finite steps
 @pytest.mark.parametrize("bad", ["nan", "inf"])
-@pytest.mark.parametrize("method", ["none", *EF])
+@pytest.mark.parametrize("method", ["none", *EF, "qtopk"])
 def test_nonfinite_on_one_rank_is_seen_by_all_and_leaves_residuals_unchanged(method, bad):
     """Step 1's second bucket holds NaN/Inf on rank 0 only: every rank gets a non-finite sum (so DeepSpeed skips
     the step everywhere), and every rank's residuals, including those the first, finite bucket had already

@@ -9,7 +9,7 @@ from tests.helpers.collectives import run_ranks
 from titan_ds.comm import GradientReducer
 from titan_ds.comm.base import topk_budget
 from titan_ds.comm.diloco import OuterStep, param_layout, reference_round
-from titan_ds.comm.qtopk import QTopKCompressor, qtopk_budget, qtopk_message_bytes, qtopk_reducer, reference_qtopk
+from titan_ds.comm.qtopk import QTopKCompressor, qtopk_budget, qtopk_message_bytes, reference_qtopk
 from titan_ds.comm.wire import SimCollective, ring_allgather_bytes, ring_allreduce_bytes
 from titan_ds.config import TitanConfig, TitanConfigError
 
@@ -37,10 +37,7 @@ QTOPK = {"bits": 2, "chunk": 16}  # 72 elements: 4 full chunks and a partial one
 
 
 def _outer(method, ratio, *, mu=0.9, ef=True):
-    if method == "qtopk":
-        return lambda named: OuterStep(named, qtopk_reducer(ratio, error_feedback=ef, **QTOPK), outer_lr=0.7,
-                                       outer_momentum=mu)
-    kw = {} if method == "none" else {"error_feedback": ef}
+    kw = {} if method == "none" else {"error_feedback": ef, **(QTOPK if method == "qtopk" else {})}
     return lambda named: OuterStep(named, GradientReducer(method, ratio, **kw), outer_lr=0.7, outer_momentum=mu)
 
 
@@ -118,12 +115,33 @@ def test_qtopk_message_equals_reference_and_its_bytes_are_its_real_size(bits, ch
         assert bool(((torch.sign(s[sel]) == torch.sign(x[sel])) | (x[sel] == 0)).all())
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("chunk,n", [(16, 1000), (300, 5000)])
+def test_qtopk_blocks_change_nothing(monkeypatch, bits, chunk, n):
+    """encode/decode run block by block (a few chunks each here, several blocks and a partial last one): the
+    message is the one-block message byte for byte, and the sums are the oracle's."""
+    from titan_ds.comm import qtopk
+    ratio, world = 6.0, 2
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(5 * r + bits)) for r in range(world)]
+    comp = QTopKCompressor(ratio, bits=bits, chunk=chunk)
+    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk)
+    whole = comp.encode(xs[0], k)
+    assert len(comp._blocks(-(-n // chunk))) == 1
+    monkeypatch.setattr(qtopk, "BLOCK", 5 * chunk)  # 4 chunks a block
+    assert len(comp._blocks(-(-n // chunk))) > 2
+    assert torch.equal(comp.encode(xs[0], k), whole)
+    out = SimCollective(world).run(lambda w, comm: comp.reduce(xs[w].clone(), comm, 0, layout=[]))
+    refs = [reference_qtopk(x, ratio, bits=bits, chunk=chunk) for x in xs]
+    for w in range(world):
+        assert torch.equal(out[w][1], refs[w]) and torch.equal(out[w][0], refs[0] + refs[1])
+
+
 def test_qtopk_sends_more_coordinates_than_topk_and_error_feedback_keeps_the_rest():
     """At the same bytes 2-bit qtopk sends > 3x topk's coordinates (2-byte in-chunk index + 2 bits against 8 bytes);
     the reducer's residual is what was not sent: acc where nothing was sent, the quantization error where it was."""
     n, ratio = 4 * 4096 - 5, 20.0
     named = [("w", torch.nn.Parameter(torch.zeros(n)))]
-    reducer = qtopk_reducer(ratio, bits=2, chunk=4096)
+    reducer = GradientReducer("qtopk", ratio, bits=2, chunk=4096)
     acc = torch.randn(n, generator=torch.Generator().manual_seed(3))
     layout = param_layout(named)
     summed = SimCollective(1).run(lambda w, comm: reducer.reduce(acc.clone(), layout, comm, 0))[0]
@@ -142,6 +160,50 @@ def test_qtopk_refuses_bits_and_chunks_it_cannot_pack():
     for kw, words in [({"bits": 3}, "bits=3"), ({"chunk": 1}, "chunk=1"), ({"chunk": 70000}, "chunk=70000")]:
         with pytest.raises(ValueError, match=words):
             QTopKCompressor(10.0, **kw)
+
+
+def test_qtopk_config_keys_reach_the_reducer_and_refusals_name_the_fix():
+    """bits/chunk are qtopk's own keys (another method refuses them), validated where a user writes them; a ratio
+    above one value per chunk is refused naming the fix; the pillar builds the reducer from them, per step and for
+    the outer step; the shipped DiLoCo config is qtopk's H=20 x ratio 5 = 100x received at W=2."""
+    from titan_ds.comm.hooks import CompressionPillar
+    from titan_ds.comm.qtopk import qtopk_max_ratio
+    for comp in ({"method": "qtopk", "ratio": 30, "bits": 8, "chunk": 1000},
+                 {"method": "qtopk", "ratio": 5, "bits": 4, "chunk": 64, "sync_every": 10}):
+        pillar = CompressionPillar(TitanConfig(compression=comp))
+        pillar.apply(None)
+        c = pillar.reducer.compressor
+        assert (type(c), c.ratio, c.bits, c.chunk) == (QTopKCompressor, comp["ratio"], comp["bits"], comp["chunk"])
+    assert qtopk_max_ratio(bits=2, chunk=256) == 4 * 256 / 5.25
+    TitanConfig(compression={"method": "qtopk", "ratio": 195, "chunk": 256})
+    for bad, words in [({"method": "qtopk", "ratio": 196}, r"ratio=196 .*chunk=256.*at most 195.*raise chunk"),
+                       ({"method": "qtopk", "ratio": 193, "chunk": 300}, r"at most 192x.*raise chunk"),
+                       ({"method": "qtopk", "bits": 3}, r"bits must be one of 2, 4 or 8, got 3"),
+                       ({"method": "qtopk", "chunk": 1}, r"chunk must be >= 2"),
+                       ({"method": "qtopk", "chunk": 65537}, r"chunk must be <= 65536"),
+                       ({"method": "topk", "bits": 4}, r"has bits, which method='topk' does not use"),
+                       ({"method": "randk", "chunk": 256}, r"has chunk, which method='randk' does not use"),
+                       ({"method": "qtopk", "momentum": 0.9}, r"has momentum, which method='qtopk' does not use"),
+                       ({"method": "qtopk", "sketch_rows": 2}, r"has sketch_rows, which method='qtopk' does not use"),
+                       ({"method": "qtopk", "sync_every": 20, "precondition": "rms"}, r"remove precondition"),
+                       ({"method": "qtopk", "sync_every": 20, "ratio_warmup_steps": 5}, r"ratio_warmup_steps")]:
+        with pytest.raises(TitanConfigError, match=words):
+            TitanConfig(compression=bad)
+    import json
+
+    from tests.helpers.launch import ROOT
+    shipped = TitanConfig.from_ds_config(ROOT / "ds_configs/compress_diloco_qtopk.json").compression
+    assert (shipped.method, shipped.bits, shipped.chunk, shipped.sync_every) == ("qtopk", 2, 256, 20)
+    assert shipped.sync_every * shipped.ratio * 2 / 2 == 100  # H x ratio x 2 / W received at W=2 (bench_diloco)
+    assert json.loads((ROOT / "ds_configs/compress_diloco_qtopk.json").read_text())["gradient_clipping"] == 0.0
+
+
+def test_bench_diloco_builds_qtopk_through_the_registry():
+    from launch.bench.bench_diloco import _reducer
+    red = _reducer("qtopk4c64", 5.0, 0)
+    assert (red.method, type(red.compressor), red.compressor.bits, red.compressor.chunk) == \
+        ("qtopk", QTopKCompressor, 4, 64)
+    assert _reducer("qtopk2", 5.0, 0).compressor.chunk == 4096  # the simulator's names keep their meaning
 
 
 def test_simulator_equals_threads_and_counts_received_bytes():
@@ -227,10 +289,11 @@ def test_rules_accept_zero0_fp32_and_refuse_what_local_updates_cannot_do():
 
 @pytest.mark.slow
 def test_two_ranks_deepspeed_path_equals_reference_and_simulator(tmp_path):
-    """ZeRO-0, 2 real ranks, sync_every 4, methods none and topk: DeepSpeed's parameters equal the oracle's and the
-    simulator's bit for bit; a mid-round checkpoint resumes bit for bit; received bytes on torch.distributed equal
-    the simulator's plus DeepSpeed's own 4-byte all-reduce per step; the per-step all-reduce is off while installed
-    and back after uninstall."""
+    """ZeRO-0, 2 real ranks, sync_every 4, methods none, topk and qtopk (bits 4, chunk 100: set in the ds_config):
+    DeepSpeed's parameters equal the oracle's and the simulator's bit for bit; a mid-round checkpoint resumes bit
+    for bit; received bytes on torch.distributed equal the simulator's plus DeepSpeed's own 4-byte all-reduce per
+    step, and for qtopk the message size formula per sync; the per-step all-reduce is off while installed and back
+    after uninstall."""
     import json
 
     from tests.helpers.launch import ROOT, run_deepspeed
@@ -239,10 +302,15 @@ def test_two_ranks_deepspeed_path_equals_reference_and_simulator(tmp_path):
                          "--out", str(out), timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    for method in ("none", "topk"):
+    for method in ("none", "topk", "qtopk"):
         r = res[method]
         assert r["moved"] and r["ranks_equal"] and r["equals_reference"] and r["equals_simulator"], (method, r)
         assert r["resume_bit_exact"] and r["allreduce_off"] and r["allreduce_restored"], (method, r)
         steps = 12
         assert r["received_real"] == [r["received_sim"][0] + 4.0 * steps] * 2, (method, r)
     assert res["topk"]["received_real"][0] < res["none"]["received_real"][0] / 3
+    n = res["qtopk"]["params"]
+    k = qtopk_budget(n, 4.0, bits=4, chunk=100)
+    # 3 syncs, each an all-gather of one uint8 message per rank: (W - 1) = 1 message received
+    assert res["qtopk"]["received_real"] == [3 * qtopk_message_bytes(n, k, bits=4, chunk=100) + 4.0 * steps] * 2
+    assert 3 * qtopk_message_bytes(n, k, bits=4, chunk=100) <= 3 * 4 * n / 4.0

@@ -25,8 +25,8 @@ together in checkpoints.
 
 ``none`` sends the dense bucket (the uncompressed path through the same code, for byte accounting).
 The pieces live in ``base.py`` (collectives, residuals, the ``Compressor`` protocol, byte budgets), the
-methods in ``dense.py``, ``topk.py`` (+ ``dgc.py``), ``tgss.py``, ``hge.py`` and ``powersgd.py``, and their
-one list in ``registry.py``.
+methods in ``dense.py``, ``topk.py`` (+ ``dgc.py``), ``qtopk.py``, ``randk.py``, ``tgss.py``, ``hge.py`` and
+``powersgd.py``, and their one list in ``registry.py``.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import torch
 from .base import CountingCollective, ResidualStore, Segment, check_layout, nonfinite, subtract_sent_, zero_where_sent_
 from .dgc import DGCOptions, clip_segments_, ratio_at
 from .precondition import RMSOptions, rms_normalize_
+from .qtopk import DEFAULT_BITS, DEFAULT_CHUNK
 from .registry import build_compressor
 
 __all__ = ["GradientReducer"]
@@ -57,7 +58,7 @@ class GradientReducer:
     ``reduce(flat, layout, comm, step)`` returns the **sum over ranks** of the (compressed) gradient, in
     ``flat``'s dtype; the seams divide where DeepSpeed would. Steps ``< warmup_steps`` go dense; the next
     ``ratio_warmup_steps`` ramp the ratio from ``ratio_warmup_start`` to ``ratio`` (:func:`~titan_ds.comm.dgc.ratio_at`).
-    ``rank``, ``min_compression`` (and ``seed``) configure ``powersgd``; ``dgc`` holds DGC's momentum
+    ``rank``, ``min_compression`` (and ``seed``) configure ``powersgd``, ``bits`` and ``chunk`` ``qtopk``; ``dgc`` holds DGC's momentum
     correction, masking and local clipping (``topk``).
 
     Non-finite gradients: every compressor returns a non-finite sum on **every** rank when any rank's gradient
@@ -72,10 +73,9 @@ class GradientReducer:
     def __init__(self, method: str, ratio: float, *, error_feedback: bool = True, warmup_steps: int = 0,
                  rows: int = 3, seed: int = 0, rank: int = 1, min_compression: float = 2.0,
                  dgc: Optional[DGCOptions] = None, ratio_warmup_steps: int = 0, ratio_warmup_start: float = 2.0,
-                 precondition: Optional[RMSOptions] = None, compressor: Any = None):
-        # ``compressor``: one built outside the registry (qtopk.qtopk_reducer's); ``method`` then names it
-        self.compressor = compressor if compressor is not None else build_compressor(
-            method, ratio, rows, rank=rank, min_compression=min_compression, seed=seed)
+                 precondition: Optional[RMSOptions] = None, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK):
+        self.compressor = build_compressor(method, ratio, rows, rank=rank, min_compression=min_compression, seed=seed,
+                                           bits=bits, chunk=chunk)
         self.method, self.ratio = method, ratio
         self.error_feedback, self.warmup_steps, self.seed = error_feedback, warmup_steps, seed
         if ratio_warmup_steps > 0 and not 1.0 <= ratio_warmup_start < ratio:

@@ -11,8 +11,9 @@ One outer step on worker ``r`` (:meth:`OuterStep.sync`), over the flat fp32 vect
    every worker);
 2. ``sum = reducer.reduce(delta_r)``: the package's :class:`~titan_ds.comm.compressor.GradientReducer` with
    ``titan.compression``'s ``method``/``ratio``/``error_feedback`` (``none``: a dense all-reduce; ``topk``:
-   all-gathered (index, value) pairs; ``randk``/``tgss``/``hge``: all-reduced fixed-length messages, whose
-   received bytes do not grow with W); residuals ``delta_r + old - sent`` stay on worker ``r``;
+   all-gathered (index, value) pairs; ``qtopk``: all-gathered chunked top-k with ``bits``-bit values and
+   in-chunk indices; ``randk``/``tgss``/``hge``: all-reduced fixed-length messages, whose received bytes do not
+   grow with W); residuals ``delta_r + old - sent`` stay on worker ``r``;
 3. ``g = sum / W``; ``m = mu m + g``; ``u = g + mu m`` (Nesterov) or ``u = m``;
 4. ``anchor = anchor - outer_lr u``; every worker's parameters become ``anchor``.
 
@@ -31,7 +32,7 @@ import torch
 
 from .base import Segment, all_finite
 from .compressor import GradientReducer
-from .qtopk import reference_qtopk
+from .qtopk import DEFAULT_BITS, DEFAULT_CHUNK, reference_qtopk
 
 __all__ = ["OuterStep", "param_layout", "reference_round"]
 
@@ -111,8 +112,9 @@ class OuterStep:
 
 def reference_round(xs: list[torch.Tensor], anchor: torch.Tensor, momentum: Optional[torch.Tensor],
                     residuals: list[Optional[torch.Tensor]], *, method: str, ratio: float, outer_lr: float,
-                    outer_momentum: float, nesterov: bool = True, error_feedback: bool = True, bits: int = 2,
-                    chunk: int = 4096) -> tuple[torch.Tensor, Optional[torch.Tensor], list]:
+                    outer_momentum: float, nesterov: bool = True, error_feedback: bool = True,
+                    bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], list]:
     """The oracle of one outer step for ``W = len(xs)`` workers' flat parameters: ``(new anchor, new momentum,
     new residuals)``. ``method``: ``none`` (mean of the deltas), ``topk`` (each worker's ``n / (2 ratio)``
     largest entries of ``delta + residual``, summed in worker order) or ``qtopk`` (each worker's

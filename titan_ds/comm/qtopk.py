@@ -23,25 +23,40 @@ One message, worker ``r`` (``acc``: its error-compensated outer gradient, ``n`` 
    entries *and* the quantization error of the sent ones.
 
 :func:`reference_qtopk` is the oracle: a loop over chunks and values with no packing, which the tests hold this
-class to bit for bit. Not (yet) a ``titan.compression.method``: :func:`qtopk_reducer` builds the
-:class:`~titan_ds.comm.compressor.GradientReducer` that :class:`~titan_ds.comm.diloco.OuterStep` takes.
+class to bit for bit. ``titan.compression.method: "qtopk"`` with ``bits`` and ``chunk`` (``registry.py``): per
+step on DeepSpeed's reduce path (any ZeRO stage, like ``topk``) or as DiLoCo's outer compressor
+(``sync_every > 1``, ``diloco.py``).
+
+The largest ratio a chunk size allows is one value per chunk, ``4 C / (index_bytes + 4 + bits / 8)``
+(:func:`qtopk_max_ratio`: 195x at chunk 256 and 2 bits); the config refuses a ratio above it.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .base import Collective, Segment
 
-__all__ = ["QTopKCompressor", "qtopk_budget", "qtopk_message_bytes", "qtopk_reducer", "reference_qtopk"]
+__all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "MAX_CHUNK", "QTopKCompressor", "qtopk_budget", "qtopk_max_ratio",
+           "qtopk_message_bytes", "reference_qtopk"]
 
 BITS = (2, 4, 8)
+MAX_CHUNK = 65536  # an in-chunk index is at most 2 bytes
+# the defaults of titan.compression.bits / chunk: the simulator's best at equal received bytes (docs/compress.md:
+# W=8, 1000 steps, DiLoCo H=20, 100x received: chunk 256 +0.253 nats vs dense, chunk 4096 +0.270, top-k +0.403)
+DEFAULT_BITS, DEFAULT_CHUNK = 2, 256
+BLOCK = 1 << 18  # entries per block of encode/decode (the results do not depend on it)
 
 
 def _index_bytes(chunk: int) -> int:
     return 1 if chunk <= 256 else 2
+
+
+def qtopk_max_ratio(*, bits: int, chunk: int) -> float:
+    """The largest ratio ``chunk`` allows: one value per chunk (``k = 1``), on whole chunks."""
+    return 4.0 * chunk / (_index_bytes(chunk) + 4 + bits / 8.0)
 
 
 def qtopk_message_bytes(n: int, k: int, *, bits: int, chunk: int) -> int:
@@ -63,8 +78,8 @@ def qtopk_budget(n: int, ratio: float, *, bits: int, chunk: int) -> int:
 def _check(bits: int, chunk: int) -> None:
     if bits not in BITS:
         raise ValueError(f"qtopk bits={bits}: choose one of {BITS} (codes are packed 8 / bits to a byte)")
-    if not 2 <= chunk <= 65536:
-        raise ValueError(f"qtopk chunk={chunk}: must be in [2, 65536] (an in-chunk index is 1 or 2 bytes)")
+    if not 2 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"qtopk chunk={chunk}: must be in [2, {MAX_CHUNK}] (an in-chunk index is 1 or 2 bytes)")
 
 
 def _quantize(mag: torch.Tensor, scale: torch.Tensor, levels: int) -> torch.Tensor:
@@ -82,50 +97,74 @@ class QTopKCompressor:
     """The module's steps 1-4 (``ratio``: dense fp32 bytes / message bytes per worker, as for ``topk``)."""
 
     name = "qtopk"
+    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "ratio_warmup_steps",
+                                    "ratio_warmup_start")
+    init_options = ("bits", "chunk")
 
-    def __init__(self, ratio: float, *, bits: int = 2, chunk: int = 4096):
+    def __init__(self, ratio: float, rows: int = 1, *, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK):
+        del rows  # CompressionConfig refuses sketch_rows for "qtopk" (not in config_keys)
         _check(bits, chunk)
         self.ratio, self.bits, self.chunk = ratio, bits, chunk
 
     def __repr__(self) -> str:
         return f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk})"
 
-    def encode(self, acc: torch.Tensor, k: int) -> torch.Tensor:
-        """``acc`` (flat fp32) -> the ``uint8`` message (steps 1-3)."""
-        n, c, levels = acc.numel(), self.chunk, 1 << (self.bits - 1)
-        chunks = -(-n // c)
-        pad = chunks * c - n
-        mag = torch.nn.functional.pad(acc.abs(), (0, pad), value=-1.0).view(chunks, c)  # padding loses to any entry
-        idx = torch.topk(mag, k, dim=1, sorted=False).indices                          # (chunks, k), in-chunk
-        val = torch.nn.functional.pad(acc, (0, pad)).view(chunks, c).gather(1, idx)
-        scale = val.abs().amax(dim=1)                                                 # NaN/Inf propagate
-        code = _quantize(val.abs(), scale[:, None], levels).to(torch.uint8)
-        code |= (val < 0).to(torch.uint8) << (self.bits - 1)
-        per = 8 // self.bits
-        code = torch.nn.functional.pad(code.reshape(-1), (0, -code.numel() % per)).view(-1, per)
-        shifts = torch.arange(per, dtype=torch.uint8, device=acc.device) * self.bits
-        packed = (code << shifts).sum(dim=1, dtype=torch.uint8)                        # disjoint bits: sum == or
-        ib = _index_bytes(c)
-        index = idx.to(torch.int32).reshape(-1, 1)
-        index = torch.cat([(index >> (8 * b)) & 0xFF for b in range(ib)], dim=1).to(torch.uint8)
-        return torch.cat([index.reshape(-1), packed, scale.contiguous().view(torch.uint8)])
+    def _blocks(self, chunks: int) -> list[tuple[int, int]]:
+        """Chunk ranges ``[c0, c1)`` of about :data:`BLOCK` entries, ``c0`` a multiple of 4 (so that a block's codes
+        start on a byte of the packed section whatever ``bits``)."""
+        step = max(4, BLOCK // self.chunk // 4 * 4)
+        return [(c0, min(chunks, c0 + step)) for c0 in range(0, chunks, step)]
 
-    def decode(self, msg: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A message -> (flat positions, decoded fp32 values), padding positions (``>= n``) included."""
-        c, levels, ib = self.chunk, 1 << (self.bits - 1), _index_bytes(self.chunk)
-        chunks = -(-n // c)
+    def _sections(self, n: int, k: int) -> tuple[int, int, int]:
+        """``(chunks, codes_at, scales_at)``: where the packed codes and the fp32 scales start in the message."""
+        chunks = -(-n // self.chunk)
         m = chunks * k
-        index = msg[:m * ib].view(m, ib).to(torch.int64)
-        index = sum(index[:, b] << (8 * b) for b in range(ib))
-        per = 8 // self.bits
-        packed = msg[m * ib:m * ib + -(-m // per)]
+        codes_at = m * _index_bytes(self.chunk)
+        return chunks, codes_at, codes_at + -(-m // (8 // self.bits))
+
+    def encode(self, acc: torch.Tensor, k: int) -> torch.Tensor:
+        """``acc`` (flat fp32) -> the ``uint8`` message (steps 1-3), written block by block: the temporaries (top-k
+        indices, codes, ~20 bytes an entry) are one block's, not the whole vector's (a DiLoCo sync at ratio 5 on the
+        seed GPT measured ~200 MB above its start unblocked)."""
+        n, c, ib, per = acc.numel(), self.chunk, _index_bytes(self.chunk), 8 // self.bits
+        chunks, codes_at, scales_at = self._sections(n, k)
+        msg = torch.empty(scales_at + 4 * chunks, dtype=torch.uint8, device=acc.device)
+        shifts = torch.arange(per, dtype=torch.uint8, device=acc.device) * self.bits
+        for c0, c1 in self._blocks(chunks):
+            part = acc[c0 * c:min(n, c1 * c)]
+            pad = (c1 - c0) * c - part.numel()
+            mag = torch.nn.functional.pad(part.abs(), (0, pad), value=-1.0).view(c1 - c0, c)  # padding loses
+            idx = torch.topk(mag, k, dim=1, sorted=False).indices                             # (chunks, k), in-chunk
+            val = torch.nn.functional.pad(part, (0, pad)).view(c1 - c0, c).gather(1, idx)
+            scale = val.abs().amax(dim=1)                                                    # NaN/Inf propagate
+            code = _quantize(val.abs(), scale[:, None], 1 << (self.bits - 1)).to(torch.uint8)
+            code |= (val < 0).to(torch.uint8) << (self.bits - 1)
+            code = torch.nn.functional.pad(code.reshape(-1), (0, -code.numel() % per)).view(-1, per)
+            packed = (code << shifts).sum(dim=1, dtype=torch.uint8)                           # disjoint bits: sum == or
+            index = idx.to(torch.int32).reshape(-1, 1)
+            index = torch.cat([(index >> (8 * b)) & 0xFF for b in range(ib)], dim=1).to(torch.uint8)
+            msg[c0 * k * ib:c1 * k * ib] = index.reshape(-1)
+            msg[codes_at + c0 * k // per:codes_at + c0 * k // per + packed.numel()] = packed
+            msg[scales_at + 4 * c0:scales_at + 4 * c1] = scale.contiguous().view(torch.uint8)
+        return msg
+
+    def decode_blocks(self, msg: torch.Tensor, n: int, k: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A message -> (flat positions, decoded fp32 values), block by block (as :meth:`encode` wrote them),
+        padding positions (``>= n``) included."""
+        c, levels, ib, per = self.chunk, 1 << (self.bits - 1), _index_bytes(self.chunk), 8 // self.bits
+        chunks, codes_at, scales_at = self._sections(n, k)
         shifts = torch.arange(per, dtype=torch.uint8, device=msg.device) * self.bits
-        code = ((packed[:, None] >> shifts) & ((1 << self.bits) - 1)).reshape(-1)[:m].view(chunks, k)
-        scale = msg[m * ib + -(-m // per):].clone().view(torch.float32)
-        negative = (code >> (self.bits - 1)).bool()
-        val = _dequantize((code & (levels - 1)).float(), negative, scale[:, None], levels)
-        pos = index.view(chunks, k) + torch.arange(chunks, dtype=torch.int64, device=msg.device)[:, None] * c
-        return pos.reshape(-1), val.reshape(-1)
+        for c0, c1 in self._blocks(chunks):
+            m = (c1 - c0) * k
+            index = msg[c0 * k * ib:c1 * k * ib].view(m, ib).to(torch.int64)
+            index = sum(index[:, b] << (8 * b) for b in range(ib))
+            packed = msg[codes_at + c0 * k // per:codes_at + c0 * k // per + -(-m // per)]
+            code = ((packed[:, None] >> shifts) & ((1 << self.bits) - 1)).reshape(-1)[:m].view(c1 - c0, k)
+            scale = msg[scales_at + 4 * c0:scales_at + 4 * c1].clone().view(torch.float32)
+            negative = (code >> (self.bits - 1)).bool()
+            val = _dequantize((code & (levels - 1)).float(), negative, scale[:, None], levels)
+            pos = index.view(c1 - c0, k) + torch.arange(c0, c1, dtype=torch.int64, device=msg.device)[:, None] * c
+            yield pos.reshape(-1), val.reshape(-1)
 
     def reduce(self, acc: torch.Tensor, comm: Collective, seed: int, *, layout: list[Segment],
                ratio: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,21 +175,16 @@ class QTopKCompressor:
         padded = -(-n // self.chunk) * self.chunk
         summed = torch.zeros(padded, dtype=torch.float32, device=acc.device)
         for part in comm.all_gather(msg):
-            summed.index_add_(0, *self.decode(part, n, k))
-        pos, val = self.decode(msg, n, k)  # what the others decode of this worker's message, bit for bit
-        sent = torch.zeros(padded, dtype=torch.float32, device=acc.device).index_put_((pos,), val)
+            for pos, val in self.decode_blocks(part, n, k):
+                summed.index_add_(0, pos, val)
+        sent = torch.zeros(padded, dtype=torch.float32, device=acc.device)
+        for pos, val in self.decode_blocks(msg, n, k):  # what the others decode of this worker's message
+            sent.index_put_((pos,), val)
         return summed[:n], sent[:n]
 
 
-def qtopk_reducer(ratio: float, *, bits: int = 2, chunk: int = 4096, error_feedback: bool = True):
-    """A :class:`~titan_ds.comm.compressor.GradientReducer` whose compressor is :class:`QTopKCompressor` (what
-    :class:`~titan_ds.comm.diloco.OuterStep` takes; ``method`` reads ``qtopk``)."""
-    from .compressor import GradientReducer
-    return GradientReducer("qtopk", ratio, error_feedback=error_feedback,
-                           compressor=QTopKCompressor(ratio, bits=bits, chunk=chunk))
-
-
-def reference_qtopk(acc: torch.Tensor, ratio: float, *, bits: int = 2, chunk: int = 4096) -> torch.Tensor:
+def reference_qtopk(acc: torch.Tensor, ratio: float, *, bits: int = DEFAULT_BITS,
+                    chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """The oracle of what one worker sends (dense, decoded): chunk by chunk, value by value, no packing."""
     _check(bits, chunk)
     n, levels = acc.numel(), 1 << (bits - 1)

@@ -12,14 +12,15 @@ from .base import Compressor
 from .dense import DenseCompressor
 from .hge import HGECompressor
 from .powersgd import PowerSGDCompressor
+from .qtopk import QTopKCompressor
 from .randk import RandKCompressor
 from .tgss import TGSSCompressor
 from .topk import TopKCompressor
 
 __all__ = ["REGISTRY", "build_compressor"]
 
-_CLASSES: tuple[type, ...] = (DenseCompressor, TopKCompressor, RandKCompressor, TGSSCompressor, HGECompressor,
-                              PowerSGDCompressor)
+_CLASSES: tuple[type, ...] = (DenseCompressor, TopKCompressor, QTopKCompressor, RandKCompressor, TGSSCompressor,
+                              HGECompressor, PowerSGDCompressor)
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in _CLASSES}
 if len(REGISTRY) != len(_CLASSES):
@@ -29,8 +30,8 @@ if len(REGISTRY) != len(_CLASSES):
 def build_compressor(name: str, ratio: float, rows: int = 3, **options: Any) -> Compressor:
     """The compressor called ``name``; raises ``ValueError`` naming the choices for anything else.
 
-    ``options`` (``rank``, ``min_compression``, ``seed``) go to the classes that list them in ``init_options``
-    (``powersgd``); the others are built from ``ratio`` and ``rows`` alone."""
+    ``options`` (``rank``, ``min_compression``, ``seed``; ``bits``, ``chunk``) go to the classes that list them in
+    ``init_options`` (``powersgd``; ``qtopk``); the others are built from ``ratio`` and ``rows`` alone."""
     if name in REGISTRY:
         cls = REGISTRY[name]
         wanted = getattr(cls, "init_options", ())
