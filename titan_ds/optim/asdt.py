@@ -201,7 +201,7 @@ class ASDT(torch.optim.Optimizer):
         self.rounding, self.rounding_seed = rounding, int(rounding_seed)
         self._generators: dict[str, torch.Generator] = {}
         self._runs: dict[Any, Any] = {}  # update="adaptive": the runs of consecutive units of each tensor
-        self._slices: dict[int, Any] = {}  # the chunked core's plan of each tensor (core.plan), with its layout
+        self._slices: dict[Any, Any] = {}  # the chunked core's plan of each tensor (core.plan), with its layout
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
         # quantized kinds ("8bit"/"4bit") are stored packed between steps and worked on in fp32 (qstate.py); an
@@ -525,6 +525,14 @@ class ASDT(torch.optim.Optimizer):
                                        and self.second_moment == "unit"):
             self._dense_update(t, st, layout, group)
             return
+        if not layout.split_units:
+            self._sparse_update(t, st, layout, group)
+            return
+        self._flat_update(t, st, layout, group)
+
+    def _flat_update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+        """``t``'s step on the flat path (:func:`asdt_update` on the whole tensor's fp32 state): units split across
+        ranks, whose thresholds and per-unit sums are collectives; the oracle of :meth:`_sparse_update`."""
         self._observe(layout, t.grad.view(-1))
         self._unpack(st)
         by_mode = self._place(t, st, layout)
@@ -532,6 +540,64 @@ class ASDT(torch.optim.Optimizer):
             if pieces or layout.split_units:  # split units: every rank joins the collective top-k
                 self._apply(t, st, layout, pieces, mode, group)
         self._pack(st)
+
+    def _sparse_update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+        """``t``'s step on :func:`sparse.sparse_step` (density < 1, BSPS modes, the sketch; no unit split across
+        ranks), chunk by chunk on the stored (quantized) state. When BSPS changed which units hold state (and on
+        the first step), the buffers are re-placed in their working form (fp32) and stored quantized after it."""
+        self._observe(layout, t.grad.view(-1))
+        by_mode = self._pieces_by_mode(layout)
+        replace = not self._placed(st, by_mode)
+        if replace:
+            self._unpack(st)
+            self._place(t, st, layout)
+        for mode in (GROWTH, ELASTIC):
+            if by_mode[mode]:
+                self._sparse_mode(t, st, layout, by_mode[mode], mode, group)
+        if replace:
+            self._pack(st)
+
+    def _placed(self, st: dict[str, Any], by_mode: dict[int, list[Piece]]) -> bool:
+        """Whether every state buffer holds exactly the units of its mode (what :meth:`_place` makes)."""
+        need = {"momentum": by_mode[GROWTH], "anchor": by_mode[ELASTIC]}
+        if self.update == "adaptive":
+            need[_SECOND] = by_mode[GROWTH]
+        if self.second_moment == "coordinate":
+            need[_VARIANCE] = by_mode[GROWTH]
+        return all(key in st and [r.unit for r in st["units"] if r.buffer == key] == [pc.unit for pc in pieces]
+                   for key, pieces in need.items())
+
+    def _sparse_mode(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, pieces: list[Piece], mode: int,
+                     group: dict[str, Any]) -> None:
+        """The units of one mode held in ``t`` on :func:`sparse.sparse_step`."""
+        from . import sparse
+        from .sketch import SketchScores
+        key = (id(t), mode)
+        plan = self._slices.get(key)
+        if plan is None or plan[0] is not pieces:  # cached while the pieces are the layout's (no BSPS)
+            plan = (pieces, core.plan(pieces, parts=sparse.PARTS), tuple(pc.length for pc in pieces),
+                    [self.units[pc.unit].numel for pc in pieces])
+            if pieces is layout.pieces:
+                self._slices[key] = plan
+        _, slices, lengths, numels = plan
+        w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
+        adaptive = self.update == "adaptive" and mode == GROWTH
+        coordinate = adaptive and self.second_moment == "coordinate"
+        state = core.StateBuffer.of(st, _BUFFER[mode], self.quant if mode == GROWTH else None, True, lengths)
+        scores = None
+        if self.sketch is not None:
+            scores = SketchScores(self.sketch, self.units, pieces, t.device)
+            scores.add(slices, g_flat, group["betas"][1], layout.group)
+        self._selected_acc += sparse.sparse_step(
+            w_flat, g_flat, slices, lr=group["lr"], betas=group["betas"], density=group["density"],
+            weight_decay=group["weight_decay"], unit_numels=numels, importance=self.importance, update=self.update,
+            momentum=state if mode == GROWTH else None, anchor=state if mode == ELASTIC else None,
+            variance=core.StateBuffer.of(st, _VARIANCE, self.second_quant, False, lengths) if coordinate else None,
+            seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
+            update_clip=self.update_clip if adaptive else None,
+            lr_scales=None if self.plasticity is None else [self.unit_lr_scale(pc.unit) for pc in pieces],
+            elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
+            generator=self._generator(t))
 
     def _quantized(self) -> list[tuple[str, str, bool]]:
         """(buffer, kind, signed) of the buffers stored quantized."""
@@ -628,7 +694,7 @@ class ASDT(torch.optim.Optimizer):
         key = (id(t), tuple(pc.unit for pc in pieces[:1]), len(pieces))
         plans = self._runs.get(key) if self.plasticity is None else None
         if plans is None:
-            plans = _chunk_plans(pieces, [self.units[pc.unit].numel for pc in pieces], whole=self._zero)
+            plans = _chunk_plans(pieces, [self.units[pc.unit].numel for pc in pieces])
             if self.plasticity is None:
                 self._runs[key] = plans
         w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
