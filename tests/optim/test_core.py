@@ -2,6 +2,7 @@
 and against one chunk per unit), the quantized state is read and written in ranges exactly as quantize() stores
 the whole buffer, and the step's temporaries stay within 4 bytes per element of the tensor it steps."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -161,8 +162,11 @@ def test_step_temporaries_within_4_bytes_per_element(case):
 
 def step_temporaries(n: int, kw: dict) -> float:
     """Peak RSS above the state during the second step of ``ASDT([p], lr=1e-3, **kw)`` on an ``n``-element
-    tensor (density 1 unless given), per element, measured in a fresh process."""
+    tensor (density 1 unless given), per element, measured in a fresh process with glibc's mmap threshold at 1 MiB
+    (as HMS and launch/bench/optim_step.py set it: else freed blocks stay resident and the peak hides a step's
+    temporaries)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576")
     out = subprocess.run([sys.executable, "-c", _TEMP, str(n), json.dumps(kw)], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
