@@ -123,6 +123,13 @@ ROWS: dict[str, Row] = {
                                "hms_asdt section)"),
     "asdt_sign_8bit": Row(_plan_mode("hms_asdt_bf16"), "ASDT sign update, density 1, 8-bit momentum (plan's "
                           "hms_asdt_bf16 section)"),
+    "asdt_sign_8bit_d0.1": Row(_titan_section({"name": "asdt", "lr": 1e-5, "density": 0.1, "state_dtype": "8bit"}),
+                               "ASDT sign update, density 0.1, 8-bit momentum (the sparse strategy)"),
+    "asdt_adaptive_8bit_d0.1": Row(_titan_section({
+        "name": "asdt", "update": "adaptive", "granularity": "tensor", "lr": 1e-3, "betas": [0.9, 0.95],
+        "density": 0.1, "weight_decay": 0.1, "state_dtype": "8bit", "second_moment": "coordinate",
+        "second_dtype": "4bit"}), "titan_balanced's ASDT (adaptive, 8-bit momentum, 4-bit coordinate second "
+        "moment) at density 0.1 (the sparse strategy)"),
     "adamw": Row(_torch_adamw(), "torch AdamW, default implementation (on CPU: the per-tensor loop)"),
     "adamw_foreach": Row(_torch_adamw(foreach=True), "torch AdamW foreach=True"),
     "adamw_fused": Row(_torch_adamw(fused=True), "torch AdamW fused=True"),

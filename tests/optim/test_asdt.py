@@ -297,34 +297,6 @@ def test_adaptive_bad_arguments_raise():
         ASDT([torch.zeros(2, requires_grad=True)], granularity="column")
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 50])
-def test_adaptive_chunked_calls_step_bit_exactly_as_one_call(monkeypatch, chunk):
-    """update="adaptive" at stage 0 splits a tensor into calls of at most ``_CHUNK`` elements at unit boundaries
-    (bounding the temporaries of a large embedding): the steps and the state are those of one call per tensor."""
-    from titan_ds.optim import asdt_math as mod
-    a = _params()
-    b = [p.detach().clone() for p in a]
-    hp = dict(lr=1e-2, betas=(0.9, 0.95), density=0.5, weight_decay=0.1, update="adaptive", granularity="row",
-              state_dtype="bf16")
-    oa = ASDT([(f"p{i}", p) for i, p in enumerate(a)], **hp)
-    ob = ASDT([(f"p{i}", p) for i, p in enumerate(b)], **hp)
-    for t in range(4):
-        for p, g in zip(a, _grads(a, t)):
-            p.grad = g
-        oa.step()
-        monkeypatch.setattr(mod, "_CHUNK", chunk)
-        for p, g in zip(b, _grads(b, t)):
-            p.grad = g
-        ob.step()
-        monkeypatch.setattr(mod, "_CHUNK", 1 << 20)
-        for pa, pb in zip(a, b):
-            assert torch.equal(pa.data, pb.data), f"step {t}"
-    assert any(len(plans) > 1 for plans in ob._runs.values())  # the chunking happened
-    for pa, pb in zip(a, b):
-        for key in ("momentum", "second"):
-            assert torch.equal(oa.state[pa][key], ob.state[pb][key]), key
-
-
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 def test_adaptive_update_clip_matches_reference_and_bounds_the_step(state_dtype):
     """update_clip clamps each coordinate's adaptive step c to [-clip, clip]: the flat path equals the reference

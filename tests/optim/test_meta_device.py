@@ -151,6 +151,20 @@ def _signals_stay_on_device(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("kw", [dict(state_dtype="8bit"), dict(update="adaptive", second_moment="coordinate",
+                                                                state_dtype="4bit", second_dtype="4bit"),
+                                dict(importance="sketch", sketch_width=64, update="adaptive")],
+                         ids=["sign-8bit", "adaptive-4bit", "sketch"])
+def test_sparse_units_cut_into_chunks_on_meta(monkeypatch, kw):
+    """A unit larger than a chunk (its threshold from the chunked radix select, sparse.kth_largest_chunked)."""
+    from titan_ds.optim import core
+    monkeypatch.setattr(core, "CHUNK", 256)
+    params = [("w", nn.Parameter(torch.empty(3, 400, device=META)))]
+    opt = ASDT(params, lr=1e-3, density=0.3, **kw)
+    _step(opt, params)
+    assert len(core.plan(opt._layouts.of(params[0][1]).pieces)) > 1
+
+
 @pytest.mark.parametrize("update", ["sign", "adaptive"])
 def test_bsps_modes_on_meta(update, _signals_stay_on_device):
     params = _params()

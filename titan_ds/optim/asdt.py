@@ -57,10 +57,16 @@ stay device tensors until read, the clipping coefficient is computed on the devi
 summed there and read once per engine step, when BSPS decides its transitions. ``tests/optim/test_meta_device.py``
 runs every update with its tensors on the ``meta`` device, where a mixed-device op or a host read raises.
 
-The math is :func:`~titan_ds.optim.asdt_math.asdt_update` in ``asdt_math.py`` (steps 1-5 on a list of unit
-slices: tensors in, updated in place, no optimizer, BSPS or engine); :class:`ASDT` does the bookkeeping around it (which units, their layout in
-what DeepSpeed hands over, BSPS modes and signals, the sketch, ``requires_grad`` at stage 0, metrics).
-:func:`reference_step` is an independent plain per-unit loop of the same steps, the oracle for both.
+**Where the steps run** (:meth:`ASDT._update` dispatches each tensor): density 1 with no BSPS and no sketch on
+the chunked dense core (:mod:`~titan_ds.optim.core`); otherwise, unless a unit is split across ZeRO ranks, on
+the sparse strategy over the same chunks (:mod:`~titan_ds.optim.sparse`: each unit's top-k threshold by a
+chunked exact selection; the sketch's scores from :mod:`~titan_ds.optim.sketch`); a tensor with split units on
+the flat path (:mod:`~titan_ds.optim.flat`: :func:`~titan_ds.optim.asdt_math.asdt_update` on its whole fp32
+state, with the collectives), the oracle of the chunked strategies. :func:`reference_step` is an independent
+plain per-unit loop of the same steps, the oracle of all. :class:`ASDT` does the bookkeeping around them (which
+units, their layout in what DeepSpeed hands over, metrics); BSPS's step side (modes, the buffers that follow
+them, signals, ``requires_grad`` at stage 0) is in :mod:`~titan_ds.optim.bsps_step` and the checkpoint format in
+:mod:`~titan_ds.optim.asdt_state`.
 """
 from __future__ import annotations
 
@@ -72,10 +78,13 @@ from ..utils import get_logger
 
 from ..comm.tgss import CountMinSketch
 from .bsps import ELASTIC, FROZEN, GROWTH, SLEEPING
-from . import core
-from .asdt_math import IMPORTANCE, _chunk_plans, asdt_update, local_kth_largest, reference_step
-from .layout import (Layout, LayoutMap, Piece, Unit, UnitState, build_units, kth_largest, param_layout, place_units,
-                     unit_sums, views)
+from . import core, sparse
+from .asdt_math import IMPORTANCE, asdt_update, local_kth_largest, reference_step
+from .asdt_state import _BUFFER, _SECOND, _VARIANCE, CheckpointState, _from_saved
+from .bsps_step import PlasticitySteps
+from .flat import FlatPath
+from .layout import Layout, LayoutMap, Piece, Unit, build_units, param_layout
+from .sketch import SketchScores
 
 __all__ = ["ASDT", "asdt_update", "local_kth_largest", "reference_step", "GROWTH", "ELASTIC", "FROZEN", "SLEEPING"]
 
@@ -86,36 +95,6 @@ _QUANT = ("8bit", "4bit")  # block-wise quantized state (qstate.py): codes + one
 _UPDATES = ("sign", "adaptive")
 _ROUNDINGS = ("stochastic", "nearest")  # how bf16 weights are written (fp32 weights: exact either way)
 _SECOND_MOMENTS = ("unit", "coordinate")
-
-
-# ---------------------------------------------------------------------------------------------- state format
-_BUFFER = {GROWTH: "momentum", ELASTIC: "anchor"}
-_SECOND = "second"  # update="adaptive": (v, t) of each Growth unit, fp32
-_VARIANCE = "variance"  # second_moment="coordinate": each Growth element's own second moment
-_SAVED = (*_BUFFER.values(), _SECOND, _VARIANCE)
-
-
-def _to_saved(st: dict[str, Any]) -> dict[str, Any]:
-    """A tensor's state as checkpoints hold it: the records as ``<buffer>_units`` (order) and ``_lens``."""
-    if "units" not in st:  # already in this form (restored by HMS and not stepped since)
-        return dict(st)
-    out = {k: v for k, v in st.items() if k != "units"}
-    for buffer in _SAVED:
-        records = [r for r in st.get("units", []) if r.buffer == buffer]
-        out[f"{buffer}_units"] = [r.unit for r in records]
-        out[f"{buffer}_lens"] = {r.unit: r.length for r in records}
-    return out
-
-
-def _from_saved(st: dict[str, Any]) -> None:
-    """Inverse of :func:`_to_saved`, in place (the units of a buffer lie in it end to end, in order)."""
-    records = []
-    for buffer in _SAVED:
-        lens, cursor = st.pop(f"{buffer}_lens", {}), 0
-        for u in st.pop(f"{buffer}_units", []):
-            records.append(UnitState(int(u), buffer, cursor, int(lens[u])))
-            cursor += int(lens[u])
-    st["units"] = records
 
 
 def _clip_(grad: torch.Tensor, coef: Union[float, torch.Tensor]) -> None:
@@ -175,7 +154,7 @@ def _check(lr: float, betas: tuple[float, float], density: float, weight_decay: 
         raise ValueError("; ".join(errors))
 
 
-class ASDT(torch.optim.Optimizer):
+class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
     """Sparse sign-momentum optimizer; see the module docstring for the algorithm.
 
     ``params``: tensors, ``(name, tensor)`` pairs (names are used by BSPS and delta export), or param group
@@ -201,7 +180,7 @@ class ASDT(torch.optim.Optimizer):
         self.rounding, self.rounding_seed = rounding, int(rounding_seed)
         self._generators: dict[str, torch.Generator] = {}
         self._runs: dict[Any, Any] = {}  # update="adaptive": the runs of consecutive units of each tensor
-        self._slices: dict[int, Any] = {}  # the chunked core's plan of each tensor (core.plan), with its layout
+        self._slices: dict[Any, Any] = {}  # the chunked core's plan of each tensor (core.plan), with its layout
         defaults = dict(lr=lr, betas=tuple(betas), density=density, weight_decay=weight_decay)
         super().__init__([{**g, "params": [p for _, p in g["params"]]} for g in groups], defaults)
         # quantized kinds ("8bit"/"4bit") are stored packed between steps and worked on in fp32 (qstate.py); an
@@ -431,63 +410,18 @@ class ASDT(torch.optim.Optimizer):
         if self.sketch is not None and not self._zero:
             self.sketch.decay_(self.param_groups[0]["betas"][1])
 
-    def _stage0_plasticity(self) -> None:
-        """Stage 0: free the state of blocks that left Growth/Elastic now, and set ``requires_grad`` for the
-        next step (Frozen/Sleeping blocks compute no gradient, except at probe steps). Under ZeRO
-        ``requires_grad`` is fixed at engine init, so this runs only when the optimizer holds the parameters."""
-        for _, p in self._params():
-            st = self.state.get(p)
-            if st:
-                self._unpack(st)
-                self._place(p, st, self._layouts.of(p))
-                self._pack(st)
-        self._restore_requires_grad(drop_grads=True)
-
-    def _restore_requires_grad(self, drop_grads: bool = False) -> None:
-        """Stage 0: ``requires_grad`` of each parameter for the next step, from its blocks' BSPS modes."""
-        nxt = self._engine_step + 1
-        for name, p in self._params():
-            need = any(self.plasticity.needs_grad(self._block_of_unit[u.index], nxt)
-                       for u in self.units_by_param[name])
-            p.requires_grad_(need)
-            if drop_grads and not need:
-                p.grad = None  # a frozen/sleeping block holds no gradient
-
-    def _pieces_by_mode(self, layout: Layout) -> dict[int, list[Piece]]:
-        if self.plasticity is None:  # every unit is in Growth, always
-            return {GROWTH: layout.pieces, ELASTIC: []}
-        out: dict[int, list[Piece]] = {GROWTH: [], ELASTIC: []}
-        for pc in layout.pieces:
-            mode = self.unit_mode(pc.unit)
-            if mode in out:
-                out[mode].append(pc)
-        return out
-
-    def _place(self, t: torch.Tensor, st: dict[str, Any], layout: Layout) -> dict[int, list[Piece]]:
-        """Make the state buffers cover the active units (new Growth units start at 0, Elastic ones at w)."""
-        w_flat, dtype, dev = t.data.view(-1), self.state_dtype, t.device
-        by_mode = self._pieces_by_mode(layout)
-        place_units(st, "momentum", by_mode[GROWTH], lambda pc: torch.zeros(pc.length, dtype=dtype, device=dev),
-                    torch.zeros(0, dtype=dtype, device=dev))
-        place_units(st, "anchor", by_mode[ELASTIC], lambda pc: views(w_flat, [pc])[0].to(self.anchor_dtype),
-                    torch.zeros(0, dtype=self.anchor_dtype, device=dev))
-        if self.update == "adaptive":
-            place_units(st, _SECOND, by_mode[GROWTH], lambda pc: torch.zeros(2, device=dev),
-                        torch.zeros(0, device=dev), per_unit=2)
-        if self.second_moment == "coordinate":
-            vd = self.second_dtype
-            place_units(st, _VARIANCE, by_mode[GROWTH], lambda pc: torch.zeros(pc.length, dtype=vd, device=dev),
-                        torch.zeros(0, dtype=vd, device=dev))
-        return by_mode
-
     def _generator(self, t: torch.Tensor) -> Optional[torch.Generator]:
         """The stochastic-rounding generator for ``t``'s device, when ``t`` is bf16 (else None: nothing to round)."""
         if self.rounding != "stochastic" or t.dtype != torch.bfloat16:
             return None
         key = str(t.device)
         if key not in self._generators:
-            self._generators[key] = _device_generator(t.device, self.rounding_seed)
+            self._generators[key] = self._new_generator(t.device, self.rounding_seed)
         return self._generators[key]
+
+    @staticmethod
+    def _new_generator(device: Union[str, torch.device], seed: int) -> torch.Generator:
+        return _device_generator(device, seed)  # (looked up at each call: the meta-device tests replace it)
 
     def _dense(self, group: dict[str, Any]) -> bool:
         """Whether a tensor of ``group`` steps on the chunked core (core.py): density 1, no BSPS modes, no sketch
@@ -525,13 +459,56 @@ class ASDT(torch.optim.Optimizer):
                                        and self.second_moment == "unit"):
             self._dense_update(t, st, layout, group)
             return
+        if not layout.split_units:
+            self._sparse_update(t, st, layout, group)
+            return
+        self._flat_update(t, st, layout, group)
+
+    def _sparse_update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+        """``t``'s step on :func:`sparse.sparse_step` (density < 1, BSPS modes, the sketch; no unit split across
+        ranks), chunk by chunk on the stored (quantized) state. When BSPS changed which units hold state (and on
+        the first step), the buffers are re-placed in their working form (fp32) and stored quantized after it."""
         self._observe(layout, t.grad.view(-1))
-        self._unpack(st)
-        by_mode = self._place(t, st, layout)
-        for mode, pieces in by_mode.items():
-            if pieces or layout.split_units:  # split units: every rank joins the collective top-k
-                self._apply(t, st, layout, pieces, mode, group)
-        self._pack(st)
+        by_mode = self._pieces_by_mode(layout)
+        replace = not self._placed(st, by_mode)
+        if replace:
+            self._unpack(st)
+            self._place(t, st, layout)
+        for mode in (GROWTH, ELASTIC):
+            if by_mode[mode]:
+                self._sparse_mode(t, st, layout, by_mode[mode], mode, group)
+        if replace:
+            self._pack(st)
+
+    def _sparse_mode(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, pieces: list[Piece], mode: int,
+                     group: dict[str, Any]) -> None:
+        """The units of one mode held in ``t`` on :func:`sparse.sparse_step`."""
+        key = (id(t), mode)
+        plan = self._slices.get(key)
+        if plan is None or plan[0] is not pieces:  # cached while the pieces are the layout's (no BSPS)
+            plan = (pieces, core.plan(pieces, parts=sparse.PARTS), tuple(pc.length for pc in pieces),
+                    [self.units[pc.unit].numel for pc in pieces])
+            if pieces is layout.pieces:
+                self._slices[key] = plan
+        _, slices, lengths, numels = plan
+        w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
+        adaptive = self.update == "adaptive" and mode == GROWTH
+        coordinate = adaptive and self.second_moment == "coordinate"
+        state = core.StateBuffer.of(st, _BUFFER[mode], self.quant if mode == GROWTH else None, True, lengths)
+        scores = None
+        if self.sketch is not None:
+            scores = SketchScores(self.sketch, self.units, pieces, t.device)
+            scores.add(slices, g_flat, group["betas"][1], layout.group)
+        self._selected_acc += sparse.sparse_step(
+            w_flat, g_flat, slices, lr=group["lr"], betas=group["betas"], density=group["density"],
+            weight_decay=group["weight_decay"], unit_numels=numels, importance=self.importance, update=self.update,
+            momentum=state if mode == GROWTH else None, anchor=state if mode == ELASTIC else None,
+            variance=core.StateBuffer.of(st, _VARIANCE, self.second_quant, False, lengths) if coordinate else None,
+            seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
+            update_clip=self.update_clip if adaptive else None,
+            lr_scales=None if self.plasticity is None else [self.unit_lr_scale(pc.unit) for pc in pieces],
+            elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
+            generator=self._generator(t))
 
     def _quantized(self) -> list[tuple[str, str, bool]]:
         """(buffer, kind, signed) of the buffers stored quantized."""
@@ -554,198 +531,12 @@ class ASDT(torch.optim.Optimizer):
                 lens = [r.length for r in st["units"] if r.buffer == key]
                 st[key], st[f"{key}_absmax"] = qstate.quantize(st[key], lens, kind, signed)
 
-    def _observe(self, layout: Layout, g_flat: torch.Tensor) -> None:
-        """BSPS's signal: each block's sum of squared gradients, summed on the gradients' device (fp64, in the
-        order of the pieces); :meth:`_hand_signals` gives it to the Plasticity when the engine step ends."""
-        p = self.plasticity
-        if p is None:
-            return
-        probe = p.is_probe(self._engine_step if self._zero else self._engine_step + 1)
-        if self._signal_sq is None:
-            self._signal_sq = torch.zeros(len(p.blocks), dtype=torch.float64, device=g_flat.device)
-        acc = self._signal_sq
-        for pc in layout.pieces:
-            if probe or self.unit_mode(pc.unit) in (GROWTH, ELASTIC):
-                g = g_flat[pc.start:pc.start + pc.length]
-                b = self._block_of_unit[pc.unit]
-                acc[b:b + 1] += g.float().pow(2).sum().double()
-
-    def _sum_signals(self, group: Any) -> None:
-        """ZeRO: sum this step's signals over the ranks (blocks split across ranks), on the tensors' device (NCCL
-        takes no CPU tensor). Signals the Plasticity holds already (restored from a checkpoint, or saved into one
-        before this step ended) join them; there are none in a plain step, so nothing is copied to the device."""
-        import deepspeed.comm as dist
-        dev = self._layouts.device()
-        acc = self._signal_sq
-        if acc is None:
-            acc = torch.zeros(len(self.plasticity.blocks), dtype=torch.float64, device=dev)
-        held = self.plasticity.take_signals()
-        if held is not None:
-            acc = held.to(acc.device) + acc  # (nothing is observed after a checkpoint before the step ends: exact)
-        dist.all_reduce(acc, group=group)
-        self._signal_sq = acc
-
-    def _hand_signals(self) -> None:
-        """The signals observed so far to the Plasticity: one read to the host, at the end of an engine step (once
-        every update of it has been queued: BSPS decides its transitions on the host) or for a checkpoint."""
-        acc, self._signal_sq = self._signal_sq, None
-        if acc is not None:
-            self.plasticity.add_signals(acc)
-
-    def _apply(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, pieces: list[Piece], mode: int,
-               group: dict[str, Any]) -> None:
-        """Bookkeeping around :func:`asdt_update` for the units of one mode held in ``t``."""
-        # split units in this mode: BSPS modes are the same on every rank, so every rank gets the same list
-        split = Layout(layout.pieces, [u for u in layout.split_units if self.unit_mode(u) == mode], layout.group)
-        if self.update == "adaptive" and mode == GROWTH and self.sketch is None:
-            self._apply_adaptive(t, st, pieces, split, group)
-            return
-        buffer = _BUFFER[mode]
-        records = [r for r in st["units"] if r.buffer == buffer]  # in the order of ``pieces`` (place_units)
-        bufs = views(st[buffer], records)
-        gs = [g.float() for g in views(t.grad.view(-1), pieces)]
-        b2 = group["betas"][1]
-        scores = self._sketch_scores(pieces, gs, layout, b2, t.device) if self.sketch is not None else None
-        adaptive = self.update == "adaptive" and mode == GROWTH
-        variances = None
-        if adaptive and self.second_moment == "coordinate":
-            variances = views(st[_VARIANCE], [r for r in st["units"] if r.buffer == _VARIANCE])
-        self._selected_acc += asdt_update(
-            views(t.data.view(-1), pieces), gs, lr=group["lr"], betas=group["betas"], density=group["density"],
-            weight_decay=group["weight_decay"], unit_numels=[self.units[pc.unit].numel for pc in pieces],
-            importance=self.importance, momenta=bufs if mode == GROWTH else None,
-            anchors=bufs if mode == ELASTIC else None, lr_scales=[self.unit_lr_scale(pc.unit) for pc in pieces],
-            elastic_pull=self.plasticity.elastic_pull if self.plasticity is not None else 0.0, scores=scores,
-            kth_largest=lambda s, ks: kth_largest(s, ks, pieces, split, t.device),
-            seconds=st[_SECOND].view(-1, 2) if adaptive else None, eps=self.eps,
-            unit_sums=lambda x: unit_sums(x, pieces, split), update_clip=self.update_clip if adaptive else None,
-            variances=variances, generator=self._generator(t))
-
-    def _apply_adaptive(self, t: torch.Tensor, st: dict[str, Any], pieces: list[Piece], split: Layout,
-                        group: dict[str, Any]) -> None:
-        """``update="adaptive"`` on the Growth units of ``t``: the same :func:`asdt_update`, handed runs of
-        consecutive units as single slices (a whole parameter at stage 0) so that nothing loops over units."""
-        key = (id(t), tuple(pc.unit for pc in pieces[:1]), len(pieces))
-        plans = self._runs.get(key) if self.plasticity is None else None
-        if plans is None:
-            plans = _chunk_plans(pieces, [self.units[pc.unit].numel for pc in pieces], whole=self._zero)
-            if self.plasticity is None:
-                self._runs[key] = plans
-        w_flat, g_flat = t.data.view(-1), t.grad.view(-1)
-        scales = None if self.plasticity is None else [self.unit_lr_scale(pc.unit) for pc in pieces]
-        seconds = st[_SECOND].view(-1, 2)
-        coordinate = self.second_moment == "coordinate"
-        for lo, hi, off, runs, lengths, numels in plans:
-            part = pieces[lo:hi]
-            variances = [st[_VARIANCE][off:off + sum(lengths)]] if coordinate else None
-            self._selected_acc += asdt_update(
-                [w_flat[a:b] for a, b in runs], [g_flat[a:b] for a, b in runs], lr=group["lr"],
-                betas=group["betas"], density=group["density"], weight_decay=group["weight_decay"],
-                unit_numels=numels, importance=self.importance, lengths=lengths,
-                momenta=[st["momentum"][off:off + sum(lengths)]], lr_scales=None if scales is None else scales[lo:hi],
-                kth_largest=lambda s, ks, part=part: kth_largest(s, ks, part, split, t.device),
-                seconds=seconds[lo:hi],
-                eps=self.eps, unit_sums=lambda x, part=part: unit_sums(x, part, split), update_clip=self.update_clip,
-                variances=variances, generator=self._generator(t))
-
-    def _sketch_scores(self, pieces: list[Piece], gs: list[torch.Tensor], layout: Layout, b2: float,
-                       dev: torch.device) -> list[torch.Tensor]:
-        """Add this call's ``(1 - beta2) * |g|`` to the TGSS sketch (all-reduced when split), then query it; on the
-        device ``dev`` of the tensor stepped on."""
-        if self.sketch.table.device != dev:  # made with the optimizer, before the model reached its device
-            self.sketch.table = self.sketch.table.to(dev)
-        delta = CountMinSketch(self.sketch.width, self.sketch.depth, self.sketch.seed, device=dev)
-        idx = [self.units[pc.unit].global_offset + pc.unit_offset + torch.arange(pc.length, device=dev)
-               for pc in pieces]
-        for i, g in zip(idx, gs):
-            delta.update_at(i, g.abs() * (1 - b2))
-        if layout.group is not None:
-            import deepspeed.comm as dist
-            dist.all_reduce(delta.table, group=layout.group)
-        self.sketch.merge_(delta)
-        return [self.sketch.query(i) for i in idx]
-
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
         """Bytes of optimizer state held now (momentum + anchor buffers, and the TGSS table)."""
         n = sum(v.numel() * v.element_size() for st in self.state.values() for k, v in st.items()
                 if isinstance(v, torch.Tensor))
         return n + (self.sketch.nbytes if self.sketch is not None else 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format, each tensor's ``units`` records saved as plain lists (``_to_saved``), plus ``"asdt"``:
-        the engine step, the TGSS table and the BSPS state."""
-        sd = super().state_dict()
-        sd["state"] = {k: _to_saved(st) for k, st in sd["state"].items()}
-        sd["asdt"] = self._extra_state()
-        return sd
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"engine_step": self._engine_step, "last_selected": self.last_selected,
-                "clip_coef": float(self._clip_coef),
-                "rounding_generators": {k: g.get_state() for k, g in self._generators.items()},
-                "sketch": self.sketch.state_dict() if self.sketch is not None else None,
-                "plasticity": self._plasticity_state()}
-
-    def _plasticity_state(self) -> Optional[dict[str, Any]]:
-        """BSPS's state, with the signals observed since its last ``end_step`` (under ZeRO a step's signals are
-        folded in when the next step begins, so a checkpoint between steps holds them)."""
-        if self.plasticity is None:
-            return None
-        self._hand_signals()
-        return self.plasticity.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        extra = state_dict.get("asdt")
-        if extra is None:
-            raise KeyError("not an ASDT optimizer state (no 'asdt' entry); resume with the optimizer it was saved with")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "asdt"})
-        # torch casts every floating state tensor to its param's dtype: with bf16 params that rounds the fp32
-        # block scales and second moments. Take those tensors again from the given state dict, as saved.
-        saved = state_dict.get("state", {})
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for i, p in zip(ids, [p for g in self.param_groups for p in g["params"]]):
-            st = self.state.get(p)
-            for key, v in (saved.get(i) or {}).items():
-                if st is not None and torch.is_tensor(v) and torch.is_tensor(st.get(key)) and st[key].dtype != v.dtype:
-                    st[key] = v.detach().clone().to(st[key].device)
-        for st in self.state.values():
-            _from_saved(st)
-            # a state saved under other settings: bring each buffer to this optimizer's dtype (quantized codes
-            # to uint8, exactly: 0..255 survive fp32/bf16; their block absmax to fp32)
-            dtypes = {"momentum": self.state_dtype, "anchor": self.anchor_dtype, _SECOND: torch.float32,
-                      _VARIANCE: self.second_dtype}
-            for key, dtype in dtypes.items():
-                if f"{key}_absmax" in st:
-                    st[key], st[f"{key}_absmax"] = st[key].to(torch.uint8), st[f"{key}_absmax"].float()
-                elif key in st:
-                    st[key] = st[key].to(dtype)
-        self.load_extra_state(state_dict)
-
-    def load_extra_state(self, state_dict: dict[str, Any]) -> None:
-        """Restore, from a full :meth:`state_dict`, what ASDT keeps besides torch's per-tensor ``state`` and
-        ``param_groups``: the engine step, the TGSS table and the BSPS state (saved once, in ``["asdt"]``).
-        HMS calls it alone: under NVMe optimizer offload DeepSpeed saves the client optimizer's state dict in
-        each rank's shard but never loads it, and HMS's snapshot restores the per-tensor state itself."""
-        extra = state_dict.get("asdt")
-        if extra is None:
-            raise KeyError("not an ASDT optimizer state (no 'asdt' entry); resume with the optimizer it was saved with")
-        self._engine_step = int(extra["engine_step"])
-        self.last_selected = int(extra["last_selected"])
-        self._clip_coef = float(extra.get("clip_coef", 1.0))  # step in backward's clipping of the next step
-        for key, state in (extra.get("rounding_generators") or {}).items():  # the stochastic rounding's draws
-            self._generators[key] = _device_generator(key, 0)
-            self._generators[key].set_state(state.cpu() if torch.is_tensor(state) else state)
-        if self.sketch is not None:
-            self.sketch.load_state_dict(extra["sketch"])
-        if (extra.get("plasticity") is None) != (self.plasticity is None):
-            raise ValueError("checkpoint and optimizer disagree on BSPS (titan.plasticity): resume with the same "
-                             "titan section the checkpoint was saved with")
-        if self.plasticity is not None:
-            self._signal_sq = None  # the saved state holds the signals observed before it was saved
-            self.plasticity.load_state_dict(extra["plasticity"])
-            if not self._zero:
-                self._restore_requires_grad()
 
     # ------------------------------------------------------------------ sparse delta
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:

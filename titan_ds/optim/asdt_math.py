@@ -287,34 +287,14 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
     return mask.sum()
 
 
-# Elements per asdt_update call of update="adaptive" at stage 0. The call makes fp32 and fp64 temporaries of
-# about 40 bytes an element (gradient, weight, momentum, squares, step, scores, mask, result); chunking a large
-# tensor (an embedding) at unit boundaries bounds them to ~40 MiB. Every unit's arithmetic is its own, so the
-# steps are the same bit for bit. Under ZeRO a call's collectives (units split across ranks) must match on every
-# rank, so a flat partition stays one call.
-_CHUNK = 1 << 20
-
-
-def _chunk_plans(pieces: list[Piece], numels: list[int], whole: bool) -> list[tuple]:
-    """``(lo, hi, offset, runs, lengths, numels)`` per chunk of ``pieces[lo:hi]`` (at most ``_CHUNK`` elements
-    unless one piece is larger; one chunk when ``whole``): ``offset`` into the Growth buffers, ``runs`` the
-    ``[start, stop)`` of consecutive pieces merged into single slices."""
-    bounds, acc = [0], 0
-    for i, pc in enumerate(pieces):
-        if not whole and acc and acc + pc.length > _CHUNK:
-            bounds.append(i)
-            acc = 0
-        acc += pc.length
-    bounds.append(len(pieces))
-    plans, off = [], 0
-    for lo, hi in zip(bounds, bounds[1:]):
-        runs: list[list[int]] = []
-        for pc in pieces[lo:hi]:
-            if runs and runs[-1][1] == pc.start:
-                runs[-1][1] += pc.length
-            else:
-                runs.append([pc.start, pc.start + pc.length])
-        lengths = [pc.length for pc in pieces[lo:hi]]
-        plans.append((lo, hi, off, runs, lengths, numels[lo:hi]))
-        off += sum(lengths)
-    return plans
+def _chunk_plans(pieces: list[Piece], numels: list[int]) -> list[tuple]:
+    """``[(lo, hi, offset, runs, lengths, numels)]``: all of ``pieces`` as one call (the flat path now steps only
+    tensors with units split across ranks, whose collectives must match on every rank), ``offset`` 0 into the
+    Growth buffers, ``runs`` the ``[start, stop)`` of consecutive pieces merged into single slices."""
+    runs: list[list[int]] = []
+    for pc in pieces:
+        if runs and runs[-1][1] == pc.start:
+            runs[-1][1] += pc.length
+        else:
+            runs.append([pc.start, pc.start + pc.length])
+    return [(0, len(pieces), 0, runs, [pc.length for pc in pieces], numels)]

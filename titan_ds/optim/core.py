@@ -99,12 +99,12 @@ class Slice:
         return self.lengths[0] if len(set(self.lengths)) == 1 else 0
 
 
-def plan(pieces: list[Piece], chunk: Optional[int] = None) -> list[Slice]:
+def plan(pieces: list[Piece], chunk: Optional[int] = None, parts: int = PARTS) -> list[Slice]:
     """The chunks of a tensor's units, held as ``pieces`` (state buffers hold them end to end, in this order), of
-    at most ``chunk`` elements each (default: a :data:`PARTS`-th of them, within [:data:`CHUNK`,
-    :data:`MAX_CHUNK`], rounded up to 256)."""
+    at most ``chunk`` elements each (default: a ``parts``-th of them, within [:data:`CHUNK`, :data:`MAX_CHUNK`],
+    rounded up to 256)."""
     if chunk is None:
-        chunk = min(max(CHUNK, -(-sum(pc.length for pc in pieces) // PARTS // 256) * 256), max(CHUNK, MAX_CHUNK))
+        chunk = min(max(CHUNK, -(-sum(pc.length for pc in pieces) // parts // 256) * 256), max(CHUNK, MAX_CHUNK))
     if chunk % 256:
         raise ValueError(f"core.plan: chunk={chunk} must be a multiple of 256 (the quantized state's block sizes)")
     out: list[Slice] = []
@@ -334,6 +334,41 @@ def _compiled(*static):
     return torch.compile(fn, dynamic=True, options=OPTIONS)
 
 
+def bias_corrections(seconds: torch.Tensor, betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Count one more step of each unit (``seconds[:, 1]``, in place) and return its ``1 - b1^t`` and
+    ``1 / (1 - b2^t)``: computed in fp64, used in fp32 (the per-coordinate second moment's)."""
+    b1, b2 = betas
+    t = seconds[:, 1]
+    t.add_(1)
+    return (1 - b1 ** t.double()).float(), (1 / (1 - b2 ** t.double())).float()
+
+
+def direction(s: Slice, g: torch.Tensor, momentum: StateBuffer, betas: tuple[float, float], adaptive: bool, *,
+              variance: Optional[StateBuffer] = None, unit_denom: Optional[torch.Tensor] = None,
+              bc1: Optional[torch.Tensor] = None, inv_bc2: Optional[torch.Tensor] = None, eps: float = 1e-8,
+              update_clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunk ``s``'s direction ``c`` (the score of ``importance="momentum"`` is ``|c|``), its step (``c``, or
+    ``sign(c)`` for the sign update) and its new momentum (fp32, for the caller to store), from the fp32 gradient
+    ``g`` and the stored momentum; the adaptive update's second moment per coordinate (``variance``, stored
+    here) or per unit (``unit_denom``, each unit's denominator)."""
+    b1, b2 = betas
+    m_old = momentum.read(s)
+    if not adaptive:
+        c = m_old * b1 + g * (1 - b1)
+        return c, torch.sign(c), m_old.mul_(b2).add_(g * (1 - b2))
+    m = m_old.mul_(b1).add_(g * (1 - b1))
+    if unit_denom is not None:
+        c = m / _per_element(unit_denom, s)
+    else:
+        v = variance.read(s).mul_(b2).add_((g * g).mul_(1 - b2))
+        variance.write(s, v)
+        den = v.mul_(_per_element(inv_bc2, s)).sqrt_().add_(eps).mul_(_per_element(bc1, s))
+        c = torch.div(m, den, out=den)
+    if update_clip is not None:
+        c.clamp_(-update_clip, update_clip)
+    return c, c, m
+
+
 def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], momentum: StateBuffer, *,
                lr: float, betas: tuple[float, float], weight_decay: float, importance: str = "momentum",
                update: str = "adaptive", variance: Optional[StateBuffer] = None,
@@ -348,7 +383,7 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
     across ranks). Returns the elements changed (a device tensor, or 0)."""
     b1, b2 = betas
     adaptive = update == "adaptive"
-    unit_denom = None
+    unit_denom = bc1 = inv_bc2 = None
     if adaptive:
         if seconds is None or (variance is None) == (unit_numels is None):
             raise ValueError("dense_step: update='adaptive' needs the seconds rows and either the variance buffer "
@@ -356,10 +391,7 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
         if variance is None:
             unit_denom = _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
         else:
-            t = seconds[:, 1]
-            t.add_(1)
-            bc1 = (1 - b1 ** t.double()).float()
-            inv_bc2 = (1 / (1 - b2 ** t.double())).float()
+            bc1, inv_bc2 = bias_corrections(seconds, betas)
     elif update != "sign":
         raise ValueError(f"dense_step: unknown update {update!r}")
     selected: Union[int, torch.Tensor] = 0
@@ -375,23 +407,8 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
         w = w_flat[s.flat:s.flat + s.n]
         g = g_flat[s.flat:s.flat + s.n].float()
         wf = w.float()
-        m_old = momentum.read(s)
-        if adaptive:
-            m = m_old.mul_(b1).add_(g * (1 - b1))
-            if unit_denom is not None:
-                c = m / _per_element(unit_denom, s)
-            else:
-                v = variance.read(s).mul_(b2).add_((g * g).mul_(1 - b2))
-                variance.write(s, v)
-                den = v.mul_(_per_element(inv_bc2, s)).sqrt_().add_(eps).mul_(_per_element(bc1, s))
-                c = torch.div(m, den, out=den)
-            if update_clip is not None:
-                c.clamp_(-update_clip, update_clip)
-            step = c
-        else:
-            c = m_old * b1 + g * (1 - b1)
-            step = torch.sign(c)
-            m = m_old.mul_(b2).add_(g * (1 - b2))
+        c, step, m = direction(s, g, momentum, betas, adaptive, variance=variance, unit_denom=unit_denom,
+                               bc1=bc1, inv_bc2=inv_bc2, eps=eps, update_clip=update_clip)
         score = c.abs() if importance == "momentum" else (g * wf).abs()
         mask = score > 0
         new = torch.where(mask, wf - (step + weight_decay * wf) * lr, wf)
