@@ -197,6 +197,17 @@ RESULTS: list[Result] = [
         "optimizer", "titan_balanced"), "TITAN_CORE_COMPILE=1 python launch/bench/optim_step.py --what speed --sizes "
         "16777216 --dtypes fp32 --rows titan_balanced,titan_memory,ds_cpu_adam,torchao_adamw8bit --repeats 2 "
         "--steps 10 (and TITAN_CORE_COMPILE=0 for the eager column)"),
+    Result("optimizer-step", "results/optim_step_sparse/after.md", _f(
+        "ASDT sparse strategy, density 0.1, 8-bit: {M_s_2^24} M elements/s at 2^24, temporaries {temp_B_el_2^24} "
+        "B/element", "optimizer", "asdt_adaptive_8bit_d0.1"), "bash results/optim_step_sparse/run.sh"),
+    Result("speed", "results/speed.md", _f(
+        "titan_balanced {tokens_s} tokens/s, {vs_plain} plain's (100 steps, median of 3 alternated repeats)", "row",
+        "titan_balanced")),
+    Result("local-updates", "results/diloco_w2/rows.md", lambda p: next(
+        f"2 real ranks, 300 steps: DiLoCo + qtopk {r['x_recv']}x received, {r['delta_vs_dense']} nats vs dense, "
+        f"peak RSS {r['rss_x']}x" for r in table_rows(ROOT / p) if r.get("config") == "diloco_qtopk" and "x_recv" in r),
+        "python launch/bench/bench_diloco_w2.py --steps 300 --reuse-stale --out "
+        "results/diloco_w2/rows"),
     Result("profile", "results/profile_phases.md", _f(
         "titan_balanced step {step_ms} ms, {vs_plain} plain's (optimizer {optimizer_ms} ms)", "row", "titan_balanced")),
     Result("mlme-speed", "results/mlme_speed.md", lambda p: "MLME parts' forward+backward time vs plain PyTorch"),
