@@ -31,6 +31,7 @@ def test_pipelined_step_is_bit_exact_with_the_unpipelined_one(tmp):
     assert sync["hms"]["bytes_written"] == pipe["hms"]["bytes_written"] > 0  # the same writes, only later
 
 
+@pytest.mark.slow
 def test_resume_with_pipelining_is_bit_exact(tmp):
     cont, = run(tmp, "pipe_cont", "--mode", "hms", *SLOW)
     saved, = run(tmp, "pipe_save", "--mode", "hms", "--steps", 3, "--save-at", 3, "--save-dir", tmp / "ck", *SLOW)
