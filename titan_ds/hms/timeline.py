@@ -11,7 +11,8 @@ lane ``writer``, ``opt write (bg)``: each background write from start to end (ov
 
 :func:`breakdown` turns the spans of one step into seconds per phase, each span counted once in its innermost
 phase (``forward`` without the ``param fetch`` inside it, and so on; ``opt compute`` is ``step`` less the
-swapper spans inside it) and ``idle`` the rest of the step's wall time.
+swapper spans inside it: DeepSpeed's other work in ``step`` (gradient norm, unscaling, copies) included) and
+``idle`` the rest of the step's wall time; spans outside the step's wall time are left out.
 """
 from __future__ import annotations
 
@@ -81,10 +82,11 @@ def disable() -> None:
 
 def breakdown(spans: list[dict], step: int) -> dict[str, float]:
     """Seconds per phase of training step ``step`` (see the module docstring); ``wall`` is the step's span."""
-    own = [s for s in spans if s["step"] == step]
-    wall = next((s for s in own if s["phase"] == "wall"), None)
+    wall = next((s for s in spans if s["step"] == step and s["phase"] == "wall"), None)
     if wall is None:
         raise ValueError(f"no wall span for step {step}")
+    # the spans inside the step's wall time (a validation or metrics read after it carries the same step number)
+    own = [s for s in spans if s["step"] == step and wall["start"] <= (s["start"] + s["end"]) / 2 <= wall["end"]]
     out = {p: 0.0 for p in TOP + INNER}
     out["opt write (bg)"] = sum(s["end"] - s["start"] for s in own if s["phase"] in BACKGROUND)
     tops = [s for s in own if s["lane"] == "main" and s["phase"] in TOP]
