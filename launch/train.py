@@ -31,6 +31,7 @@ import titan_ds  # noqa: E402
 from titan_ds.comm.wire import WireCount, count_collectives  # noqa: E402
 from titan_ds.config import TitanConfig, load_ds_config  # noqa: E402
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
+from titan_ds.hms import timeline  # noqa: E402
 from titan_ds.metrics import ActivationCounter, accounted_memory, optimizer_state_bytes, peak_rss_bytes  # noqa: E402
 from titan_ds.models import GPT, GPTConfig  # noqa: E402
 from titan_ds.utils import ensure_dist_env, get_logger  # noqa: E402
@@ -129,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--metrics-out", default=None, help="JSON lines, one per step (rank 0)")
     p.add_argument("--summary-out", default=None, help="one JSON object at the end (rank 0)")
     p.add_argument("--plot", default=None, help="PNG of loss and memory at the end (rank 0)")
+    p.add_argument("--timeline-out", default=None,
+                   help="JSON of the per-step timeline: forward/backward/step and the HMS swappers' waits and "
+                        "writes (titan_ds.hms.timeline; rank 0)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--count-wire", action="store_true",
                    help="count every torch.distributed collective of the training steps (titan_ds/comm/wire.py: "
@@ -205,6 +209,11 @@ def main(argv=None) -> dict:
     if not ds:
         raise SystemExit("pass --deepspeed_config <ds_config.json> (see ds_configs/)")
     titan = TitanConfig.from_ds_config(ds)  # validate before any work: every error at once
+    tl = timeline.enable() if args.timeline_out else None
+
+    def phase(name: str):
+        return tl.span(name) if tl is not None else contextlib.nullcontext()
+
     micro_batch = args.micro_batch or int(ds.get("train_micro_batch_size_per_gpu", 16))
     ds["train_micro_batch_size_per_gpu"] = micro_batch
     # gradient accumulation: a step is gas micro-batches of the step's micro_batch * gas sequences (the sequences
@@ -259,20 +268,28 @@ def main(argv=None) -> dict:
         counting.enter_context(count_collectives(wire))
     for step in range(start + 1, args.steps + 1):
         x, y = batches.get(step)
+        if tl is not None:
+            tl.step = step
         t0 = time.perf_counter()
         losses, act_peak = [], 0
         for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):  # engine.step applies after the last
             with acts.track():  # forward and backward: a block recomputed in backward saves again there
-                loss = engine(xm.to(engine.device), ym.to(engine.device))
-                engine.backward(loss)
+                with phase("forward"):
+                    loss = engine(xm.to(engine.device), ym.to(engine.device))
+                with phase("backward"):
+                    engine.backward(loss)
             act_peak = max(act_peak, acts.bytes)
             losses.append(loss.detach())
             if len(losses) < gas:
-                engine.step()
+                with phase("step"):
+                    engine.step()
         mem = accounted_memory(engine, activations=act_peak)
-        engine.step()
+        with phase("step"):
+            engine.step()
         loss = torch.stack(losses).float().mean()
         dt = time.perf_counter() - t0
+        if tl is not None:
+            tl.add("wall", t0, t0 + dt, lane="steps")
         mem.optimizer_state = max(mem.optimizer_state, accounted_memory(engine).optimizer_state)
         opt_state_peak = max(opt_state_peak, optimizer_state_bytes(engine))
         peak = mem if peak is None else type(mem)(**{k: max(getattr(peak, k) or 0, getattr(mem, k) or 0)
@@ -335,6 +352,9 @@ def main(argv=None) -> dict:
         if args.summary_out:
             Path(args.summary_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.summary_out).write_text(json.dumps(summary, indent=1))
+        if tl is not None:
+            Path(args.timeline_out).parent.mkdir(parents=True, exist_ok=True)
+            tl.save(args.timeline_out, steps=args.steps, start_step=start, layers=args.layers, width=args.width)
         if args.plot:
             from titan_ds.plot import plot_run
             plot_run(history, val_history, summary, args.plot)

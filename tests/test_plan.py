@@ -63,13 +63,15 @@ def test_structure_orders_the_candidates_and_scales_with_ranks():
 
 
 def test_a_parameter_larger_than_a_sub_group_is_stepped_whole_and_bf16_halves_the_partitions():
-    from titan_ds.plan import load_step_temp
+    from titan_ds.plan import PIPELINE_DEPTH, load_step_temp
     temp = load_step_temp()["asdt_8bit"]  # the measured temporaries (titan_ds/step_temp.json)
     wide, narrow = model_spec("gpt:2x4096"), model_spec("gpt:24x1024")
     assert wide.largest == 4 * 4096 * 4096 and narrow.largest == 4 * 1024 * 1024
     opt = _structure_dram("hms_asdt_bf16", wide)["optimizer"]
-    assert opt == wide.largest * (4 + 4 + 1 + temp)  # the 67M MLP matrix, not 1e7
-    assert _structure_dram("hms_asdt_bf16", narrow)["optimizer"] == 10_000_000 * (4 + 4 + 1 + temp)
+    # the 67M MLP matrix, not 1e7; and the previous sub-group's master and state while its write is in flight
+    assert opt == wide.largest * (4 + 4 + 1 + temp) + wide.largest * (4 + 1) * PIPELINE_DEPTH
+    assert _structure_dram("hms_asdt_bf16", narrow)["optimizer"] == \
+        10_000_000 * (4 + 4 + 1 + temp) + 10_000_000 * (4 + 1) * PIPELINE_DEPTH
     bf, fp = predict("hms_asdt_bf16", wide, calibration={"modes": {}}), predict("hms_asdt", wide, calibration={"modes": {}})
     assert bf.disk["parameters"] == fp.disk["parameters"] / 2 and bf.disk_total / wide.params == pytest.approx(11)
     assert fp.disk_total / wide.params == pytest.approx(14)  # fp32 partition, master, bf16 state, one gradient

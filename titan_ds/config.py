@@ -61,7 +61,14 @@ class DiskTier(_Strict):
 
 
 class HMSConfig(_Strict):
-    """Hierarchical Memory Streaming (issue #7): tiered device / DRAM / NVMe store for ZeRO-3 swap."""
+    """Hierarchical Memory Streaming (issue #7): tiered device / DRAM / NVMe store for ZeRO-3 swap.
+
+    ``pipeline_optimizer`` (on by default) pipelines ZeRO-3's optimizer step over its sub-groups: while sub-group
+    i steps, the state of i+1 is read and that of i-1 written in the background, at most ``pipeline_depth``
+    sub-groups' writes in flight (each holds one more sub-group's fp32 master and state in DRAM). The writes are
+    flushed at the end of every step, before a checkpoint and on close; a failed write is raised there, naming its
+    key. Off: every sub-group's state is on disk before the next one steps. The results are bit-identical.
+    """
 
     nvme_path: str
     dram_cache_mb: int = Field(default=2048, ge=0)
@@ -79,6 +86,11 @@ class HMSConfig(_Strict):
     # "dram" as DeepSpeed allocates it; "disk" a file mapping under nvme_path, which the kernel writes back and
     # reclaims under memory pressure (for models whose gradients do not fit in RAM; slower)
     gradient_buffer: Literal["dram", "disk"] = "dram"
+    # pipelined optimizer step: while sub-group i steps, i+1's state is read and i-1's written in the
+    # background (write-behind); pipeline_depth sub-groups' writes in flight at most (each one more sub-group's
+    # master and state in DRAM); all flushed at the end of the step, before a checkpoint and on close
+    pipeline_optimizer: bool = True
+    pipeline_depth: int = Field(default=1, ge=1, le=8)
 
     @field_validator("nvme_path")
     @classmethod

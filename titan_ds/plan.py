@@ -15,7 +15,8 @@ The model of each candidate has two parts:
    gradient partition the CPU optimizer reads; HMS keeps on disk parameters, masters and optimizer state and
    holds in DRAM DeepSpeed's fp32 gradient partition (``grad_partitions_flat_buffer``, 4 bytes/param: the
    largest term left, see issue 16; ``hms_asdt`` maps it to a file, ``titan.hms.gradient_buffer: "disk"``), one
-   optimizer sub-group at a time, and its DRAM cache.
+   optimizer sub-group at a time (plus the master and state of the previous one while its write is in flight:
+   ``titan.hms.pipeline_optimizer``), and its DRAM cache.
 2. **calibration**: per candidate, a process baseline (torch + DeepSpeed loaded, allocator, kernels) and the
    bytes per parameter the structure does not explain, fitted on measured runs by
    ``launch/bench/plan_accuracy.py --calibrate`` into ``titan_ds/plan_calibration.json`` (the file records the
@@ -41,6 +42,8 @@ __all__ = ["ModelSpec", "Candidate", "model_spec", "candidates", "plan", "candid
 GiB = 1 << 30
 CALIBRATION_FILE = Path(__file__).with_name("plan_calibration.json")
 # candidates, fastest first (the order in which the best fitting one is chosen)
+# sub-groups whose optimizer-state writes may be in flight during the step (HMSConfig's pipeline_depth default)
+PIPELINE_DEPTH = 1
 MODES = ("zero2", "zero3", "zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")
 # per parameter: AdamW exp_avg + exp_avg_sq; ASDT one momentum buffer in bf16, or in 8 bits (+ a scale per block)
 OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1}
@@ -238,8 +241,10 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         grads_on_disk = mode.startswith("hms_asdt") and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
         dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
                    buffers=w * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
-        # the sub-group's master, gradient and state, and the step's temporaries
-        dram.update(optimizer=sub * (4 + 4 + S + load_step_temp()[MODE_OPTIMIZER[mode]]), cache=64 * 2**20)
+        # the sub-group's master, gradient and state, and the step's temporaries; plus the previous sub-group's
+        # master and state still being written (titan.hms.pipeline_optimizer, on by default, depth 1)
+        dram.update(optimizer=sub * (4 + 4 + S + load_step_temp()[MODE_OPTIMIZER[mode]]) + sub * (4 + S) * PIPELINE_DEPTH,
+                    cache=64 * 2**20)
         disk.update(parameters=w * P / N, optimizer=(4 + S) * P / N,  # fp32 masters + state
                     gradients=4 * P / N)  # the swapped fp32 grads, or the mapping they are read from
     if gpu:

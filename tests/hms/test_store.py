@@ -204,7 +204,7 @@ def test_store_threads_all_exist_from_the_start(tmp_path):
     before = set(threading.enumerate())
     store = TensorStore([Tier(str(tmp_path))], durable=False, prefetch_workers=3, io=AsyncIOHandle(threads=2))
     started = set(threading.enumerate()) - before
-    assert len(started) == 3 + 2
+    assert len(started) == 3 + 2 + 1  # prefetch, I/O, the writer
     for i in range(8):
         store.put(f"k{i}", torch.randn(70000))
     for i in range(8):
@@ -349,3 +349,87 @@ def test_stage_serves_the_written_value_without_reading_the_file(tmp_path):
     assert torch.equal(store.get("p"), y)
     store.stage("missing", x)  # unknown keys are ignored
     assert "missing" not in store
+
+
+def _slow_writer(store, gate):
+    """The store's writes wait for ``gate`` (a threading.Event) on the writer thread: they stay pending."""
+    import threading
+    put = store._put
+
+    def slow(key, tensor, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            assert gate.wait(30), "test gate never opened"
+        return put(key, tensor, **kw)
+
+    store._put = slow
+
+
+@pytest.mark.parametrize("cache_mb", [0, 1])
+def test_read_of_a_key_with_a_pending_write_sees_the_new_value(tmp_path, cache_mb):
+    """get and prefetch of a key whose put_behind has not landed: the new value, never the file (or cached copy)
+    it replaces; a new key is readable too."""
+    import threading
+    store = TensorStore([Tier(str(tmp_path))], durable=False, dram_cache_bytes=cache_mb << 20)
+    old, new, fresh = torch.full((5000,), 1.0), torch.full((5000,), 2.0), torch.arange(3000.0)
+    store.put("k", old)
+    assert torch.equal(store.get("k"), old)  # cached when cache_mb: a stale copy a read must not return
+    gate = threading.Event()
+    _slow_writer(store, gate)
+    f = store.put_behind("k", new.clone())
+    store.put_behind("n", fresh.clone())
+    assert not f.done() and sorted(store.pending_writes()) == ["k", "n"] and "n" in store
+    store.prefetch("k")  # queued behind the write
+    threading.Timer(0.3, gate.set).start()
+    assert torch.equal(store.get("k"), new)  # waits for the write
+    assert torch.equal(store.get("n"), fresh)
+    store.flush()
+    assert store.pending_writes() == []
+    reread = TensorStore([Tier(str(tmp_path))], durable=False)
+    reread.scan()
+    assert torch.equal(reread.get("k"), new) and torch.equal(reread.get("n"), fresh)
+    store.close()
+    reread.close()
+
+
+def test_prefetch_queued_behind_a_pending_write_reads_the_new_value(tmp_path):
+    import threading
+    store = TensorStore([Tier(str(tmp_path))], durable=False)
+    store.put("k", torch.full((5000,), 1.0))
+    gate = threading.Event()
+    _slow_writer(store, gate)
+    store.put_behind("k", torch.full((5000,), 2.0))
+    store.prefetch("k")
+    staged = store._staged["k"]
+    gate.set()
+    assert torch.equal(staged.result(), torch.full((5000,), 2.0))  # the prefetch itself read the new file
+    store.close()
+
+
+def test_failed_background_write_surfaces_at_flush_naming_the_key(tmp_path):
+    """A disk full on the writer thread: flush raises StoreFullError naming the key (not lost), the previous
+    version stays readable, and the next flush is clean."""
+    store = TensorStore([Tier(str(tmp_path), capacity_bytes=64 << 10)], durable=False)
+    store.put("opt/3/fp32", torch.full((1000,), 1.0))
+    f = store.put_behind("opt/3/state/exp_avg", torch.zeros(1 << 16))  # 256 KiB > the tier's 64 KiB
+    f.exception()  # done (failed) before the flush
+    with pytest.raises(StoreFullError, match=r"opt/3/state/exp_avg"):
+        store.flush()
+    store.flush()
+    assert torch.equal(store.get("opt/3/fp32"), torch.full((1000,), 1.0))
+    g = store.put_behind("opt/3/state/exp_avg", torch.zeros(1 << 16))
+    with pytest.raises(StoreFullError, match=r"opt/3/state/exp_avg"):
+        store.close()  # close flushes too
+    assert g.done()
+
+
+def test_failed_background_io_error_is_raised_naming_the_key(tmp_path):
+    store = TensorStore([Tier(str(tmp_path))], durable=False)
+
+    def broken(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    store._write_file = broken
+    store.put_behind("opt/9/fp32", torch.zeros(100))
+    with pytest.raises(OSError, match=r"background write of 'opt/9/fp32' failed"):
+        store.flush()
+    store.close()

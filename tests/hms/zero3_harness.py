@@ -13,6 +13,7 @@ optimizer state, so that tests compare runs with torch.equal.
 import argparse
 import os
 import sys
+import threading
 
 import torch
 
@@ -91,6 +92,19 @@ class _SyncPool:
         """Nothing runs in the background."""
 
 
+def slow_writes(store, seconds):
+    """Every write-behind write sleeps ``seconds`` on the writer thread before it writes."""
+    import time
+    put = store._put
+
+    def slow(key, tensor, **kw):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(seconds)
+        return put(key, tensor, **kw)
+
+    store._put = slow
+
+
 def record_store_ops(store):
     """Log every put/get/prefetch/stage on ``store`` from now on as (op, key, nbytes), in call order (nbytes 0
     for a prefetch or a stage), after the DRAM cache's budget, its contents now (LRU first) and the hit counts by kind so far.
@@ -100,11 +114,15 @@ def record_store_ops(store):
            "ops": [], "by_kind": {k: list(v) for k, v in store.stats.by_kind.items()},
            "reads": store.stats.reads}
     ops = log["ops"]
-    put, get, prefetch, stage = store.put, store.get, store.prefetch, store.stage
+    put, get, prefetch, stage, behind = store.put, store.get, store.prefetch, store.stage, store.put_behind
 
     def rec_put(key, tensor, **kw):
         ops.append(("put", key, tensor.numel() * tensor.element_size()))
         return put(key, tensor, **kw)
+
+    def rec_behind(key, tensor, **kw):  # a write-behind put (deterministic under --sync-prefetch: done at once)
+        ops.append(("put", key, tensor.numel() * tensor.element_size()))
+        return behind(key, tensor, **kw)
 
     def rec_get(key, out=None):
         t = get(key, out)
@@ -119,7 +137,8 @@ def record_store_ops(store):
         ops.append(("stage", key, 0))
         return stage(key, tensor)
 
-    store.put, store.get, store.prefetch, store.stage = rec_put, rec_get, rec_prefetch, rec_stage
+    store.put, store.get, store.prefetch, store.stage, store.put_behind = (rec_put, rec_get, rec_prefetch, rec_stage,
+                                                                          rec_behind)
     return log
 
 
@@ -139,7 +158,13 @@ def main():
     ap.add_argument("--dram-mb", type=int, default=1)
     ap.add_argument("--record-trace", help="write the ZeRO-3 parameter access trace (per step) to this json")
     ap.add_argument("--record-store", action="store_true", help="dump the HMS store's put/get/prefetch calls")
-    ap.add_argument("--sync-prefetch", action="store_true", help="HMS prefetch reads complete when submitted")
+    ap.add_argument("--sync-prefetch", action="store_true",
+                    help="HMS prefetch reads and write-behind writes complete when submitted")
+    ap.add_argument("--no-pipeline", action="store_true", help="titan.hms.pipeline_optimizer: false")
+    ap.add_argument("--pipeline-depth", type=int, default=1)
+    ap.add_argument("--slow-writes", type=float, default=0.0,
+                    help="seconds each write-behind write sleeps first (the writes are then still in flight when "
+                         "ZeRO-3 goes on)")
     ap.add_argument("--grad-disk", action="store_true", help="titan.hms.gradient_buffer: disk")
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient accumulation")
     ap.add_argument("--zero-init", action="store_true", help="build the model under titan_ds.zero_init(cfg)")
@@ -156,6 +181,9 @@ def main():
     cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
     if a.grad_disk:
         cfg["titan"]["hms"]["gradient_buffer"] = "disk"
+    if a.mode == "hms":
+        cfg["titan"]["hms"]["pipeline_optimizer"] = not a.no_pipeline
+        cfg["titan"]["hms"]["pipeline_depth"] = a.pipeline_depth
     if a.bf16:
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -182,6 +210,10 @@ def main():
         if a.sync_prefetch:
             store._prefetch_pool.shutdown(wait=True)
             store._prefetch_pool = _SyncPool()
+            store._writer.shutdown(wait=True)
+            store._writer = _SyncPool()
+        if a.slow_writes:
+            slow_writes(store, a.slow_writes)
         if a.record_store:
             ops = record_store_ops(store)
     if a.record_trace:

@@ -382,7 +382,8 @@ class HMSPillar(Pillar):
         ctx.zero_init_kwargs["param_swapper"] = pswap  # parameters later pillars create (TRD cores) stream via HMS
         rank = _rank()
         grad_file = _DiskGradientBuffer(pswap.store.tiers[0].path) if hms.gradient_buffer == "disk" else None
-        factory = functools.partial(HMSOptimizerSwapper, store=pswap.store, rank=rank, grad_file=grad_file)
+        factory = functools.partial(HMSOptimizerSwapper, store=pswap.store, rank=rank, grad_file=grad_file,
+                                    pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0)
         # only for the duration of deepspeed.initialize: attach undoes them
         self.patches = [ctx.patch(p) for p in dsc.route_optimizer_swapper(factory)]
         if grad_file is not None:
@@ -465,6 +466,7 @@ class _HMSRuntime:
         self._boundary = self.engine.is_gradient_accumulation_boundary()  # before step() advances micro_steps
 
     def after_step(self) -> None:
+        self.opt_swapper.flush()  # ZeRO-3's step already flushed (log_timers); a no-op then, raises a failure
         if self._boundary:
             self.param_swapper.end_step()
 

@@ -25,6 +25,12 @@ renamed over the old file, so a reader sees the old version or the new one, neve
 at most a stray ``.tmp`` file, which :meth:`TensorStore.scan` removes. A full disk raises
 :class:`StoreFullError` naming the file, the bytes needed and the bytes free, and the previous version stays
 readable. A payload or header that does not match its checksum raises :class:`ChecksumError` naming the file.
+
+Write-behind: :meth:`TensorStore.put_behind` queues a ``put`` on the store's writer thread and returns its
+``Future``. Until that write is done, a ``get``, ``prefetch``, ``put`` or ``delete`` of the key waits for it
+(so it sees the new value, never the file or cached copy it replaces); :meth:`TensorStore.flush` waits for
+every queued write and raises the first failure (a :class:`StoreFullError` or other ``OSError`` of the same
+type, its message naming the key). ``close`` flushes.
 """
 from __future__ import annotations
 
@@ -176,6 +182,9 @@ class TensorStore:
         self.max_speculative = max_speculative
         # whole-file prefetch tasks run here, never on the I/O pool they wait on (nesting would deadlock)
         self._prefetch_pool = started_pool(int(prefetch_workers), "titan-hms-prefetch")
+        # put_behind runs here: one thread, whose writes are split over the I/O pool (they release the GIL)
+        self._writer = started_pool(1, "titan-hms-writer")
+        self._writes: dict[str, Future] = {}  # key -> its last queued write, until waited for
         self._lock = threading.RLock()
         self._tmp = itertools.count()
         self.stats = StoreStats()
@@ -186,7 +195,7 @@ class TensorStore:
         return os.path.join(self.tiers[t].path, quote(key, safe="") + _SUFFIX)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._index
+        return key in self._index or key in self._writes
 
     def keys(self) -> list[str]:
         return list(self._index)
@@ -230,6 +239,10 @@ class TensorStore:
 
     def put(self, key: str, tensor: torch.Tensor, *, durable: Optional[bool] = None) -> int:
         """Write ``tensor`` under ``key`` atomically; returns the new generation. Updates a cached copy."""
+        self._wait_write(key)  # a queued write of the key lands first: the last put wins
+        return self._put(key, tensor, durable=durable)
+
+    def _put(self, key: str, tensor: torch.Tensor, *, durable: Optional[bool] = None) -> int:
         src = tensor.detach()
         if src.device.type != "cpu":
             src = src.cpu()
@@ -275,6 +288,64 @@ class TensorStore:
             if nbytes <= self.cache_budget:  # write-allocate: the next read of a fresh value hits DRAM
                 self._cache_insert(key, src.clone())
         return gen
+
+    def put_behind(self, key: str, tensor: torch.Tensor, *, durable: Optional[bool] = None,
+                   on_done=None) -> Future:
+        """:meth:`put` on the writer thread; returns its ``Future`` at once (see the module docstring). The caller
+        hands ``tensor`` over: it must not change it until the future is done. ``on_done(start, end)`` is called
+        on the writer thread with the write's ``time.perf_counter`` span (the timeline's in-flight bars)."""
+        src = tensor.detach()
+
+        def write() -> int:
+            t0 = time.perf_counter()
+            try:
+                return self._put(key, src, durable=durable)
+            except OSError as e:
+                if key in str(e):
+                    raise
+                raise type(e)(e.errno, f"titan hms: background write of {key!r} failed: {e.strerror or e}") from e
+            except Exception as e:
+                raise RuntimeError(f"titan hms: background write of {key!r} failed: {type(e).__name__}: {e}") from e
+            finally:
+                if on_done is not None:
+                    on_done(t0, time.perf_counter())
+
+        self._wait_write(key)  # two queued writes of one key: in order
+        f = self._writer.submit(write)
+        with self._lock:
+            self._writes[key] = f
+        return f
+
+    def _wait_write(self, key: str) -> None:
+        """Wait for the queued write of ``key``, if any; raise its failure (once)."""
+        with self._lock:
+            f = self._writes.get(key)
+        if f is None:
+            return
+        try:
+            f.result()
+        finally:
+            with self._lock:
+                if self._writes.get(key) is f:
+                    del self._writes[key]
+
+    def pending_writes(self) -> list[str]:
+        """Keys whose queued write is not done yet."""
+        with self._lock:
+            return [k for k, f in self._writes.items() if not f.done()]
+
+    def flush(self) -> None:
+        """Wait for every queued write; raise the first failure (its message names the key), after all are done."""
+        with self._lock:
+            writes, self._writes = self._writes, {}
+        first = None
+        for f in writes.values():
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after every write is done
+                first = first or e
+        if first is not None:
+            raise first
 
     def _encode_header(self, meta: dict, hlen: int) -> torch.Tensor:
         js = json.dumps(meta, separators=(",", ":")).encode()
@@ -380,6 +451,7 @@ class TensorStore:
 
     def get(self, key: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The tensor stored under ``key`` (caller-owned); copied into ``out`` when given."""
+        self._wait_write(key)
         with self._lock:
             if key not in self._index:
                 raise KeyError(f"titan hms: no tensor stored under {key!r}")
@@ -433,11 +505,20 @@ class TensorStore:
         with self._lock:
             if key in self._staged and not speculative:
                 self._speculative.pop(key, None)
-            if key not in self._index or key in self._cache or key in self._staged:
+            write = self._writes.get(key)
+            if write is not None and write.done() and write.exception() is None:
+                write = None  # landed: the index and cache are current
+            # a queued write makes the index and any cached copy stale: read after it lands
+            if write is None and (key not in self._index or key in self._cache) or key in self._staged:
                 return
-            path, gen = self.path(key), self._index[key].gen
+            path, gen = (self.path(key), self._index[key].gen) if write is None else (None, None)
 
             def load() -> torch.Tensor:
+                nonlocal path, gen
+                if write is not None:
+                    write.result()  # a failure is raised by the get that takes this read
+                    with self._lock:
+                        path, gen = self.path(key), self._index[key].gen
                 t = self._read_file(key, path)
                 with self._lock:
                     self.stats.bytes_prefetched += t.numel() * t.element_size()
@@ -539,6 +620,7 @@ class TensorStore:
             return len(moves)
 
     def delete(self, key: str) -> None:
+        self._wait_write(key)
         with self._lock:
             e = self._index.pop(key)
             self.tiers[e.tier].used_bytes -= e.nbytes
@@ -550,7 +632,14 @@ class TensorStore:
     def path_for(self, key: str, tier: int) -> str:
         return os.path.join(self.tiers[tier].path, quote(key, safe="") + _SUFFIX)
 
-    def close(self) -> None:
-        self.drop_staged()
-        self._prefetch_pool.shutdown(wait=True)
-        self.io.close()
+    def close(self, *, io: bool = True) -> None:
+        """Flush the queued writes (raising the first failure, after the pools are shut down), then stop the
+        threads; ``io=False`` leaves the I/O handle open (a store that shares another store's handle)."""
+        try:
+            self.flush()
+        finally:
+            self.drop_staged()
+            self._writer.shutdown(wait=True)
+            self._prefetch_pool.shutdown(wait=True)
+            if io:
+                self.io.close()

@@ -18,12 +18,25 @@ dtype) and the gradient pieces ``opt/<id>/grad/<offset>``. Other state values (s
 tensors) stay in ``optimizer.state``. :meth:`HMSOptimizerSwapper.snapshot`
 and :meth:`HMSOptimizerSwapper.restore` write and read a self-contained per-rank checkpoint of all of it,
 with the client optimizer's hyper-parameters, which DeepSpeed's NVMe resume skips (engine.py:4456).
+
+Pipelined optimizer step (``titan.hms.pipeline_optimizer``, ``pipeline_depth`` > 0): ZeRO-3 steps the sub-groups
+one after another, and while sub-group ``i`` steps the state of ``i+1`` is being read (the prefetch of
+``swap_in_optimizer_state``'s ``async_parameter``) and that of ``i-1`` written: ``swap_out_optimizer_state``
+hands the tensors to the store's writer thread (:meth:`TensorStore.put_behind`) and returns. Before handing over
+a sub-group it waits until fewer than ``pipeline_depth`` sub-groups' writes are in flight, so DRAM holds at most
+that many more sub-groups' state. :meth:`HMSOptimizerSwapper.flush` waits for all of them and raises a failed
+write (naming its key); it runs at the end of every optimizer step (ZeRO-3 calls ``log_timers`` there), before a
+snapshot, a restore or a synchronous write, and the store flushes on close. Reads of a key with a write in flight
+wait for it (the store's rule), so the values are the unpipelined step's bit for bit.
+
+With :func:`titan_ds.hms.timeline.enable` both swappers record their waits and writes as timeline spans.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -32,6 +45,7 @@ from .prefetch import Predictor
 
 SWAP_MIN_NUMEL = 4096  # a non-element-wise optimizer state tensor this large goes to the store too
 from .store import TensorStore, Tier
+from .timeline import current as _timeline
 
 __all__ = ["HMSParamSwapper", "HMSOptimizerSwapper", "PartitionedParamStatus"]
 
@@ -94,16 +108,20 @@ class HMSParamSwapper:
         return torch.empty(int(numel), dtype=param.dtype)
 
     def swap_out_and_release(self, params, async_op: bool = False, force_buffer_release: bool = False) -> None:
+        t0 = time.perf_counter()
         for p in params:
             n = p.ds_tensor.ds_numel
             self._numel[p.ds_id] = n
             self.store.put(_pkey(p), p.ds_tensor.data.narrow(0, 0, n), durable=False)
             self._release(p)
+        if (tl := _timeline()) is not None:
+            tl.add("param write", t0, time.perf_counter())
 
     def swap_in(self, params, async_op: bool = True, swap_in_buffers=None) -> None:
         bad = [p.ds_id for p in params if p.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE]
         if bad:
             raise RuntimeError(f"titan hms: swap_in of partitions {bad} that are already available or in flight")
+        t0 = time.perf_counter()
         for i, p in enumerate(params):
             key = _pkey(p)
             self._observe(key)
@@ -118,6 +136,8 @@ class HMSParamSwapper:
             self._largest = max(self._largest, self._held[p.ds_id])
             p.ds_tensor.status = PartitionedParamStatus.INFLIGHT
             self._inflight.append(p)
+        if swap_in_buffers is not None and (tl := _timeline()) is not None:
+            tl.add("param fetch", t0, time.perf_counter())
         if not async_op:
             self.synchronize_reads()
 
@@ -129,6 +149,8 @@ class HMSParamSwapper:
             p.ds_tensor.data = t.reshape(-1).data
             p.ds_tensor.status = PartitionedParamStatus.AVAILABLE
         self.stall_s += time.perf_counter() - t0
+        if inflight and (tl := _timeline()) is not None:
+            tl.add("param fetch", t0, time.perf_counter())
 
     def remove_partition_and_release_buffers(self, params) -> None:
         for p in params:
@@ -137,7 +159,10 @@ class HMSParamSwapper:
     def swap_into_buffer(self, param, dest_buffer: torch.Tensor) -> None:
         if param.ds_tensor.status != PartitionedParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"titan hms: param {param.ds_id} is already available or in flight")
+        t0 = time.perf_counter()
         self.store.get(_pkey(param), out=dest_buffer.narrow(0, 0, param.ds_tensor.ds_numel))
+        if (tl := _timeline()) is not None:
+            tl.add("param fetch", t0, time.perf_counter())
 
     def reserve_partitioned_swap_space(self, partition_num_elems) -> None:
         """Nothing to reserve: ``swap_out_partitioned_params`` writes from the caller's tensors."""
@@ -148,12 +173,15 @@ class HMSParamSwapper:
         # the partitions the predictor expects next (the first ones of the next forward) keep their new value in
         # DRAM as a finished prefetch instead of being read back from the file just written
         soon = set(self.predictor.predict(self.prefetch_depth)) if self.predictor is not None else set()
+        t0 = time.perf_counter()
         for p, src in zip(dst_fp16_params, src_fp32_params):
             key, value = _pkey(p), src.to(p.ds_tensor.dtype)
             self.store.put(key, value, durable=False)
             if key in soon:
                 self.store.stage(key, value.clone() if value is src else value)
             p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+        if (tl := _timeline()) is not None:
+            tl.add("param write", t0, time.perf_counter())
 
     def get_path(self, param, must_exist: bool = False) -> str:
         raise NotImplementedError("titan hms stores headed, checksummed files that DeepSpeed's fast_init cannot "
@@ -197,8 +225,12 @@ class HMSOptimizerSwapper:
     """
 
     def __init__(self, swap_config, aio_config, base_folder, optimizer, largest_numel, device, dtype, timers,
-                 *, store: TensorStore, rank: int = 0, grad_file: Any = None):
+                 *, store: TensorStore, rank: int = 0, grad_file: Any = None, pipeline_depth: int = 0):
         self.store = store
+        if pipeline_depth < 0:
+            raise ValueError(f"pipeline_depth must be >= 0 (0: synchronous writes), got {pipeline_depth}")
+        self.pipeline_depth = int(pipeline_depth)
+        self._writing: deque[list] = deque()  # per sub-group handed to the writer: its writes' futures
         # titan.hms.gradient_buffer "disk": DeepSpeed's fp32 gradient partitions already live in a file mapping
         # (install._DiskGradientBuffer). The pieces ZeRO-3 hands to swap_out_gradients are views of it when
         # their dtype is the master's, so they are kept as views instead of being written to the store a second
@@ -236,7 +268,35 @@ class HMSOptimizerSwapper:
         """Timers are kept as stall seconds in the store statistics."""
 
     def log_timers(self) -> None:
-        """See init_timers."""
+        """ZeRO-3 calls this at the end of every optimizer step (``_post_step``, and on an overflow's early
+        return): the step's background writes are flushed here."""
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait for every background write of optimizer state; raise the first failure (naming its key)."""
+        if not self._writing and not self.store.pending_writes():
+            self.store.flush()  # a failure already done but not yet raised
+            return
+        t0 = time.perf_counter()
+        try:
+            while self._writing:
+                self._wait_oldest()
+        finally:
+            self._writing.clear()
+            self.store.flush()
+            if (tl := _timeline()) is not None:
+                tl.add("opt write", t0, time.perf_counter())
+
+    def _wait_oldest(self) -> None:
+        futs = self._writing.popleft()
+        first = None
+        for f in futs:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 - every write of the sub-group is waited for first
+                first = first or e
+        if first is not None:
+            raise first
 
     def pre_backward(self) -> None:
         """Nothing to prepare: gradient pieces are written when ZeRO-3 hands them over."""
@@ -286,18 +346,30 @@ class HMSOptimizerSwapper:
                 g.narrow(0, off, v.numel()).copy_(v.reshape(-1))
             parameter.grad = g
         self.stall_s += time.perf_counter() - t0
+        if (tl := _timeline()) is not None:
+            tl.add("opt read", t0, time.perf_counter())
         if async_parameter is not None and async_parameter.ds_id in self._numel:
             self._prefetch_subgroup(async_parameter.ds_id)
 
-    def _write_state(self, parameter) -> None:
+    def _write_state(self, parameter, behind: bool = False) -> list:
+        """Write the sub-group's master and swapped state; ``behind``: on the writer thread (returns the futures;
+        the tensors are detached here, so ``_release`` emptying ``parameter.data`` and the state tensors' ``.data``
+        leaves the bytes being written alone)."""
         pid = parameter.ds_id
-        self.store.put(f"opt/{pid}/fp32", parameter.data, durable=False)
+        items = [(f"opt/{pid}/fp32", parameter.data)]
         names = []
         for name, value in self.optimizer.state.get(parameter, {}).items():
             if self._swapped(parameter, name, value):
-                self.store.put(f"opt/{pid}/state/{name}", value, durable=False)
+                items.append((f"opt/{pid}/state/{name}", value))
                 names.append(name)
         self._state_names[pid] = names
+        if not behind:
+            for key, value in items:
+                self.store.put(key, value, durable=False)
+            return []
+        tl = _timeline()
+        done = None if tl is None else (lambda a, b: tl.add("opt write (bg)", a, b, lane="writer"))
+        return [self.store.put_behind(key, value.detach(), durable=False, on_done=done) for key, value in items]
 
     def _release(self, parameter) -> None:
         parameter.data = torch.empty(0, dtype=self.dtype)
@@ -310,7 +382,15 @@ class HMSOptimizerSwapper:
     def swap_out_optimizer_state(self, parameter, async_swap: bool = False) -> None:
         if parameter.ds_id not in self._numel:
             return
-        self._write_state(parameter)
+        t0 = time.perf_counter()
+        if self.pipeline_depth:
+            while len(self._writing) >= self.pipeline_depth:  # bounded: at most pipeline_depth sub-groups in flight
+                self._wait_oldest()
+            self._writing.append(self._write_state(parameter, behind=True))
+        else:
+            self._write_state(parameter)
+        if (tl := _timeline()) is not None:
+            tl.add("opt write", t0, time.perf_counter())
         self._release(parameter)
         self._forget_grads(parameter.ds_id)
 
@@ -328,6 +408,7 @@ class HMSOptimizerSwapper:
         pid = parameter.ds_id
         if pid not in self._numel:
             return
+        t0 = time.perf_counter()
         pieces = self._grads.setdefault(pid, [])
         views = self._grad_views.setdefault(pid, [])
         for off, t in zip(gradient_offsets, gradient_tensors):
@@ -341,6 +422,8 @@ class HMSOptimizerSwapper:
             else:
                 self.store.put(f"opt/{pid}/grad/{off}", t.reshape(-1).to(self.dtype), durable=False)
                 pieces.append((off, t.numel()))
+        if (tl := _timeline()) is not None:
+            tl.add("grad write", t0, time.perf_counter())
 
     def release_swap_buffers(self, parameter) -> None:
         if parameter.ds_id in self._numel:
@@ -350,6 +433,7 @@ class HMSOptimizerSwapper:
         pid = parameter.ds_id
         if pid not in self._numel:
             return
+        self.flush()
         if write_opt_state:
             self._write_state(parameter)
         if write_gradients and parameter.grad is not None:
@@ -361,6 +445,7 @@ class HMSOptimizerSwapper:
 
     def purge_state(self) -> None:
         """Forget swapped optimizer state (ZeRO-3 calls this before loading a non-NVMe checkpoint)."""
+        self.flush()
         for pid, names in self._state_names.items():
             for name in names:
                 self.store.delete(f"opt/{pid}/state/{name}")
@@ -372,7 +457,14 @@ class HMSOptimizerSwapper:
 
         Returns the small metadata (also saved as ``folder/meta.pt``).
         """
-        snap = TensorStore([Tier(folder)], io=self.store.io, durable=True)
+        self.flush()
+        snap = TensorStore([Tier(folder)], io=self.store.io, durable=True, prefetch_workers=1)
+        try:
+            return self._snapshot(snap, folder, fp32_params)
+        finally:
+            snap.close(io=False)  # its threads; the I/O handle is the live store's
+
+    def _snapshot(self, snap: TensorStore, folder: str, fp32_params: list) -> dict:
         meta: dict[str, Any] = {"subgroups": {}, "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
         for p in fp32_params:
@@ -394,8 +486,16 @@ class HMSOptimizerSwapper:
 
         With ``load_optimizer_states=False`` only the fp32 masters come back (DeepSpeed's flag of that name).
         """
+        self.flush()
         meta = torch.load(os.path.join(folder, "meta.pt"), weights_only=False)
-        snap = TensorStore([Tier(folder)], io=self.store.io)
+        snap = TensorStore([Tier(folder)], io=self.store.io, prefetch_workers=1)
+        try:
+            self._restore(snap, meta, folder, fp32_params, load_optimizer_states)
+        finally:
+            snap.close(io=False)
+
+    def _restore(self, snap: TensorStore, meta: dict, folder: str, fp32_params: list,
+                 load_optimizer_states: bool) -> None:
         snap.scan()
         if len(meta["param_groups"]) != len(self.optimizer.param_groups):
             raise RuntimeError(f"titan hms: checkpoint {folder!r} has {len(meta['param_groups'])} optimizer param "
