@@ -35,6 +35,7 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "compression-scale": ("launch/bench/compress_scale.py", "gradient compression at W simulated workers"),
     "local-updates": ("launch/bench/bench_diloco.py", "local updates (DiLoCo) with a compressed outer step at W workers"),
     "hms-scale": ("launch/bench/hms_scale.py", "largest GPT trained under a memory cap, HMS vs ZeRO-3 CPU offload"),
+    "hms-timeline": ("launch/bench/hms_timeline.py", "an HMS step's phases under a cap, pipelined optimizer step off vs on"),
     "hms": ("launch/bench/bench_hms.py", "HMS store streaming vs dd, prefetch hit rate"),
     "plan-accuracy": ("launch/bench/plan_accuracy.py", "`titan-ds plan`: predicted vs measured peak DRAM"),
     "hf-finetune": ("launch/bench/hf_finetune.py", "SmolLM2-135M under the HF Trainer: AdamW vs titan profiles"),
@@ -166,6 +167,10 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_scale_cap8.md", _f(
         "8 GiB cap: {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload, peak anon {peak_anon_GiB} GiB, "
         "{step_s} s/step", "mode", "hms_asdt_bf16")),
+    Result("hms-timeline", "results/hms_timeline/table.md", lambda p: next(
+        f"12x768 under 4 GiB: pipelined optimizer step {on['all runs']} s/step vs {off['all runs']} unpipelined"
+        for on in table_rows(ROOT / p) if on.get("mode") == "hms_on" and "all runs" in on
+        for off in table_rows(ROOT / p) if off.get("mode") == "hms_off" and "all runs" in off)),
     Result("hms", "results/hms_prefetch.md", _f("trace prefetch: parameter hit rate {param_hit_rate} after step 1",
                                                 "config", "hmsb_hms_trace")),
     Result("hms", "results/hms_streaming.md", _f("checked store read into a buffer: {vs_dd_direct} of dd direct's best, "
