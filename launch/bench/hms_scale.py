@@ -60,6 +60,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -187,6 +188,16 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
     return cfg
 
 
+def build_ops(env: dict) -> None:
+    """Build (or find cached) DeepSpeed's ``cpu_adam`` and ``async_io`` ops for ``env``'s TORCH_EXTENSIONS_DIR,
+    uncapped: a JIT build inside a capped trial measures g++ (and can be OOM-killed or time out), not training."""
+    code = ("from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder; "
+            "CPUAdamBuilder().load(verbose=False); AsyncIOBuilder().load(verbose=False)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(ROOT), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"DeepSpeed's cpu_adam/async_io ops did not build: {r.stderr[-2000:]}")
+
+
 def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, steps: int, timeout: float,
           logs: Path, aio: dict | None = None, lock: str | None = None, warmup: int = 1, tag: str = "") -> dict:
     """Train once under the cap; the outcome and its measurements. ``aio``: ZeRO-Infinity's aio block; ``lock``:
@@ -211,6 +222,8 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     env.setdefault("OMP_NUM_THREADS", "2")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     logs.mkdir(parents=True, exist_ok=True)
+    if mode == "zero_inf":
+        build_ops(env)
     with timed_lock(lock):
         r = run_capped_clean(cmd, int(cap_gib * GiB), logs / f"{name}.log", env=env, cwd=str(ROOT), timeout=timeout)
     out.update({"peak_anon_GiB": r.peak_anon_bytes / GiB, "max_usage_GiB": r.max_usage_bytes / GiB, "wall_s": r.wall_s,
