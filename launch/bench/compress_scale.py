@@ -90,8 +90,8 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
         opts = DGCOptions(momentum=dgc["momentum"], momentum_masking=dgc["masking"], local_clip=dgc["clip"])
         return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, dgc=opts,
                                ratio_warmup_steps=dgc["ramp_steps"], ratio_warmup_start=dgc["ramp_start"])
-    elif method in ("rms", "rms_randk"):  # topk / randk of each worker's RMS-normalized gradient; SGD applies it
-        return GradientReducer("topk" if method == "rms" else "randk", ratio, warmup_steps=warmup, seed=seed,
+    elif method in ("rms", "rms_randk", "rms_cltk"):  # topk / randk / cltk of each worker's RMS-normalized gradient
+        return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk"}[method], ratio, warmup_steps=warmup, seed=seed,
                                precondition=RMSOptions())
     elif method == "powersgd":
         if rank is None:

@@ -9,10 +9,11 @@ from titan_ds.comm import REGISTRY, GradientReducer, Segment, build_compressor
 from titan_ds.comm.base import LocalCollective, check_layout, sketch_budget, topk_budget
 
 LOSSY = ["topk", "tgss", "hge"]
-# every compressor that keeps residuals; randk is not exact on sparse input (it does not choose), so not in LOSSY;
+# every compressor that keeps residuals; randk is not exact on sparse input (it does not choose), nor is cltk on more
+# than one rank (only the leader chooses), so neither is in LOSSY;
 # qtopk sends quantized values (so not in EF's exact invariant) and is added where a test does not need exact sums
 # (its own oracle tests: test_diloco.py)
-EF = [*LOSSY, "randk"]
+EF = [*LOSSY, "randk", "cltk"]
 
 
 @pytest.fixture(autouse=True)
@@ -213,9 +214,9 @@ def test_state_of_another_method_is_refused():
 
 # ------------------------------------------------------------------ registry (the sketches: test_tgss.py, test_hge.py)
 def test_registry_unknown_name_lists_choices():
-    assert sorted(REGISTRY) == ["hge", "none", "powersgd", "qtopk", "randk", "tgss", "topk"]
+    assert sorted(REGISTRY) == ["cltk", "hge", "none", "powersgd", "qtopk", "randk", "tgss", "topk"]
     with pytest.raises(ValueError, match=r"unknown compressor 'dgc'; choose one of "
-                                         r"\['hge', 'none', 'powersgd', 'qtopk', 'randk', 'tgss', 'topk'\]"):
+                                         r"\['cltk', 'hge', 'none', 'powersgd', 'qtopk', 'randk', 'tgss', 'topk'\]"):
         build_compressor("dgc", 10.0)
 
 
@@ -293,6 +294,59 @@ def test_whole_run_ratio_counts_warmup_and_survives_a_state_round_trip():
         again.reduce(torch.randn(n), one(n), LocalCollective(), s)
         m2 = again.take_metrics()
     assert m2["wire_bytes_run"] == m["wire_bytes_run"]  # the resumed reducer kept counting from the checkpoint
+
+
+# ------------------------------------------------------------------ cltk: the reference
+@pytest.mark.parametrize("world", [2, 3])
+def test_cltk_sends_every_rank_values_at_the_leaders_top_k(world):
+    """Each call, leader = seed % W: the sum is the sum over ranks of each rank's values at the leader's own
+    top-k coordinates (k = n / (2 ratio)); each rank's sent is its values there; the leader changes with the seed."""
+    from titan_ds.comm.topk import topk_indices
+    n, ratio = 5000, 10.0
+    k = topk_budget(n, ratio)
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    leaders = set()
+    for seed in range(5, 5 + 2 * world):
+        outs = run_ranks(world, lambda r, comm: build_compressor("cltk", ratio).reduce(xs[r], comm, seed, layout=one(n)))
+        leader = seed % world
+        leaders.add(leader)
+        idx = topk_indices(xs[leader].abs(), k)
+        want = torch.zeros(n)
+        want[idx] = sum(x[idx] for x in xs)
+        for r, (summed, sent) in enumerate(outs):
+            assert torch.equal(summed, outs[0][0])
+            torch.testing.assert_close(summed, want, rtol=0, atol=1e-6)
+            assert torch.equal(sent.dense()[idx], xs[r][idx]) and int((sent.dense() != 0).sum()) == k
+    assert leaders == set(range(world))
+
+
+def test_cltk_received_bytes_do_not_grow_with_the_workers():
+    """What a worker receives (ring all-reduces of the leader's k indices and of k + 1 values) is
+    2 (W-1)/W x 8k bytes: the same at W = 8 as at W = 2 within (W-1)/W, where topk's all-gather grows ~W-fold."""
+    from titan_ds.comm.wire import SimCollective, ring_allreduce_bytes
+    n, ratio = 4096, 16.0
+    k = topk_budget(n, ratio)
+    recv = {}
+    for method in ("cltk", "topk"):
+        for world in (2, 8):
+            sim = SimCollective(world)
+            xs = [torch.randn(n) for _ in range(world)]
+            sim.run(lambda w, comm: build_compressor(method, ratio).reduce(xs[w], comm, 7, layout=one(n)))
+            recv[method, world] = sim.received[0]
+    for world in (2, 8):
+        assert recv["cltk", world] == ring_allreduce_bytes(4 * k, world) + ring_allreduce_bytes(4 * (k + 1), world)
+    assert recv["cltk", 8] < 2 * recv["cltk", 2] and recv["topk", 8] > 5 * recv["topk", 2]
+
+
+def test_cltk_needs_to_know_the_rank():
+    class NoRank:
+        world_size = 2
+
+        def all_reduce_sum(self, t):
+            pass
+
+    with pytest.raises(TypeError, match="does not say which rank"):
+        build_compressor("cltk", 10.0).reduce(torch.randn(100), NoRank(), 3, layout=one(100))
 
 
 # ------------------------------------------------------------------ randk: the reference

@@ -113,7 +113,7 @@ MIN_RATIO = {"powersgd": 8.0}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,reduce_scatter,methods", [
-    (0, 1, "none,topk,hge,qtopk"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge"), (2, 0, "hge,topk"),
+    (0, 1, "none,topk,hge,qtopk,cltk"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge,cltk"), (2, 0, "hge,topk"),
     (3, 1, "tgss,hge,topk,qtopk"),
     (0, 1, "powersgd,dgc,rms"), (2, 1, "powersgd,dgc,rms"), (3, 1, "powersgd,dgc,rms"),
 ], ids=["zero0", "zero1", "zero2", "zero2-allreduce", "zero3", "zero0-peers", "zero2-peers", "zero3-peers"])

@@ -23,6 +23,7 @@ class MetaCollective:
     """Two ranks as one rank sees them: all-reduce leaves the sum as it is, all-gather repeats this rank's part."""
 
     world_size = 2
+    rank = 0
 
     def __init__(self):
         self.calls = 0
@@ -63,6 +64,7 @@ CASES = {
     "topk": dict(method="topk"),
     "dgc": dict(method="topk", dgc=DGCOptions(momentum=0.9, local_clip=1.0)),
     "randk": dict(method="randk"),
+    "cltk": dict(method="cltk"),
     "tgss": dict(method="tgss"),
     "hge": dict(method="hge"),
     "powersgd": dict(method="powersgd", rank=2, min_compression=1.0),

@@ -24,6 +24,7 @@ class ThreadCollective:
 class _ThreadRank:
     def __init__(self, group: ThreadCollective, r: int):
         self.group, self.r, self.world_size = group, r, group.world_size
+        self.rank = r
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
         g = self.group

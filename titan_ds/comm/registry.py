@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Compressor
+from .cltk import CLTKCompressor
 from .dense import DenseCompressor
 from .hge import HGECompressor
 from .powersgd import PowerSGDCompressor
@@ -19,7 +20,7 @@ from .topk import TopKCompressor
 
 __all__ = ["REGISTRY", "build_compressor"]
 
-_CLASSES: tuple[type, ...] = (DenseCompressor, TopKCompressor, QTopKCompressor, RandKCompressor, TGSSCompressor,
+_CLASSES: tuple[type, ...] = (DenseCompressor, TopKCompressor, CLTKCompressor, QTopKCompressor, RandKCompressor, TGSSCompressor,
                               HGECompressor, PowerSGDCompressor)
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in _CLASSES}

@@ -128,6 +128,7 @@ class DistCollective:
         from deepspeed import comm as dist
         self.dist, self.group = dist, group
         self.world_size = dist.get_world_size(group=group)
+        self.rank = dist.get_rank(group=group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         self.dist.all_reduce(t, group=self.group)
@@ -252,6 +253,7 @@ class _SimWorker:
 
     def __init__(self, group: SimCollective, w: int):
         self.group, self.w, self.world_size = group, w, group.world_size
+        self.rank = w
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         t.copy_(self.group._collective(self.w, "all_reduce_sum", t))
