@@ -49,7 +49,8 @@ GiB = 1 << 30
 # 29: the calibration saw widths 512 and 768 only); (mode, model, ranks)
 VALIDATION_SHAPES = [("zero2", "gpt:6x1024", 1), ("zero3", "gpt:8x1024", 1), ("zero3_cpu", "gpt:12x1024", 1),
                      ("hms", "gpt:24x1024", 1), ("hms_asdt", "gpt:24x1024", 1), ("zero2", "gpt:8x640", 2),
-                     ("hms_asdt_bf16", "gpt:24x1024", 1), ("hms", "gpt:4x2048", 1), ("hms_asdt_bf16", "gpt:2x4096", 1)]
+                     ("hms_asdt_bf16", "gpt:24x1024", 1), ("hms", "gpt:4x2048", 1), ("hms_asdt_bf16", "gpt:2x4096", 1),
+                     ("hms_asdt_bf16", "gpt:4x4096", 1)]
 REPEATS = 2  # each validation run is measured this many times (repeat 0, 1, ...): the table shows every repeat
 VALIDATION = [(mode, spec, ranks, rep) for mode, spec, ranks in VALIDATION_SHAPES for rep in range(REPEATS)]
 # What the runs recorded before the results store (no code_hash: every calibration run, the validation runs of
