@@ -16,9 +16,14 @@ The model of each candidate has two parts:
    holds in DRAM DeepSpeed's fp32 gradient partition (``grad_partitions_flat_buffer``, 4 bytes/param: the
    largest term left, see issue 16; ``hms_asdt`` maps it to a file, ``titan.hms.gradient_buffer: "disk"``), one
    optimizer sub-group at a time (plus the master and state of the previous one while its write is in flight:
-   ``titan.hms.pipeline_optimizer``), and its DRAM cache.
+   ``titan.hms.pipeline_optimizer``) and the next one's read ahead, and its DRAM cache. ZeRO-Infinity
+   (``zero_inf``) holds the parameter partitions and the fp32 gradient partition in CPU memory and
+   ``buffer_count`` pinned swap buffers of the largest sub-group; masters, moments and gradients are on disk.
+   The activations (forward/backward) and an HMS step's sub-group are never held together: the peak counts
+   the larger (``Candidate.phase``).
 2. **calibration**: per candidate, a process baseline (torch + DeepSpeed loaded, allocator, kernels) and the
-   bytes per parameter the structure does not explain, fitted on measured runs by
+   bytes per parameter the structure does not explain (none for the HMS modes, zero3_cpu's for zero_inf), fitted
+   on measured runs by
    ``launch/bench/plan_accuracy.py --calibrate`` into ``titan_ds/plan_calibration.json`` (the file records the
    command, date and points). ``launch/bench/plan_accuracy.py`` then checks predictions against cgroup-measured
    peaks of runs that were not used for the fit (README: the accuracy table).
@@ -44,7 +49,25 @@ CALIBRATION_FILE = Path(__file__).with_name("plan_calibration.json")
 # candidates, fastest first (the order in which the best fitting one is chosen)
 # sub-groups whose optimizer-state writes may be in flight during the step (HMSConfig's pipeline_depth default)
 PIPELINE_DEPTH = 1
-MODES = ("zero2", "zero3", "zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")
+# zero_inf sits by its measured s/step: 19.934 against zero3_cpu's 20.521 and HMS + AdamW's 34.119 in one run of the
+# three (results/hms_scale_zinf.speed.md), 5.077 against pipelined HMS + AdamW's 12.391 over 2 alternated runs
+# (results/hms_scale_zinf_pipelined.speed.md); tests/test_plan_zinf.py checks this order against those files
+MODES = ("zero2", "zero3", "zero_inf", "zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")
+# modes whose element-proportional bytes (partitions, masters, optimizer state) live on disk, and whose DRAM the
+# structure already sizes by what grows (the gradient partition where it is in DRAM, one sub-group, activations):
+# their calibration fits the process baseline only. A slope fitted on 0.01-0.2B-parameter shapes was noise
+# (-0.19, -0.34, +0.49 bytes/param) that 5B parameters turned into +2.3 GiB (issue 29: +68% at 25x4096)
+BASELINE_ONLY_MODES = ("hms", "hms_asdt", "hms_asdt_bf16")
+# ZeRO-Infinity runs DeepSpeed's ZeRO-3 offload code as zero3_cpu does (the same partitions in CPU memory, the
+# same gradient partition): it shares zero3_cpu's fitted bytes/param and fits its own baseline
+# ZeRO-Infinity as launch/bench/hms_scale.py trains it (its ``zero_inf`` mode): ZeRO-3, optimizer state (fp32
+# masters, AdamW moments, the swapped gradients) on NVMe through DeepSpeed's async_io op, parameters in CPU
+# memory (DeepSpeed 0.19.8's parameter swap to NVMe failed at the second step here), DeepSpeedCPUAdam
+ZERO_INF_BUFFER_COUNT = 4  # offload_optimizer.buffer_count: pinned fp32 swap buffers of the largest sub-group
+AIO_RECOMMENDED = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                   "overlap_events": True}
+ZERO_INF_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                  "weight_decay": 0.1}}
 # per parameter: AdamW exp_avg + exp_avg_sq; ASDT one momentum buffer in bf16, or in 8 bits (+ a scale per block)
 OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1}
 # per element of the sub-group being stepped: the optimizer step's temporaries above its resident state, measured
@@ -54,12 +77,14 @@ OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1}
 STEP_TEMP_FILE = Path(__file__).with_name("step_temp.json")
 STEP_TEMP_COMMAND = ("python launch/bench/optim_step.py --what temp --sizes 67108864 --dtypes fp32 "
                      "--step-temp-json titan_ds/step_temp.json")
-MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "hms": "adamw", "hms_asdt": "asdt_bf16",
-                  "hms_asdt_bf16": "asdt_8bit"}
+MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "zero_inf": "adamw", "hms": "adamw",
+                  "hms_asdt": "asdt_bf16", "hms_asdt_bf16": "asdt_8bit"}
 DESCRIPTION = {
     "zero2": "ZeRO-2, torch AdamW",
     "zero3": "ZeRO-3, torch AdamW",
     "zero3_cpu": "ZeRO-3 + CPU offload (params, optimizer), torch AdamW",
+    "zero_inf": "ZeRO-Infinity: ZeRO-3, optimizer state on NVMe (DeepSpeed's async_io op: needs libaio-dev), "
+                "params in CPU memory, DeepSpeedCPUAdam",
     "hms": "ZeRO-3 + titan HMS (params, optimizer on disk), torch AdamW",
     "hms_asdt": "ZeRO-3 + titan HMS + titan optimizer (ASDT, bf16 state), gradient partitions in a file mapping",
     "hms_asdt_bf16": "hms_asdt with bf16 parameters (fp32 gradients and masters) and ASDT's momentum in 8 bits",
@@ -122,8 +147,9 @@ def model_spec(spec: str, seq: int = 128) -> ModelSpec:
 
 
 def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_batch: int = 1,
-                     dram_cache_mb: int = 64) -> dict[str, Any]:
-    """The complete ds_config of a candidate (what ``plan --out`` writes and the benchmarks train)."""
+                     dram_cache_mb: int = 64, aio: Optional[dict] = None) -> dict[str, Any]:
+    """The complete ds_config of a candidate (what ``plan --out`` writes and the benchmarks train). ``aio``:
+    ZeRO-Infinity's aio block (default DeepSpeed's recommended settings; ``hms_scale.py`` sweeps them)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     cfg: dict[str, Any] = {
@@ -139,6 +165,14 @@ def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_bat
     if mode == "zero3_cpu":
         z["offload_param"] = {"device": "cpu"}
         z["offload_optimizer"] = {"device": "cpu"}
+    if mode == "zero_inf":  # the keys of launch/bench/hms_scale.py's zero_inf config (tests/test_plan_zinf.py)
+        z["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
+                                  "buffer_count": ZERO_INF_BUFFER_COUNT, "fast_init": False}
+        z["offload_param"] = {"device": "cpu", "pin_memory": True}
+        cfg["aio"] = dict(aio or AIO_RECOMMENDED)
+        cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
+        cfg["zero_force_ds_cpu_optimizer"] = True  # DeepSpeed builds DeepSpeedCPUAdam from "optimizer"
+        cfg.pop("zero_allow_untested_optimizer")
     if mode.startswith("hms"):
         cfg["titan"] = {"hms": {"nvme_path": nvme_path, "dram_cache_mb": dram_cache_mb, "prefetch": "trace",
                                 "prefetch_depth": 2}}
@@ -166,14 +200,25 @@ class Candidate:
     fits: bool = False
     why: str = ""
     calibrated: bool = True
+    # kinds held only during one phase of the step: "activations" in forward/backward, an HMS optimizer's
+    # sub-group working set in the optimizer step. They are never held together (the saved activations are freed
+    # by the end of backward), so a tier's peak is what every phase holds plus the larger phase
+    phase: dict[str, str] = field(default_factory=dict)
+
+    def peak(self, tier: dict[str, float]) -> float:
+        phases: dict[str, float] = {}
+        for k, v in tier.items():
+            if k in self.phase:
+                phases[self.phase[k]] = phases.get(self.phase[k], 0.0) + v
+        return sum(v for k, v in tier.items() if k not in self.phase) + max(phases.values(), default=0.0)
 
     @property
     def dram_peak(self) -> float:
-        return sum(self.dram.values())
+        return self.peak(self.dram)
 
     @property
     def device_peak(self) -> float:
-        return sum(self.device.values())
+        return self.peak(self.device)
 
     @property
     def disk_total(self) -> float:
@@ -214,8 +259,11 @@ def activation_bytes(m: ModelSpec, seq: int, micro: int, elem: int = 4) -> float
     return m.layers * per_layer + 2 * micro * seq * m.vocab * elem
 
 
-def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: bool) -> dict[str, dict[str, float]]:
-    """Resident bytes per rank by tier and kind, before calibration."""
+def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: bool,
+               step_temp: Optional[dict] = None, pipeline_depth: int = PIPELINE_DEPTH) -> dict[str, dict[str, float]]:
+    """Bytes per rank by tier and kind, before calibration (``phase``: the kinds held in one phase only).
+    ``step_temp`` and ``pipeline_depth``: the optimizer's temporaries and sub-groups in flight of the code that ran
+    (default today's: titan_ds/step_temp.json, PIPELINE_DEPTH), for runs measured on earlier code."""
     P, N = m.params, ranks
     S = OPT_STATE_BYTES[MODE_OPTIMIZER[mode]]
     # parameter/gradient bytes on the device: bf16 on a GPU, fp32 on the CPU accelerator unless the mode is bf16
@@ -237,27 +285,45 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         dev.update(parameters=w * live, gradients=w * P / N,
                    buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
         dram.update(parameters=w * P / N, gradients=4 * P / N, optimizer=4 * P / N + S * P / N)
+    elif mode == "zero_inf":
+        # DeepSpeed 0.19.8 stage3.py: the parameter partitions stay in CPU memory (offload_param cpu); the fp32
+        # gradient partition (grad_partitions_flat_buffer) is allocated whatever the offload; every sub-group is
+        # swappable, so its fp32 master is an empty tensor and the master, both moments and the gradient are on
+        # NVMe; optimizer_utils.py's SwapBufferManager pins buffer_count buffers of the largest sub-group (fp32)
+        # at initialize, into which each sub-group's master, moments and gradient are read and DeepSpeedCPUAdam
+        # steps them in place (fused: no temporaries)
+        dev.update(parameters=w * live,
+                   buffers=4 * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
+        dram.update(parameters=w * P / N, gradients=4 * P / N, optimizer=ZERO_INF_BUFFER_COUNT * 4 * sub)
+        disk.update(optimizer=(4 + S) * P / N, gradients=4 * P / N)
     else:  # hms*: partitions, masters and optimizer state on disk; one sub-group in DRAM during the step
         grads_on_disk = mode.startswith("hms_asdt") and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
         dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
                    buffers=w * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
         # the sub-group's master, gradient and state, and the step's temporaries; plus the previous sub-group's
         # master and state still being written (titan.hms.pipeline_optimizer, on by default, depth 1)
-        dram.update(optimizer=sub * (4 + 4 + S + load_step_temp()[MODE_OPTIMIZER[mode]]) + sub * (4 + S) * PIPELINE_DEPTH,
+        # and the next sub-group's master and state, read ahead while this one steps (titan_ds/hms/swapper.py:
+        # swap_in_optimizer_state prefetches async_parameter's keys; before the pipelined step too)
+        temp = (step_temp or load_step_temp())[MODE_OPTIMIZER[mode]]
+        dram.update(optimizer=sub * (4 + 4 + S + temp) + sub * (4 + S) * (pipeline_depth + 1),
                     cache=64 * 2**20)
         disk.update(parameters=w * P / N, optimizer=(4 + S) * P / N,  # fp32 masters + state
                     gradients=4 * P / N)  # the swapped fp32 grads, or the mapping they are read from
+    phase = {"activations": "forward/backward"}
+    if mode.startswith("hms"):
+        phase["optimizer"] = "optimizer step"
     if gpu:
-        return {"device": dev, "dram": dram, "disk": disk}
+        return {"device": dev, "dram": dram, "disk": disk, "phase": phase}
     for k, v in dev.items():  # the CPU accelerator: the device is DRAM
         dram[k] = dram.get(k, 0) + v
-    return {"device": {}, "dram": dram, "disk": disk}
+    return {"device": {}, "dram": dram, "disk": disk, "phase": phase}
 
 
 def predict(mode: str, m: ModelSpec, *, ranks: int = 1, seq: int = 128, micro: int = 1, gpu: bool = False,
-            calibration: Optional[dict] = None) -> Candidate:
-    t = _structure(mode, m, ranks, seq, micro, gpu)
-    c = Candidate(mode, DESCRIPTION[mode], device=t["device"], dram=t["dram"], disk=t["disk"])
+            calibration: Optional[dict] = None, step_temp: Optional[dict] = None,
+            pipeline_depth: int = PIPELINE_DEPTH) -> Candidate:
+    t = _structure(mode, m, ranks, seq, micro, gpu, step_temp, pipeline_depth)
+    c = Candidate(mode, DESCRIPTION[mode], device=t["device"], dram=t["dram"], disk=t["disk"], phase=t["phase"])
     cal = (calibration or load_calibration())["modes"].get(mode)
     if cal is None or gpu:
         c.calibrated = False
@@ -294,7 +360,8 @@ def plan(m: ModelSpec, **kw) -> tuple[list[Candidate], Optional[Candidate]]:
 def format_table(m: ModelSpec, cands: list[Candidate], ranks: int) -> str:
     kinds = ["parameters", "gradients", "optimizer", "activations", "buffers", "cache", "baseline", "unexplained"]
     lines = [f"model {m.name}: {m.params / 1e6:,.1f}M parameters ({m.layers} layers, hidden {m.hidden}); "
-             f"per rank, GiB", ""]
+             f"per rank, GiB; DRAM is the peak: the activations (forward/backward) and an HMS optimizer step's "
+             f"sub-group (dram:optimizer of the hms modes) are never held together, so it counts the larger", ""]
     head = ["config", "fits", "device", "DRAM", "disk"] + [f"dram:{k}" for k in kinds] + ["calibrated", "why"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))

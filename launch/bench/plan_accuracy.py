@@ -13,7 +13,9 @@ cache out, see ``titan_ds/memcap.py``).
 ``--calibrate`` runs every mode at the calibration shapes (``--cal-shapes``), fits per mode the process baseline
 and the bytes per parameter that the structural model does not explain (least squares over the shapes), and
 writes ``titan_ds/plan_calibration.json``. Without it, the validation runs (other widths, depths and rank counts
-than the fit saw) are compared with the prediction: ``results/plan_accuracy.{md,csv}``. Every run is saved at
+than the fit saw, widths 2048 and 4096, each ``REPEATS`` times) are compared with the prediction for the code
+that ran (:data:`EARLIER_CODE`), beside the held-out ZeRO-Infinity trials of ``hms_scale.py`` and its width-4096
+trials: ``results/plan_accuracy.{md,csv}``. ``--only MODEL,...`` runs a subset. Every run is saved at
 once to ``<out>.runs.jsonl`` (``launch/bench/store.py``) and reused by a rerun from the same code (resumable;
 ``--reuse-stale``: from any code); ``python -m launch.bench table plan-accuracy --out <out>`` rewrites the table
 from it and today's predictions without running anything.
@@ -38,15 +40,55 @@ sys.path.insert(0, str(ROOT))
 from launch.bench.harness import ResultLog, run_capped_clean  # noqa: E402
 from launch.bench.store import add_store_args  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
-from titan_ds.plan import (CALIBRATION_FILE, MODES, _structure, candidate_config, model_spec,  # noqa: E402
-                           predict)
+from titan_ds.plan import (BASELINE_ONLY_MODES, CALIBRATION_FILE, MODES, PIPELINE_DEPTH,  # noqa: E402
+                           candidate_config, load_step_temp, model_spec, predict)
 from titan_ds.utils import free_port  # noqa: E402
 
 GiB = 1 << 30
-# the validation runs: shapes the calibration did not see, every mode, and two ranks
-VALIDATION = [("zero2", "gpt:6x1024", 1), ("zero3", "gpt:8x1024", 1), ("zero3_cpu", "gpt:12x1024", 1),
-              ("hms", "gpt:24x1024", 1), ("hms_asdt", "gpt:24x1024", 1), ("zero2", "gpt:8x640", 2),
-              ("hms_asdt_bf16", "gpt:24x1024", 1)]
+# the validation runs: shapes the calibration did not see, every mode, two ranks, and widths 2048 and 4096 (issue
+# 29: the calibration saw widths 512 and 768 only); (mode, model, ranks)
+VALIDATION_SHAPES = [("zero2", "gpt:6x1024", 1), ("zero3", "gpt:8x1024", 1), ("zero3_cpu", "gpt:12x1024", 1),
+                     ("hms", "gpt:24x1024", 1), ("hms_asdt", "gpt:24x1024", 1), ("zero2", "gpt:8x640", 2),
+                     ("hms_asdt_bf16", "gpt:24x1024", 1), ("hms", "gpt:4x2048", 1), ("hms_asdt_bf16", "gpt:2x4096", 1),
+                     ("hms_asdt_bf16", "gpt:4x4096", 1)]
+REPEATS = 2  # each validation run is measured this many times (repeat 0, 1, ...): the table shows every repeat
+VALIDATION = [(mode, spec, ranks, rep) for mode, spec, ranks in VALIDATION_SHAPES for rep in range(REPEATS)]
+# What the runs recorded before the results store (no code_hash: every calibration run, the validation runs of
+# 2026-11-30/12-01, the width-4096 hms_scale trials of 2026-12-01) ran: the optimizer step's temporaries plan held
+# then (commit e93c8d8: torch AdamW 8, ASDT 25 with bf16 state, 28 with 8-bit state, bytes/element; today's core:
+# titan_ds/step_temp.json) and no pipelined optimizer step (titan.hms.pipeline_optimizer, 92efbe0, 2026-12-02).
+# Their residuals and predictions use the structure of that code; a run of today's code records its own.
+EARLIER_CODE = {"step_temp": {"adamw": 8.0, "asdt_bf16": 25.0, "asdt_8bit": 28.0}, "pipeline_depth": 0}
+# ZeRO-Infinity (plan mode zero_inf) is calibrated on launch/bench/hms_scale.py's committed zero_inf trials (its
+# config is plan's candidate_config("zero_inf") with the aio block it swept): the bisection trials at these
+# shapes fit it; every other successful zero_inf trial (12x768: 3 speed runs; 20x768, 30x768) is held out
+ZINF_TRIALS = ["results/hms_scale_zinf.trials.jsonl", "results/hms_scale_zinf.speed.jsonl",
+               "results/hms_scale_zinf_pipelined.speed.jsonl"]
+ZINF_FIT = ("4x768", "8x768", "10x768")
+# hms_scale trials at width 4096 (the 5B run and its two probes; earlier code) checked beside the validation runs
+WIDE_TRIALS = ["results/hms_scale_probe4096.trials.jsonl", "results/hms_scale_cap8.trials.jsonl"]
+
+
+def hms_scale_trials(files: list[str], mode: str) -> list[dict]:
+    """The successful trials of ``mode`` in committed hms_scale stores: mode, shape, params, peak, file, as_run."""
+    out = []
+    for f in files:
+        for line in (ROOT / f).read_text().splitlines():
+            rec = json.loads(line)
+            r = rec.get("result", rec)
+            if r.get("mode") == mode and r.get("fits"):
+                out.append({"mode": mode, "shape": f"{r['layers']}x{r['width']}", "params": r["params"],
+                            "measured_GiB": r["peak_anon_GiB"], "cap_GiB": r["cap_GiB"], "file": f,
+                            "as_run": EARLIER_CODE if rec.get("code_hash") is None else {}})
+    return out
+
+
+def fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = base + slope * x."""
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return my - slope * mx, slope
 
 
 def measure(mode: str, spec: str, ranks: int, *, path: str, cap_gib: float, logs: Path, timeout: float) -> dict:
@@ -83,38 +125,59 @@ class Runs(ResultLog):
     rerun reuses them under its rule (same code, or ``reuse_stale``)."""
 
     def __init__(self, path: Path, reuse_stale: bool = False):
-        super().__init__(path, lambda r: (r["mode"], r["model"], r["ranks"]), suite="plan-accuracy",
+        # a run recorded before repeats were counted is repeat 0
+        super().__init__(path, lambda r: (r["mode"], r["model"], r["ranks"], r.get("repeat", 0)),
+                         lambda r: {**r, "repeat": r.get("repeat", 0)}, suite="plan-accuracy",
                          reuse_stale=reuse_stale)
+        self.as_run = {}  # key -> predict()'s step_temp/pipeline_depth for the code the run measured
+        for rec in self.store.records:
+            r = rec["result"]
+            self.as_run[self._key({**r, "repeat": r.get("repeat", 0)})] = (
+                EARLIER_CODE if rec["code_hash"] is None else
+                {k: r[k] for k in ("step_temp", "pipeline_depth") if k in r})
 
-    def get(self, mode, spec, ranks, **kw) -> dict:  # type: ignore[override]
-        return super().get((mode, spec, ranks), lambda: measure(mode, spec, ranks, **kw),
-                           lambda r: f"{mode} {spec} x{ranks}: {r['status']}, peak anon "
+    def get(self, mode, spec, ranks, repeat=0, **kw) -> dict:  # type: ignore[override]
+        self.as_run.setdefault((mode, spec, ranks, repeat), {"step_temp": dict(load_step_temp()),
+                                                             "pipeline_depth": PIPELINE_DEPTH})
+        return super().get((mode, spec, ranks, repeat),
+                           lambda: {**measure(mode, spec, ranks, **kw), "repeat": repeat,
+                                    **self.as_run[mode, spec, ranks, repeat]},
+                           lambda r: f"{mode} {spec} x{ranks} #{repeat}: {r['status']}, peak anon "
                                      f"{r['measured_GiB']:.3f} GiB, {r['wall_s']:.0f} s")
 
 
 def calibrate(runs: Runs, shapes: list[str], kw: dict) -> dict:
-    """Per mode, least squares of (measured - structure) = baseline + extra * params over the shapes."""
+    """Per mode, least squares of (measured - structure) = baseline + extra * params over the shapes, the structure
+    being that of the code each run measured; BASELINE_ONLY_MODES fit the baseline alone (extra 0); zero_inf
+    fits its baseline on the committed hms_scale trials (:data:`ZINF_FIT`) with zero3_cpu's extra."""
     out = {"command": "PYTHONPATH=$PWD python launch/bench/plan_accuracy.py " + " ".join(sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, CPU accelerator (fp32)",
            "measure": "cgroup peak anonymous memory (rss + shmem), 2 training steps, micro-batch 1, context 128",
            "modes": {}}
-    for mode in MODES:
+    for mode in sorted(MODES, key=lambda mo: mo == "zero_inf"):  # zero_inf after zero3_cpu, whose slope it takes
         pts = []
-        for spec in shapes:
-            r = runs.get(mode, spec, 1, **kw)
-            if not r["ok"]:
-                raise SystemExit(f"calibration run {mode} {spec} failed: {r['status']}")
-            m = model_spec(spec)
-            s = sum(_structure(mode, m, 1, 128, 1, False)["dram"].values())
-            pts.append((m.params, r["measured_GiB"] * GiB - s))
-        n = len(pts)
-        mx = sum(p for p, _ in pts) / n
-        my = sum(y for _, y in pts) / n
-        sxx = sum((p - mx) ** 2 for p, _ in pts)
-        extra = sum((p - mx) * (y - my) for p, y in pts) / sxx
-        base = my - extra * mx
+        if mode == "zero_inf":
+            for t in hms_scale_trials(ZINF_TRIALS[:1], mode):
+                if t["shape"] in ZINF_FIT:
+                    m = model_spec(f"gpt:{t['shape']}")
+                    s = predict(mode, m, calibration={"modes": {}}, **t["as_run"]).dram_peak
+                    pts.append((m, t["measured_GiB"] * GiB - s, f"{t['file']} cap {t['cap_GiB']:g}"))
+        else:
+            for spec in shapes:
+                r = runs.get(mode, spec, 1, **kw)
+                if not r["ok"]:
+                    raise SystemExit(f"calibration run {mode} {spec} failed: {r['status']}")
+                m = model_spec(spec)
+                s = predict(mode, m, calibration={"modes": {}}, **runs.as_run[mode, spec, 1, 0]).dram_peak
+                pts.append((m, r["measured_GiB"] * GiB - s, runs.path.name))
+        if mode in BASELINE_ONLY_MODES or mode == "zero_inf":
+            extra = 0.0 if mode != "zero_inf" else out["modes"]["zero3_cpu"]["extra_bytes_per_param"]
+            base = sum(y - extra * m.params for m, y, _ in pts) / len(pts)
+        else:
+            base, extra = fit([(m.params, y) for m, y, _ in pts])
         out["modes"][mode] = {"baseline_bytes": base, "extra_bytes_per_param": extra,
-                              "points": [{"params": p, "residual_bytes": y} for p, y in pts]}
+                              "points": [{"model": m.name, "params": m.params, "residual_bytes": y, "source": src}
+                                         for m, y, src in pts]}
         print(f"{mode}: baseline {base / GiB:.3f} GiB, unexplained {extra:.2f} bytes/param")
     return out
 
@@ -127,6 +190,8 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=20, help="GiB: a cap no run reaches (measurement, not a limit)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(ROOT / "results" / "plan_accuracy"))
+    ap.add_argument("--only", default="", help="comma-separated models: run only these validation runs (the "
+                    "table still lists every recorded one)")
     add_store_args(ap)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
@@ -141,24 +206,42 @@ def main() -> None:
         CALIBRATION_FILE.write_text(json.dumps(cal, indent=1) + "\n")
         print(f"wrote {CALIBRATION_FILE}")
         return
-    for mode, spec, ranks in VALIDATION:
-        runs.get(mode, spec, ranks, **kw)
+    only = set(a.only.split(",")) if a.only else None
+    for mode, spec, ranks, rep in VALIDATION:
+        if only is None or spec in only:
+            runs.get(mode, spec, ranks, rep, **kw)
     write_table(runs, out, f"PYTHONPATH=$PWD python launch/bench/plan_accuracy.py {' '.join(sys.argv[1:])}")
 
 
+def _row(mode: str, spec: str, ranks: int, repeat, measured, as_run: dict, source: str) -> dict:
+    """A table row: the prediction for the code the run measured (``as_run``) beside its measured peak."""
+    m = model_spec(spec)
+    pred = predict(mode, m, ranks=ranks, **as_run).dram_peak * ranks / GiB
+    ok = isinstance(measured, float)
+    code = "earlier" if as_run.get("pipeline_depth", PIPELINE_DEPTH) == 0 else "current"
+    return {"mode": mode, "model": spec, "params_M": m.params / 1e6, "ranks": ranks, "repeat": repeat,
+            "code": code, "predicted_GiB": pred, "measured_GiB": measured,
+            "error_pct": 100 * (pred - measured) / measured if ok else "-", "source": source}
+
+
 def write_table(runs: Runs, out: Path, command: str) -> None:
-    """``<out>.md``/``.csv``: every validation run recorded in ``runs`` beside today's prediction for it."""
+    """``<out>.md``/``.csv``: every validation run recorded in ``runs``, the held-out ZeRO-Infinity trials and the
+    width-4096 hms_scale trials, each beside the prediction for the code it ran (:data:`EARLIER_CODE`)."""
     rows = []
-    for mode, spec, ranks in VALIDATION:
-        r = runs.rows.get((mode, spec, ranks))
-        if r is None:
-            continue
-        c = predict(mode, model_spec(spec), ranks=ranks)
-        pred = c.dram_peak * ranks / GiB
-        rows.append({"mode": mode, "model": spec, "params_M": r["params"] / 1e6, "ranks": ranks,
-                     "predicted_GiB": pred, "measured_GiB": r["measured_GiB"] if r["ok"] else r["status"],
-                     "error_pct": 100 * (pred - r["measured_GiB"]) / r["measured_GiB"] if r["ok"] else "-"})
-    keys = ["mode", "model", "params_M", "ranks", "predicted_GiB", "measured_GiB", "error_pct"]
+    for mode, spec, ranks, rep in VALIDATION:
+        r = runs.rows.get((mode, spec, ranks, rep))
+        if r is not None:
+            rows.append(_row(mode, spec, ranks, rep, r["measured_GiB"] if r["ok"] else r["status"],
+                             runs.as_run.get((mode, spec, ranks, rep), {}), runs.path.name))
+    for t in hms_scale_trials(ZINF_TRIALS, "zero_inf"):
+        if not (t["file"] == ZINF_TRIALS[0] and t["shape"] in ZINF_FIT):  # held out of the calibration
+            rows.append(_row("zero_inf", f"gpt:{t['shape']}", 1, "-", t["measured_GiB"], t["as_run"],
+                             f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
+    for t in hms_scale_trials(WIDE_TRIALS, "hms_asdt_bf16"):
+        rows.append(_row("hms_asdt_bf16", f"gpt:{t['shape']}", 1, "-", t["measured_GiB"], t["as_run"],
+                         f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
+    keys = ["mode", "model", "params_M", "ranks", "repeat", "code", "predicted_GiB", "measured_GiB", "error_pct",
+            "source"]
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
@@ -167,13 +250,22 @@ def write_table(runs: Runs, out: Path, command: str) -> None:
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)
     errs = [abs(r["error_pct"]) for r in rows if isinstance(r["error_pct"], float)]
+    worst = max((r for r in rows if isinstance(r["error_pct"], float)), key=lambda r: abs(r["error_pct"]),
+                default=None)
     dates = [rec["date"] for rec in runs.store.records if rec.get("date")]
     md = ["### `titan-ds plan`: predicted vs measured peak DRAM", "",
           f"Command: `{command}`",
-          f"Calibration: `{json.loads(CALIBRATION_FILE.read_text())['command']}` (shapes not used below). "
-          f"Measured: cgroup peak anonymous memory (rss + shmem, all ranks), 2 steps, micro-batch 1, context 128. "
+          f"Calibration: `{json.loads(CALIBRATION_FILE.read_text())['command']}` (shapes not used below; "
+          f"zero_inf from the hms_scale_zinf trials at {', '.join(ZINF_FIT)}, the others here are held out). "
+          f"Measured: cgroup peak anonymous memory (rss + shmem, all ranks), 2 steps (the zero_inf speed runs: "
+          f"their warm-up and timed steps), micro-batch 1, context 128. "
           f"{max(dates) if dates else time.strftime('%Y-%m-%d')}.", "",
-          f"Largest |error|: {max(errs):.1f}% over {len(errs)} runs (target: within 15%)." if errs else "", "",
+          "code: the prediction is for the code that ran. `earlier`: the runs recorded before the results store "
+          "(the optimizer step's temporaries then: AdamW 8, ASDT 25 / 28 bytes/element, no pipelined optimizer "
+          "step, `EARLIER_CODE`); `current`: today's (titan_ds/step_temp.json, one sub-group in flight). "
+          "repeat: the run's index where the validation run was measured more than once.", "",
+          (f"Largest |error|: {max(errs):.1f}% over {len(errs)} runs ({worst['mode']} {worst['model']}, "
+           f"{worst['source']}; target: within 15%)." if errs else ""), "",
           "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     md += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
