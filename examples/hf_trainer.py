@@ -61,6 +61,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's max_grad_norm (HF's default)")
     p.add_argument("--eval-blocks", type=int, default=32, help="held-out sequences for the eval loss")
+    p.add_argument("--optim", default="adamw_torch",
+                   help="the Trainer's optimizer when the ds_config has no titan optimizer (TrainingArguments.optim: "
+                        "adamw_torch, or torchao's adamw_torch_8bit / adamw_torch_4bit)")
     p.add_argument("--output-dir", default=None, help="Trainer output (default: $TITAN_CACHE/hf_trainer_out)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p.parse_args(argv)
@@ -189,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None, trainer_cls: Any = None, callback
         output_dir=args.output_dir or str(_cache() / "hf_trainer_out"), deepspeed=args.deepspeed,
         per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=args.lr,
         warmup_steps=args.warmup, lr_scheduler_type="linear", weight_decay=args.weight_decay, seed=args.seed,
-        max_grad_norm=args.max_grad_norm, logging_strategy="steps", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
+        max_grad_norm=args.max_grad_norm, optim=args.optim, logging_strategy="steps", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
     trainer = (trainer_cls or transformers.Trainer)(
         model=model, args=targs, train_dataset=Blocks(train),
         callbacks=_callbacks(held_out, args.batch, result) + list(callbacks))

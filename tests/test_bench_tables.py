@@ -12,7 +12,7 @@ from launch.bench.__main__ import ROOT, TABLES, regenerate, table_rows
 # reproduced byte for byte; the others: their table rows
 EXACT = {"results/frontier_1000", "results/compress_w2_300", "results/compress_w2_1000", "results/diloco",
          "results/hf_finetune.md", "results/hf_finetune_s1.md", "results/hf_finetune_memory.md",
-         "results/hf_trd_ranks.md"}
+         "results/hf_trd_ranks.md", "results/hf_speed.md", "results/hf_speed_phases.md"}
 CASES = [(suite, out) for suite, (_, outs) in TABLES.items() for out in outs]
 
 

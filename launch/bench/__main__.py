@@ -41,6 +41,8 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "hms": ("launch/bench/bench_hms.py", "HMS store streaming vs dd, prefetch hit rate"),
     "plan-accuracy": ("launch/bench/plan_accuracy.py", "`titan-ds plan`: predicted vs measured peak DRAM"),
     "hf-finetune": ("launch/bench/hf_finetune.py", "SmolLM2-135M under the HF Trainer: AdamW vs titan profiles"),
+    "hf-speed": ("launch/bench/hf_speed.py", "SmolLM2-135M under the HF Trainer: tokens/s and step phases, AdamW vs "
+                 "hf_asdt_8bit vs torchao AdamW8bit; alternated repeats"),
     "hf-trd-ranks": ("launch/bench/hf_trd_ranks.py", "TR-SVD of a pretrained model by rank"),
     "soak": ("launch/bench/soak.py", "3000 steps, every pillar, 2 ranks: leaks and bit-exact resume"),
     "optimizer-step": ("launch/bench/optim_step.py", "one optimizer step: elements/s, temporaries, state by optimizer, "
@@ -76,6 +78,7 @@ TABLES: dict[str, tuple[str, list[str]]] = {
     "plan-accuracy": ("launch.bench.plan_accuracy", ["results/plan_accuracy"]),
     "hf-finetune": ("launch.bench.hf_finetune", ["results/hf_finetune.md", "results/hf_finetune_s1.md",
                                                   "results/hf_finetune_memory.md"]),
+    "hf-speed": ("launch.bench.hf_speed", ["results/hf_speed.md", "results/hf_speed_phases.md"]),
     "hf-trd-ranks": ("launch.bench.hf_trd_ranks", ["results/hf_trd_ranks.md"]),
     "demo": ("launch.demo", ["results/demo"]),
 }

@@ -170,3 +170,18 @@ def step_temporaries(n: int, kw: dict) -> float:
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_default_chunks_are_at_least_256k_dense_and_64k_sparse():
+    """The chunk sizes the speed was measured at (core.CHUNK's comment): a SmolLM2 MLP weight (1536 rows of 576)
+    steps in 4 dense chunks, not 14 (64K each, ~1 ms of fixed costs a chunk); the sparse strategy keeps 64K; a
+    large tensor still steps in a 32nd (64th sparse) capped at MAX_CHUNK (the temporaries bound)."""
+    from titan_ds.optim import sparse
+    rows = [Piece(i, 576 * i, 576, 0) for i in range(1536)]
+    dense = core.plan(rows)
+    assert len(dense) == 4 and max(s.n for s in dense) <= 1 << 18
+    sparse_plan = core.plan(rows, parts=sparse.PARTS, least=min(core.CHUNK, sparse.CHUNK))
+    assert len(sparse_plan) == 14 and max(s.n for s in sparse_plan) <= 1 << 16
+    big = [Piece(0, 0, 1 << 26, 0)]
+    assert {s.n for s in core.plan(big)} == {core.MAX_CHUNK}
+    assert {s.n for s in core.plan([Piece(0, 0, 1 << 22, 0)])} == {1 << 18}

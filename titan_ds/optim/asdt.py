@@ -486,7 +486,8 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
         key = (id(t), mode)
         plan = self._slices.get(key)
         if plan is None or plan[0] is not pieces:  # cached while the pieces are the layout's (no BSPS)
-            plan = (pieces, core.plan(pieces, parts=sparse.PARTS), tuple(pc.length for pc in pieces),
+            plan = (pieces, core.plan(pieces, parts=sparse.PARTS, least=min(core.CHUNK, sparse.CHUNK)),
+                    tuple(pc.length for pc in pieces),
                     [self.units[pc.unit].numel for pc in pieces])
             if pieces is layout.pieces:
                 self._slices[key] = plan

@@ -58,9 +58,11 @@ __all__ = ["CHUNK", "Slice", "StateBuffer", "plan", "dense_step"]
 
 # Elements per chunk: a 32nd of the tensor, at least CHUNK and at most MAX_CHUNK, a multiple of every quantized
 # block size (qstate.KINDS: 256, 128). A chunk's temporaries are ~40 bytes an element, so ~1.25 bytes an element of
-# a large tensor; larger chunks cost less Python per element (measured: 64K-element chunks step a 16M tensor ~30%
-# slower than 256K-1M ones on this CPU).
-CHUNK, MAX_CHUNK, PARTS = 1 << 16, 1 << 20, 32
+# a large tensor (and at most ~10 MiB for a tensor under 32 x CHUNK); larger chunks cost less per element, each
+# chunk paying ~1 ms of fixed costs on this CPU (measured: 64K-element chunks step a 16M tensor ~30% slower than
+# 256K-1M ones; SmolLM2-135M's hf_asdt_8bit step, 1833 chunks at a CHUNK of 64K, 5.6-6.0 s -> 3.2-3.6 s at 256K,
+# the same bits; launch/bench/hf_speed.py). The sparse strategy keeps its own smaller minimum (sparse.CHUNK).
+CHUNK, MAX_CHUNK, PARTS = 1 << 18, 1 << 20, 32
 
 # Whether dense_step runs the adaptive per-coordinate chunks on the compiled fused step (_fused_chunk) by default.
 # Off by default (TITAN_CORE_COMPILE=1 turns it on). Measured (launch/bench/optim_step.py --what speed, 2^24 fp32,
@@ -99,12 +101,14 @@ class Slice:
         return self.lengths[0] if len(set(self.lengths)) == 1 else 0
 
 
-def plan(pieces: list[Piece], chunk: Optional[int] = None, parts: int = PARTS) -> list[Slice]:
+def plan(pieces: list[Piece], chunk: Optional[int] = None, parts: int = PARTS,
+         least: Optional[int] = None) -> list[Slice]:
     """The chunks of a tensor's units, held as ``pieces`` (state buffers hold them end to end, in this order), of
-    at most ``chunk`` elements each (default: a ``parts``-th of them, within [:data:`CHUNK`, :data:`MAX_CHUNK`],
-    rounded up to 256)."""
+    at most ``chunk`` elements each (default: a ``parts``-th of them, within [``least`` (default :data:`CHUNK`),
+    :data:`MAX_CHUNK`], rounded up to 256)."""
     if chunk is None:
-        chunk = min(max(CHUNK, -(-sum(pc.length for pc in pieces) // parts // 256) * 256), max(CHUNK, MAX_CHUNK))
+        least = CHUNK if least is None else least
+        chunk = min(max(least, -(-sum(pc.length for pc in pieces) // parts // 256) * 256), max(least, MAX_CHUNK))
     if chunk % 256:
         raise ValueError(f"core.plan: chunk={chunk} must be a multiple of 256 (the quantized state's block sizes)")
     out: list[Slice] = []

@@ -33,13 +33,17 @@ from . import core
 from .asdt_math import _k, device_list, round_to
 from .core import Slice, StateBuffer
 
-__all__ = ["PARTS", "sparse_step", "segments", "kth_largest_chunked"]
+__all__ = ["PARTS", "CHUNK", "sparse_step", "segments", "kth_largest_chunked"]
 
 Scores = Callable[[Slice], torch.Tensor]  # a slice's scores (importance="sketch")
 # Chunks per tensor (core.plan's ``parts``): twice the dense core's, as a unit cut into chunks also holds its kept
 # direction (4 bytes an element). Measured (one density-0.1 step of 2^22 elements, 8-bit momentum, 1 thread,
 # peak RSS above the state): adaptive with a 4-bit second moment 5.8 B/element at 32 parts, 4.7 at 64; sign 5.2, 4.5.
 PARTS = 2 * core.PARTS
+# The smallest chunk of a tensor (core.plan's ``least``): the dense core's minimum as it was measured above (its
+# own, core.CHUNK, was raised for speed; a sparse chunk's temporaries are larger). A test that lowers core.CHUNK
+# lowers this one too (the plan takes the smaller of the two).
+CHUNK = 1 << 16
 _HALF = 1 << 16  # a radix pass resolves 16 bits of the int32 pattern
 
 
