@@ -99,9 +99,12 @@ def test_read_of_a_partition_waits_for_its_write_and_depth_bounds_the_writes(tmp
     assert sorted(store.pending_writes()) == ["param/0", "param/1"]
     assert all(p.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE for p in ps[:2])
     threading.Timer(0.3, gate.set).start()
+    buf = torch.empty(3000)
+    sw.swap_into_buffer(ps[0], buf)  # a plain read (store.get) waits for the write in flight
+    assert torch.equal(buf, master[:3000])
     sw.swap_out_partitioned_params(ps[2:], [master[6000:]])  # depth 1: waited for the first call's writes
     assert not {"param/0", "param/1"} & set(store.pending_writes())
-    sw.swap_in(ps, async_op=False)  # reads wait for the write still in flight
+    sw.swap_in(ps, async_op=False)  # prefetch + get: wait for the write still in flight
     for i, p in enumerate(ps):
         assert torch.equal(p.ds_tensor.data, master[3000 * i:3000 * (i + 1)])
     sw.flush()
