@@ -122,7 +122,10 @@ def record_store_ops(store):
 
     def rec_behind(key, tensor, **kw):  # a write-behind put (deterministic under --sync-prefetch: done at once)
         ops.append(("put", key, tensor.numel() * tensor.element_size()))
-        return behind(key, tensor, **kw)
+        f = behind(key, tensor, **kw)
+        if kw.get("stage"):  # put_behind(stage=True) holds the value as stage() would after the put
+            ops.append(("stage", key, 0))
+        return f
 
     def rec_get(key, out=None):
         t = get(key, out)
