@@ -9,7 +9,7 @@ Each trial trains the reference GPT ``--shape`` under a ``--cap`` GiB cgroup wit
 ``launch/bench/hms_scale.py`` (``titan_ds.plan.candidate_config``), ``launch/train.py --timeline-out`` recording
 the step's spans (:mod:`titan_ds.hms.timeline`). Modes (``--modes``): ``hms_off`` (``titan.hms.pipeline_optimizer``
 and ``param_write_behind`` false: every write synchronous), ``hms_pw_off`` (the optimizer state written behind,
-the parameter partitions synchronously), ``hms_on`` (both behind: the defaults), and ``zero_inf``
+the parameter partitions synchronously), ``hms_on`` (both behind), and ``zero_inf``
 (hms_scale.py's ZeRO-Infinity config; its aio block the best of ``--aio-sweep``): a **coarse** row, forward,
 backward and step only, since DeepSpeed's own swaps run inside those without spans of their own. The modes alternate (their order reverses from one repeat to the next); every
 trial is written at once to ``<out>/<mode>_r<repeat>.json`` and reused by a rerun (delete it to measure again).
@@ -169,7 +169,7 @@ def table(results: list[dict], b: dict, disk: dict, a) -> str:
              f"GPT {a.layers}x{a.width} ({gpt_params(a.layers, a.width) / 1e6:.1f}M params), micro-batch 1, "
              f"context 128, under a {a.cap:g} GiB cgroup; the `hms` config of hms_scale.py (sub_group_size 1e7), "
              f"hms_off: titan.hms.pipeline_optimizer and param_write_behind false; hms_pw_off: the optimizer state "
-             f"written behind, the parameter partitions synchronously; hms_on: both behind (the defaults, depth 1); "
+             f"written behind, the parameter partitions synchronously; hms_on: both behind (depth 1); "
              f"zero_inf: hms_scale.py's ZeRO-Infinity config (DeepSpeedCPUAdam, optimizer state on NVMe through "
              f"async_io, aio {json.dumps(a.aio) if a.aio else '-'}), a coarse row: forward/backward/step only "
              f"(DeepSpeed's swaps run inside them), so its param fetch/write and opt columns are 0 and its opt "
