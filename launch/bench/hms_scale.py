@@ -19,6 +19,9 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   AdamW spares vectors). Needs libaio (``apt-get install libaio-dev``): checked at start
   (:func:`async_io_status`); without it the mode is skipped with a reason row;
 - ``hms``: ZeRO-3 with titan HMS (parameters and optimizer state on disk), torch AdamW;
+- ``hms_cpuadam``: ``hms`` stepping with DeepSpeed's ``DeepSpeedCPUAdam`` (its fused C++ op), built by DeepSpeed
+  from the same ``optimizer`` section as ``zero_inf`` (so the optimizer is ZeRO-Infinity's, like for like; the
+  weight decay applies to every tensor, as there);
 - ``hms_balanced``: HMS with titan's quality-tested optimizer, the ``optimizer`` section of
   ``ds_configs/titan_balanced.json`` (ASDT, adaptive update, density 1, 8-bit state), fp32 parameters, and
   ``gradient_buffer: "disk"`` as in ``hms_asdt``; never the sign mode;
@@ -75,8 +78,9 @@ from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
-MODES = ("zero3_cpu", "zero_inf", "hms", "hms_balanced", "hms_asdt", "hms_asdt_bf16")
-BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms"}  # the titan_ds.plan mode each extra mode starts from
+MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_balanced", "hms_asdt", "hms_asdt_bf16")
+BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_cpuadam": "hms"}
+CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam")  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
 GiB = 1 << 30
 # ZeRO-Infinity's parameter placement: "cpu". With "nvme", DeepSpeed 0.19.8 fails at the second step here ("param 3
 # already assigned swap buffer id 10"; with fewer buffers "Not enough buffers"), so the parameters stay in CPU memory
@@ -181,6 +185,10 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
         cfg["zero_force_ds_cpu_optimizer"] = True  # DeepSpeed builds DeepSpeedCPUAdam from "optimizer"
         cfg.pop("zero_allow_untested_optimizer")
+    elif mode == "hms_cpuadam":
+        cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
+        cfg["zero_force_ds_cpu_optimizer"] = True  # HMS offloads the optimizer to "nvme": DeepSpeedCPUAdam
+        cfg.pop("zero_allow_untested_optimizer")
     elif mode == "hms_balanced":
         balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
         cfg["titan"]["optimizer"] = balanced
@@ -222,7 +230,7 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     env.setdefault("OMP_NUM_THREADS", "2")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     logs.mkdir(parents=True, exist_ok=True)
-    if mode == "zero_inf":
+    if mode in CPU_ADAM_MODES:
         build_ops(env)
     with timed_lock(lock):
         r = run_capped_clean(cmd, int(cap_gib * GiB), logs / f"{name}.log", env=env, cwd=str(ROOT), timeout=timeout)
@@ -231,7 +239,7 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     s = json.loads(summary.read_text()) if summary.exists() else None
     finite = s is not None and math.isfinite(s["val_loss"]) and math.isfinite(s["train_loss_last10"])
     # DeepSpeed's offload must run DeepSpeed's own optimizer: a run that fell back to another is not the mode
-    wrong_opt = mode == "zero_inf" and s is not None and s.get("optimizer") != "DeepSpeedCPUAdam"
+    wrong_opt = mode in CPU_ADAM_MODES and s is not None and s.get("optimizer") != "DeepSpeedCPUAdam"
     out["fits"] = bool(r.ok and finite and not wrong_opt)
     out["status"] = ("ok" if out["fits"] else f"optimizer {s.get('optimizer')}, not DeepSpeedCPUAdam" if wrong_opt else "OOM-killed" if r.oom_killed else
                      f"not finished in {timeout:.0f} s" if r.timed_out else

@@ -1,4 +1,4 @@
-"""Where an HMS training step's time goes, with the pipelined optimizer step off and on (issue 29).
+"""Where an HMS training step's time goes, beside ZeRO-Infinity's (issue 29).
 
 Command (from the repository root, as root with cgroup v1; PATH on the disk HMS uses)::
 
@@ -6,9 +6,12 @@ Command (from the repository root, as root with cgroup v1; PATH on the disk HMS 
         --warmup 1 --steps 3 --repeats 2 --lock /tmp/titan_timed.lock
 
 Each trial trains the reference GPT ``--shape`` under a ``--cap`` GiB cgroup with the ``hms`` config of
-``launch/bench/hms_scale.py`` (``titan_ds.plan.candidate_config``), with ``titan.hms.pipeline_optimizer`` false
-(``hms_off``) or true (``hms_on``), ``launch/train.py --timeline-out`` recording the step's spans
-(:mod:`titan_ds.hms.timeline`). The modes alternate (their order reverses from one repeat to the next); every
+``launch/bench/hms_scale.py`` (``titan_ds.plan.candidate_config``), ``launch/train.py --timeline-out`` recording
+the step's spans (:mod:`titan_ds.hms.timeline`). Modes (``--modes``): ``hms_off`` (``titan.hms.pipeline_optimizer``
+and ``param_write_behind`` false: every write synchronous), ``hms_pw_off`` (the optimizer state written behind,
+the parameter partitions synchronously), ``hms_on`` (both behind), and ``zero_inf``
+(hms_scale.py's ZeRO-Infinity config; its aio block the best of ``--aio-sweep``): a **coarse** row, forward,
+backward and step only, since DeepSpeed's own swaps run inside those without spans of their own. The modes alternate (their order reverses from one repeat to the next); every
 trial is written at once to ``<out>/<mode>_r<repeat>.json`` and reused by a rerun (delete it to measure again).
 
 Outputs in ``--out``: ``timeline.png`` (one strip per mode: the last timed step of its first repeat, one row per
@@ -18,8 +21,8 @@ repeat), ``disk.json`` (this disk's O_DIRECT speeds, :func:`titan_ds.hms.diskpro
 4 MiB transfer chunks, ``io_threads`` threads) and the bounds: I/O = bytes read / read speed + bytes written /
 write speed (the store's counts of the step), compute = 6 x params x tokens at the measured fp32 matmul rate.
 
-ZeRO-Infinity (``zero_inf`` of hms_scale.py) has no row: it needs DeepSpeed's async_io op (libaio), which this
-machine lacks now (:func:`launch.bench.hms_scale.async_io_status` says so at start).
+``zero_inf`` needs DeepSpeed's async_io op (libaio): without it the mode is skipped with the reason
+(:func:`launch.bench.hms_scale.async_io_status`).
 """
 from __future__ import annotations
 
@@ -36,16 +39,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from launch.bench.harness import run_capped_clean  # noqa: E402
-from launch.bench.hms_scale import GiB, async_io_status, ds_config, gpt_params, timed_lock  # noqa: E402
+from launch.bench.hms_scale import (GiB, aio_settings, async_io_status, build_ops, ds_config, gpt_params,  # noqa: E402
+                                    timed_lock)
 from titan_ds.hms.timeline import INNER, TOP, breakdown  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
-MODES = {"hms_off": False, "hms_on": True}  # titan.hms.pipeline_optimizer
+# titan.hms (pipeline_optimizer, param_write_behind); zero_inf: DeepSpeed's own offload
+MODES = {"hms_off": (False, False), "hms_pw_off": (True, False), "hms_on": (True, True), "zero_inf": None}
 PHASE_COLS = ["param fetch", "forward", "backward", "grad write", "opt read", "opt compute", "param write",
-              "opt write", "idle", "wall", "opt write (bg)"]
+              "opt write", "idle", "wall", "opt write (bg)", "param write (bg)"]
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "step": "#c44e52", "param fetch": "#8172b2",
           "param write": "#937860", "grad write": "#da8bc3", "opt read": "#ccb974", "opt write": "#64b5cd",
-          "opt write (bg)": "#1f5f7a"}
+          "opt write (bg)": "#1f5f7a", "param write (bg)": "#5a4632"}
 
 
 def trial(mode: str, rep: int, a, logs: Path) -> dict:
@@ -54,8 +59,11 @@ def trial(mode: str, rep: int, a, logs: Path) -> dict:
     work = Path(a.path) / "cfg"
     work.mkdir(parents=True, exist_ok=True)
     name = f"{mode}_{layers}x{width}_r{rep}"
-    cfg = ds_config("hms", nvme)
-    cfg["titan"]["hms"]["pipeline_optimizer"] = MODES[mode]
+    if mode == "zero_inf":
+        cfg = ds_config("zero_inf", nvme, a.aio)
+    else:
+        cfg = ds_config("hms", nvme)
+        cfg["titan"]["hms"]["pipeline_optimizer"], cfg["titan"]["hms"]["param_write_behind"] = MODES[mode]
     cfg_path = work / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     summary, metrics, tl = (work / f"{name}.{x}.json" for x in ("summary", "metrics", "timeline"))
@@ -71,9 +79,12 @@ def trial(mode: str, rep: int, a, logs: Path) -> dict:
     env.setdefault("OMP_NUM_THREADS", "2")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     logs.mkdir(parents=True, exist_ok=True)
+    if mode == "zero_inf":
+        build_ops(env)  # uncapped, before the timed run (cached: a no-op after the first build)
     with timed_lock(a.lock):
         r = run_capped_clean(cmd, int(a.cap * GiB), logs / f"{name}.log", env=env, cwd=str(ROOT), timeout=a.timeout)
     out = {"mode": mode, "repeat": rep, "layers": layers, "width": width, "cap_GiB": a.cap, "warmup": a.warmup,
+           "config": cfg,
            "steps": a.steps, "params": gpt_params(layers, width), "returncode": r.returncode,
            "oom_killed": r.oom_killed, "peak_anon_GiB": r.peak_anon_bytes / GiB, "wall_s": r.wall_s,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -124,7 +135,8 @@ def draw(results: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(firsts), 1, figsize=(14, 2.2 * len(firsts) + 0.6), squeeze=False)
     lanes = [("script", lambda s: s["lane"] == "main" and s["phase"] in TOP),
              ("swappers", lambda s: s["lane"] == "main" and s["phase"] in INNER),
-             ("writer (bg)", lambda s: s["lane"] == "writer")]
+             ("opt writer (bg)", lambda s: s["lane"] == "writer"),
+             ("param writer (bg)", lambda s: s["lane"] == "param writer")]
     for ax, res in zip(axes[:, 0], firsts):
         step = res["metrics"][-1]["step"]
         spans = [s for s in res["timeline"]["spans"] if s["step"] == step]
@@ -134,9 +146,10 @@ def draw(results: list[dict], path: Path) -> None:
                 bars = [(s["start"] - wall["start"], s["end"] - s["start"]) for s in spans if keep(s) and s["phase"] == ph]
                 if bars:
                     ax.broken_barh(bars, (y + 0.1, 0.8), color=COLORS[ph], label=ph)
-        ax.set_yticks([0.5, 1.5, 2.5], [ln for ln, _ in reversed(lanes)])
+        ax.set_yticks([0.5 + i for i in range(len(lanes))], [ln for ln, _ in reversed(lanes)])
         ax.set_xlim(0, wall["end"] - wall["start"])
-        ax.set_title(f"{res['mode']} ({res['layers']}x{res['width']}, step {step}): "
+        ax.set_title(f"{res['mode']}{' (coarse: forward/backward/step only)' if res['mode'] == 'zero_inf' else ''} "
+                     f"({res['layers']}x{res['width']}, step {step}): "
                      f"{wall['end'] - wall['start']:.1f} s", fontsize=10)
     axes[-1, 0].set_xlabel("seconds since the step began")
     handles = {h.get_label(): h for ax in axes[:, 0] for h in ax.get_legend_handles_labels()[0]}
@@ -151,14 +164,20 @@ def table(results: list[dict], b: dict, disk: dict, a) -> str:
 
     def f(v):
         return f"{v:.2f}" if isinstance(v, float) else str(v)
-    lines = ["### HMS step timeline: pipelined optimizer step off vs on", "",
+    lines = ["### HMS step timeline beside ZeRO-Infinity's", "",
              f"Command: `PYTHONPATH=$PWD python launch/bench/hms_timeline.py {' '.join(sys.argv[1:])}`", "",
              f"GPT {a.layers}x{a.width} ({gpt_params(a.layers, a.width) / 1e6:.1f}M params), micro-batch 1, "
              f"context 128, under a {a.cap:g} GiB cgroup; the `hms` config of hms_scale.py (sub_group_size 1e7), "
-             f"titan.hms.pipeline_optimizer false (hms_off) / true (hms_on, depth 1). {a.warmup} warm-up + "
-             f"{a.steps} timed steps per run, runs alternated. 2 shared CPU cores: indicative.", "",
+             f"hms_off: titan.hms.pipeline_optimizer and param_write_behind false; hms_pw_off: the optimizer state "
+             f"written behind, the parameter partitions synchronously; hms_on: both behind (depth 1); "
+             f"zero_inf: hms_scale.py's ZeRO-Infinity config (DeepSpeedCPUAdam, optimizer state on NVMe through "
+             f"async_io, aio {json.dumps(a.aio) if a.aio else '-'}), a coarse row: forward/backward/step only "
+             f"(DeepSpeed's swaps run inside them), so its param fetch/write and opt columns are 0 and its opt "
+             f"compute is its whole optimizer step. Modes run here: {', '.join(a.modes)}. {a.warmup} warm-up + "
+             f"{a.steps} timed steps per run, runs alternated, OMP_NUM_THREADS={a.threads}. 2 shared CPU cores "
+             f"(nice-19 background jobs ran on the machine): indicative.", "",
              "## s/step (median of the timed steps)", "", "| mode | all runs | per run |", "|---|---|---|"]
-    for mode in MODES:
+    for mode in a.modes:
         walls = [r["wall"] for r in rows if r["mode"] == mode]
         if walls:
             per = [statistics.median([r["wall"] for r in rows if r["mode"] == mode and r["repeat"] == k])
@@ -174,7 +193,8 @@ def table(results: list[dict], b: dict, disk: dict, a) -> str:
               "less its opt read (waits for the state), param write and opt write (pipelining off: the synchronous "
               "writes; on: waits for the previous sub-group's writes and the end-of-step flush); idle: the rest of "
               "the step's wall time. opt write (bg): the background writes' own durations (they overlap the main "
-              "thread; not part of the wall sum).", "",
+              "thread; not part of the wall sum); param write (bg): the same for the parameter partitions' background "
+              "writes (hms_on).", "",
               f"Bounds: I/O = GB_read / {b['read_GBps']:.2f} GB/s + GB_written / {b['write_GBps']:.2f} GB/s (this "
               f"disk, O_DIRECT, {disk.get('block_MiB', 4)} MiB blocks, {disk['io_threads']} threads: disk.json); "
               f"compute = 6 x params x 128 tokens at {b['matmul_GFLOPs']:.1f} GFLOP/s (fp32 1024^3 matmul, "
@@ -193,6 +213,10 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--modes", default="hms_on,zero_inf", help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--aio-sweep", default=None,
+                    help="zero_inf's aio sweep (hms_scale.py's <out>.aio_sweep.json; measured into <out>/aio_sweep.json "
+                         "when not given and absent)")
     ap.add_argument("--threads", type=int, default=2, help="the trainer's OMP_NUM_THREADS (matmul rate)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--lock", default=None, help="flock this file around each trial and the disk probe")
@@ -203,8 +227,20 @@ def main(argv=None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
-    why = async_io_status()
-    print(f"zero_inf row: {'skipped: ' + why if why else 'not implemented in this script'}", flush=True)
+    a.modes = [m for m in a.modes.split(",") if m]
+    for m in a.modes:
+        if m not in MODES:
+            raise SystemExit(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
+    a.aio = None
+    if "zero_inf" in a.modes:
+        why = async_io_status()
+        if why is not None:
+            print(f"zero_inf skipped: {why}", flush=True)
+            a.modes.remove("zero_inf")
+        else:
+            sweep = Path(a.aio_sweep) if a.aio_sweep else out / "aio_sweep.json"
+            if sweep.exists() or not a.no_run:
+                a.aio = aio_settings(a.path, sweep, a.lock)
     disk_path = out / "disk.json"
     if not disk_path.exists() and not a.no_run:
         from titan_ds.hms.diskprobe import measure_disk
@@ -217,7 +253,7 @@ def main(argv=None) -> None:
     b = bounds(a, disk, disk["matmul_GFLOPs"])
     results = []
     for rep in range(a.repeats):
-        order = list(MODES) if rep % 2 == 0 else list(reversed(MODES))
+        order = list(a.modes) if rep % 2 == 0 else list(reversed(a.modes))
         for mode in order:
             f = out / f"{mode}_{a.layers}x{a.width}_r{rep}.json"
             if not f.exists():

@@ -204,7 +204,7 @@ def test_store_threads_all_exist_from_the_start(tmp_path):
     before = set(threading.enumerate())
     store = TensorStore([Tier(str(tmp_path))], durable=False, prefetch_workers=3, io=AsyncIOHandle(threads=2))
     started = set(threading.enumerate()) - before
-    assert len(started) == 3 + 2 + 1  # prefetch, I/O, the writer
+    assert len(started) == 3 + 2 + 2  # prefetch, I/O, the writers (lanes "opt" and "param")
     for i in range(8):
         store.put(f"k{i}", torch.randn(70000))
     for i in range(8):

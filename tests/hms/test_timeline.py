@@ -17,11 +17,12 @@ def test_breakdown_counts_each_span_in_its_innermost_phase():
     spans = [_span("wall", 0, 10, "steps"), _span("forward", 0, 3), _span("param fetch", 1, 2),
              _span("backward", 3, 6), _span("grad write", 4, 4.5), _span("step", 6, 9.5), _span("opt read", 6, 7),
              _span("opt write", 9, 9.5), _span("opt write (bg)", 7, 9.2, "writer"), _span("forward", 0, 5, step=2),
+             _span("param write (bg)", 6.5, 7.5, "param writer"),
              _span("param fetch", 10.5, 11)]  # after the step (a validation read): left out
     b = timeline.breakdown(spans, 1)
     assert b["forward"] == 2 and b["param fetch"] == 1 and b["backward"] == 2.5 and b["grad write"] == 0.5
     assert b["opt read"] == 1 and b["opt write"] == 0.5 and b["opt compute"] == 2
-    assert b["opt write (bg)"] == pytest.approx(2.2) and b["wall"] == 10 and b["idle"] == pytest.approx(0.5)
+    assert b["opt write (bg)"] == pytest.approx(2.2) and b["param write (bg)"] == 1 and b["wall"] == 10 and b["idle"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="no wall span"):
         timeline.breakdown(spans, 2)
 

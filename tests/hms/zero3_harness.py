@@ -122,7 +122,10 @@ def record_store_ops(store):
 
     def rec_behind(key, tensor, **kw):  # a write-behind put (deterministic under --sync-prefetch: done at once)
         ops.append(("put", key, tensor.numel() * tensor.element_size()))
-        return behind(key, tensor, **kw)
+        f = behind(key, tensor, **kw)
+        if kw.get("stage"):  # put_behind(stage=True) holds the value as stage() would after the put
+            ops.append(("stage", key, 0))
+        return f
 
     def rec_get(key, out=None):
         t = get(key, out)
@@ -162,6 +165,9 @@ def main():
                     help="HMS prefetch reads and write-behind writes complete when submitted")
     ap.add_argument("--no-pipeline", action="store_true", help="titan.hms.pipeline_optimizer: false")
     ap.add_argument("--pipeline-depth", type=int, default=1)
+    ap.add_argument("--no-param-behind", action="store_true", help="titan.hms.param_write_behind: false")
+    ap.add_argument("--cpu-adam", action="store_true",
+                    help="DeepSpeedCPUAdam from the config's optimizer section instead of the client torch AdamW")
     ap.add_argument("--slow-writes", type=float, default=0.0,
                     help="seconds each write-behind write sleeps first (the writes are then still in flight when "
                          "ZeRO-3 goes on)")
@@ -184,6 +190,7 @@ def main():
     if a.mode == "hms":
         cfg["titan"]["hms"]["pipeline_optimizer"] = not a.no_pipeline
         cfg["titan"]["hms"]["pipeline_depth"] = a.pipeline_depth
+        cfg["titan"]["hms"]["param_write_behind"] = not a.no_param_behind
     if a.bf16:
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -200,8 +207,16 @@ def main():
             net = model()
     else:
         net = model()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    if a.cpu_adam:  # DeepSpeed builds DeepSpeedCPUAdam (its C++ op) from the section, as ZeRO-Infinity does
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                        "weight_decay": 0.1}}
+        cfg["zero_force_ds_cpu_optimizer"] = True
+        cfg.pop("zero_allow_untested_optimizer")
+        opt = None
+        sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3))  # noqa: E731
+    else:
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     engine, _, _, _ = te.initialize(model=net, optimizer=opt, lr_scheduler=sched, config=cfg)
     start = 0
     ops = None
@@ -210,8 +225,10 @@ def main():
         if a.sync_prefetch:
             store._prefetch_pool.shutdown(wait=True)
             store._prefetch_pool = _SyncPool()
-            store._writer.shutdown(wait=True)
-            store._writer = _SyncPool()
+            for lane, pool in store._lanes.items():
+                pool.shutdown(wait=True)
+                store._lanes[lane] = _SyncPool()
+            store._writer = store._lanes["opt"]
         if a.slow_writes:
             slow_writes(store, a.slow_writes)
         if a.record_store:
@@ -236,7 +253,8 @@ def main():
     with deepspeed.zero.GatheredParameters(list(net.parameters())):
         params = {n: p.detach().clone() for n, p in net.named_parameters()}
     res = {"losses": losses, "params": params, "state": dump_state(engine, a.mode),
-           "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups]}
+           "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups],
+           "optimizer": type(engine.optimizer.optimizer).__name__}
     if a.mode == "hms":
         res["hms"] = engine.titan.collect_metrics()["hms"]
         gb = engine.optimizer.grad_partitions_flat_buffer

@@ -248,7 +248,8 @@ def build_param_swapper(hms, ds_config: dict[str, Any], root: str, txn: Any = No
     buffer_count = int(ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
     return HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
                            device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
-                           prefetch_depth=hms.prefetch_depth)
+                           prefetch_depth=hms.prefetch_depth,
+                           write_behind_depth=hms.pipeline_depth if hms.param_write_behind else 0)
 
 
 def zero_init(ds_config: Any, **init_kwargs: Any):
@@ -467,6 +468,7 @@ class _HMSRuntime:
 
     def after_step(self) -> None:
         self.opt_swapper.flush()  # ZeRO-3's step already flushed (log_timers); a no-op then, raises a failure
+        self.param_swapper.check()  # a parameter write that failed already (the rest go on into the forward)
         if self._boundary:
             self.param_swapper.end_step()
 
@@ -476,6 +478,7 @@ class _HMSRuntime:
         folder = os.path.join(save_dir, tag, "hms", f"rank{self.rank}")
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
+        self.param_swapper.flush()  # every updated parameter partition on disk before the checkpoint is complete
         self.opt_swapper.snapshot(folder, dsc.z3_fp32_masters(self.engine.optimizer))
         with open(os.path.join(folder, "SNAPSHOT_ID"), "w") as f:
             f.write(self.snapshot_id)
@@ -489,6 +492,7 @@ class _HMSRuntime:
         if options.get("load_module_only"):
             raise RuntimeError("titan hms: load_module_only is not supported with HMS (parameters live in the "
                                "optimizer's fp32 masters); load the full checkpoint")
+        self.param_swapper.flush()  # no write of the old values lands after the restored ones
         self.opt_swapper.restore(folder, dsc.z3_fp32_masters(self.engine.optimizer),
                                  load_optimizer_states=options.get("load_optimizer_states", True))
         dsc.z3_reset_swap_buffers(self.engine.optimizer)  # every parameter partition from its restored fp32 master

@@ -26,8 +26,8 @@ at most a stray ``.tmp`` file, which :meth:`TensorStore.scan` removes. A full di
 :class:`StoreFullError` naming the file, the bytes needed and the bytes free, and the previous version stays
 readable. A payload or header that does not match its checksum raises :class:`ChecksumError` naming the file.
 
-Write-behind: :meth:`TensorStore.put_behind` queues a ``put`` on the store's writer thread and returns its
-``Future``. Until that write is done, a ``get``, ``prefetch``, ``put`` or ``delete`` of the key waits for it
+Write-behind: :meth:`TensorStore.put_behind` queues a ``put`` on one of the store's writer threads (lane
+``"opt"``: optimizer state; lane ``"param"``: parameter partitions) and returns its ``Future``. Until that write is done, a ``get``, ``prefetch``, ``put`` or ``delete`` of the key waits for it
 (so it sees the new value, never the file or cached copy it replaces); :meth:`TensorStore.flush` waits for
 every queued write and raises the first failure (a :class:`StoreFullError` or other ``OSError`` of the same
 type, its message naming the key). ``close`` flushes.
@@ -182,8 +182,11 @@ class TensorStore:
         self.max_speculative = max_speculative
         # whole-file prefetch tasks run here, never on the I/O pool they wait on (nesting would deadlock)
         self._prefetch_pool = started_pool(int(prefetch_workers), "titan-hms-prefetch")
-        # put_behind runs here: one thread, whose writes are split over the I/O pool (they release the GIL)
+        # put_behind runs here: one thread per lane, whose writes are split over the I/O pool (they release the
+        # GIL); lane "opt" (the default) and lane "param" (parameter partitions), so that a parameter write does not
+        # queue behind the optimizer state's end-of-step flush nor the other way round
         self._writer = started_pool(1, "titan-hms-writer")
+        self._lanes = {"opt": self._writer, "param": started_pool(1, "titan-hms-writer-param")}
         self._writes: dict[str, Future] = {}  # key -> its last queued write, until waited for
         self._lock = threading.RLock()
         self._tmp = itertools.count()
@@ -242,7 +245,7 @@ class TensorStore:
         self._wait_write(key)  # a queued write of the key lands first: the last put wins
         return self._put(key, tensor, durable=durable)
 
-    def _put(self, key: str, tensor: torch.Tensor, *, durable: Optional[bool] = None) -> int:
+    def _put(self, key: str, tensor: torch.Tensor, *, durable: Optional[bool] = None, unstage: bool = True) -> int:
         src = tensor.detach()
         if src.device.type != "cpu":
             src = src.cpu()
@@ -282,7 +285,8 @@ class TensorStore:
             self.tiers[ti].used_bytes += size
             self.stats.writes += 1
             self.stats.bytes_written += nbytes
-            self._unstage(key)
+            if unstage:  # a write-behind dropped the stale staged copy when it was queued (put_behind)
+                self._unstage(key)
             if key in self._cache:
                 self._cache_drop(key)
             if nbytes <= self.cache_budget:  # write-allocate: the next read of a fresh value hits DRAM
@@ -290,30 +294,57 @@ class TensorStore:
         return gen
 
     def put_behind(self, key: str, tensor: torch.Tensor, *, durable: Optional[bool] = None,
-                   on_done=None) -> Future:
-        """:meth:`put` on the writer thread; returns its ``Future`` at once (see the module docstring). The caller
-        hands ``tensor`` over: it must not change it until the future is done. ``on_done(start, end)`` is called
-        on the writer thread with the write's ``time.perf_counter`` span (the timeline's in-flight bars)."""
+                   on_done=None, lane: str = "opt", stage: bool = False) -> Future:
+        """:meth:`put` on the writer thread of ``lane`` (writes of one lane land in the order queued); returns its
+        ``Future`` at once (see the module docstring). The caller hands ``tensor`` over: it must not change it
+        until the future is done. ``on_done(start, end)`` is called on the writer thread with the write's
+        ``time.perf_counter`` span (the timeline's in-flight bars). ``stage``: the next ``get`` of ``key`` takes
+        ``tensor`` itself (as :meth:`stage`, once the write landed) instead of reading the file back.
+
+        A prefetch or staged copy of ``key`` from before this call is dropped here (it holds the old value); a
+        prefetch issued while the write is in flight reads the new file once it landed and is kept."""
+        if lane not in self._lanes:
+            raise ValueError(f"put_behind lane must be one of {sorted(self._lanes)}, got {lane!r}")
         src = tensor.detach()
+        done: Optional[Future] = None
 
         def write() -> int:
             t0 = time.perf_counter()
             try:
-                return self._put(key, src, durable=durable)
+                return self._put(key, src, durable=durable, unstage=False)
+            except BaseException:
+                with self._lock:  # the file keeps the old value: so must the next read
+                    if done is not None and self._staged.get(key) is done:
+                        self._unstage(key)
+                raise
+            finally:
+                if on_done is not None:
+                    on_done(t0, time.perf_counter())
+
+        def named() -> int:
+            try:
+                return write()
             except OSError as e:
                 if key in str(e):
                     raise
                 raise type(e)(e.errno, f"titan hms: background write of {key!r} failed: {e.strerror or e}") from e
             except Exception as e:
                 raise RuntimeError(f"titan hms: background write of {key!r} failed: {type(e).__name__}: {e}") from e
-            finally:
-                if on_done is not None:
-                    on_done(t0, time.perf_counter())
 
         self._wait_write(key)  # two queued writes of one key: in order
-        f = self._writer.submit(write)
         with self._lock:
+            pool = self._lanes[lane]
+            self._unstage(key)  # the old value's prefetch or staged copy
+            # held as a finished prefetch (a get still waits for the write, and raises its failure), unless the
+            # write puts it in the DRAM cache anyway (write-allocate), as stage() decides
+            if stage and src.numel() * src.element_size() > self.cache_budget:
+                done = Future()
+                done.set_result(src)
+            f = pool.submit(named)
             self._writes[key] = f
+            if done is not None:
+                self._staged[key] = done
+                self.stats.staged_writes += 1
         return f
 
     def _wait_write(self, key: str) -> None:
@@ -334,10 +365,12 @@ class TensorStore:
         with self._lock:
             return [k for k, f in self._writes.items() if not f.done()]
 
-    def flush(self) -> None:
-        """Wait for every queued write; raise the first failure (its message names the key), after all are done."""
+    def flush(self, prefix: str = "") -> None:
+        """Wait for every queued write (of the keys that start with ``prefix``); raise the first failure (its
+        message names the key), after all are done."""
         with self._lock:
-            writes, self._writes = self._writes, {}
+            writes = {k: f for k, f in self._writes.items() if k.startswith(prefix)}
+            self._writes = {k: f for k, f in self._writes.items() if k not in writes}
         first = None
         for f in writes.values():
             try:
@@ -639,7 +672,8 @@ class TensorStore:
             self.flush()
         finally:
             self.drop_staged()
-            self._writer.shutdown(wait=True)
+            for pool in self._lanes.values():
+                pool.shutdown(wait=True)
             self._prefetch_pool.shutdown(wait=True)
             if io:
                 self.io.close()

@@ -61,12 +61,45 @@ def _pkey(param) -> str:
     return f"param/{param.ds_id}"
 
 
+def _wait_all(futs: list) -> None:
+    """Wait for every write in ``futs`` (one sub-group's), then raise the first failure."""
+    first = None
+    for f in futs:
+        try:
+            f.result()
+        except Exception as e:  # noqa: BLE001 - every write of the sub-group is waited for first
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _drain(writing: deque, phase: str, then=None) -> None:
+    """Wait for every sub-group's writes in ``writing`` (oldest first), then call ``then``; the wait is a timeline
+    span of ``phase``. The first failure is raised after all (``writing`` is empty either way)."""
+    t0 = time.perf_counter()
+    try:
+        while writing:
+            _wait_all(writing.popleft())
+    finally:
+        writing.clear()
+        if then is not None:
+            then()
+        if (tl := _timeline()) is not None:
+            tl.add(phase, t0, time.perf_counter())
+
+
 class HMSParamSwapper:
     """ZeRO-3 parameter-partition swapper over a :class:`TensorStore` (see module docstring)."""
 
     def __init__(self, store: TensorStore, *, buffer_count: int = 5, device_budget_bytes: Optional[int] = None,
-                 predictor: Optional[Predictor] = None, prefetch_depth: int = 2):
+                 predictor: Optional[Predictor] = None, prefetch_depth: int = 2, write_behind_depth: int = 0):
         self.store = store
+        if write_behind_depth < 0:
+            raise ValueError(f"write_behind_depth must be >= 0 (0: synchronous writes), got {write_behind_depth}")
+        # titan.hms.param_write_behind: the partitions the optimizer step updates are written on the store's
+        # "param" writer lane; at most this many swap_out_partitioned_params calls (sub-groups) in flight
+        self.write_behind_depth = int(write_behind_depth)
+        self._writing: deque[list] = deque()  # per sub-group handed to the writer: its writes' futures
         self.buffer_count = int(buffer_count)
         self.device_budget_bytes = device_budget_bytes
         self.predictor = predictor
@@ -174,6 +207,11 @@ class HMSParamSwapper:
         # DRAM as a finished prefetch instead of being read back from the file just written
         soon = set(self.predictor.predict(self.prefetch_depth)) if self.predictor is not None else set()
         t0 = time.perf_counter()
+        if self.write_behind_depth:
+            self._swap_out_behind(dst_fp16_params, src_fp32_params, soon)
+            if (tl := _timeline()) is not None:
+                tl.add("param write", t0, time.perf_counter())
+            return
         for p, src in zip(dst_fp16_params, src_fp32_params):
             key, value = _pkey(p), src.to(p.ds_tensor.dtype)
             self.store.put(key, value, durable=False)
@@ -182,6 +220,43 @@ class HMSParamSwapper:
             p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
         if (tl := _timeline()) is not None:
             tl.add("param write", t0, time.perf_counter())
+
+    def _swap_out_behind(self, dst_fp16_params, src_fp32_params, soon: set) -> None:
+        """The partitions' writes on the store's ``"param"`` lane, after waiting until fewer than
+        ``write_behind_depth`` earlier calls' writes are in flight. A value in the master's dtype is a view of
+        ZeRO-3's fp32 master, handed over as is: ZeRO-3 drops that tensor after the step (HMS's optimizer swapper
+        replaces each master with a fresh tensor at every swap-in), so nothing changes it while it is written; one
+        the next forward reads first (``soon``) is copied, since that copy becomes the partition ZeRO-3 gets."""
+        while len(self._writing) >= self.write_behind_depth:
+            self._wait_oldest()
+        tl = _timeline()
+        done = None if tl is None else (lambda a, b: tl.add("param write (bg)", a, b, lane="param writer"))
+        futs = []
+        for p, src in zip(dst_fp16_params, src_fp32_params):
+            key, value = _pkey(p), src.to(p.ds_tensor.dtype)
+            keep = key in soon
+            if keep and value is src:
+                value = value.clone()
+            futs.append(self.store.put_behind(key, value.detach(), durable=False, on_done=done, lane="param",
+                                              stage=keep))
+            p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+        self._writing.append(futs)
+
+    def _wait_oldest(self) -> None:
+        _wait_all(self._writing.popleft())
+
+    def flush(self) -> None:
+        """Wait for every parameter write in flight; raise the first failure (naming its key)."""
+        if self._writing:
+            _drain(self._writing, "param write")
+
+    def check(self) -> None:
+        """Raise the failure of a parameter write that has finished (waits for nothing)."""
+        for futs in self._writing:
+            for f in futs:
+                if f.done() and f.exception() is not None:
+                    self._writing.remove(futs)
+                    raise f.exception()
 
     def get_path(self, param, must_exist: bool = False) -> str:
         raise NotImplementedError("titan hms stores headed, checksummed files that DeepSpeed's fast_init cannot "
@@ -274,29 +349,14 @@ class HMSOptimizerSwapper:
 
     def flush(self) -> None:
         """Wait for every background write of optimizer state; raise the first failure (naming its key)."""
-        if not self._writing and not self.store.pending_writes():
-            self.store.flush()  # a failure already done but not yet raised
+        if not self._writing and not any(k.startswith("opt/") for k in self.store.pending_writes()):
+            self.store.flush("opt/")  # a failure already done but not yet raised
             return
-        t0 = time.perf_counter()
-        try:
-            while self._writing:
-                self._wait_oldest()
-        finally:
-            self._writing.clear()
-            self.store.flush()
-            if (tl := _timeline()) is not None:
-                tl.add("opt write", t0, time.perf_counter())
+        # then the optimizer state's writes only: parameter writes go on into the forward
+        _drain(self._writing, "opt write", lambda: self.store.flush("opt/"))
 
     def _wait_oldest(self) -> None:
-        futs = self._writing.popleft()
-        first = None
-        for f in futs:
-            try:
-                f.result()
-            except Exception as e:  # noqa: BLE001 - every write of the sub-group is waited for first
-                first = first or e
-        if first is not None:
-            raise first
+        _wait_all(self._writing.popleft())
 
     def pre_backward(self) -> None:
         """Nothing to prepare: gradient pieces are written when ZeRO-3 hands them over."""

@@ -5,9 +5,11 @@ enabled (:func:`enable`); when none is (the default) :func:`current` returns Non
 cost off is one global read per swapper call. Phases (``PHASES``): the training script's ``forward``,
 ``backward`` and ``step`` (the whole ``engine.step``, lane ``main``) and one ``wall`` span per training step
 (lane ``steps``); inside them the swappers' ``param fetch`` (waits in ``synchronize_reads`` / buffer reads),
-``param write``, ``grad write``, ``opt read`` (waits in ``swap_in_optimizer_state``), ``opt write`` (the
+``param write`` (the synchronous write, or with ``param_write_behind`` the queueing and the wait for earlier
+sub-groups' writes), ``grad write``, ``opt read`` (waits in ``swap_in_optimizer_state``), ``opt write`` (the
 synchronous write, or the wait for earlier background writes when pipelined, and the end-of-step flush) and, on
-lane ``writer``, ``opt write (bg)``: each background write from start to end (overlapping the main lane).
+lane ``writer``, ``opt write (bg)`` and ``param write (bg)``: each background write from start to end
+(overlapping the main lane).
 
 :func:`breakdown` turns the spans of one step into seconds per phase, each span counted once in its innermost
 phase (``forward`` without the ``param fetch`` inside it, and so on; ``opt compute`` is ``step`` less the
@@ -26,7 +28,7 @@ __all__ = ["Timeline", "current", "enable", "disable", "breakdown", "PHASES", "T
 
 TOP = ("forward", "backward", "step")  # the training script's spans (lane "main")
 INNER = ("param fetch", "param write", "grad write", "opt read", "opt write")  # the swappers' (lane "main")
-BACKGROUND = ("opt write (bg)",)  # lane "writer"
+BACKGROUND = ("opt write (bg)", "param write (bg)")  # lane "writer"
 PHASES = TOP + INNER + BACKGROUND
 
 _CURRENT: Optional["Timeline"] = None
@@ -88,7 +90,8 @@ def breakdown(spans: list[dict], step: int) -> dict[str, float]:
     # the spans inside the step's wall time (a validation or metrics read after it carries the same step number)
     own = [s for s in spans if s["step"] == step and wall["start"] <= (s["start"] + s["end"]) / 2 <= wall["end"]]
     out = {p: 0.0 for p in TOP + INNER}
-    out["opt write (bg)"] = sum(s["end"] - s["start"] for s in own if s["phase"] in BACKGROUND)
+    for b in BACKGROUND:
+        out[b] = sum(s["end"] - s["start"] for s in own if s["phase"] == b)
     tops = [s for s in own if s["lane"] == "main" and s["phase"] in TOP]
     for s in tops:
         out[s["phase"]] += s["end"] - s["start"]
