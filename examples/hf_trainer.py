@@ -64,6 +64,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--optim", default="adamw_torch",
                    help="the Trainer's optimizer when the ds_config has no titan optimizer (TrainingArguments.optim: "
                         "adamw_torch, or torchao's adamw_torch_8bit / adamw_torch_4bit)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="the Trainer's gradient_checkpointing (HF's own recompute of each decoder layer in backward)")
     p.add_argument("--output-dir", default=None, help="Trainer output (default: $TITAN_CACHE/hf_trainer_out)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p.parse_args(argv)
@@ -192,7 +194,8 @@ def main(argv: Optional[Sequence[str]] = None, trainer_cls: Any = None, callback
         output_dir=args.output_dir or str(_cache() / "hf_trainer_out"), deepspeed=args.deepspeed,
         per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=args.lr,
         warmup_steps=args.warmup, lr_scheduler_type="linear", weight_decay=args.weight_decay, seed=args.seed,
-        max_grad_norm=args.max_grad_norm, optim=args.optim, logging_strategy="steps", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
+        max_grad_norm=args.max_grad_norm, optim=args.optim,
+        gradient_checkpointing=args.gradient_checkpointing, logging_strategy="steps", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
     trainer = (trainer_cls or transformers.Trainer)(
         model=model, args=targs, train_dataset=Blocks(train),
         callbacks=_callbacks(held_out, args.batch, result) + list(callbacks))

@@ -135,6 +135,10 @@ class OptimizerConfig(_Strict):
     # update each parameter in its gradient hook during backward and free the gradient at once: the gradients
     # of the whole model never exist together (ZeRO 0, no gradient clipping, no accumulation, no BSPS)
     step_in_backward: bool = False
+    # run the dense adaptive step (density 1) as compiled fused graphs (torch.compile: vectorized C++ on a CPU,
+    # Triton on a GPU), bit for bit the eager loop; the first steps pay the compiles (seconds each, per state kind
+    # and unit length). The environment variable TITAN_CORE_COMPILE=1 turns it on for every optimizer
+    compile: bool = False
     # "bf16": titan casts the model to bf16 and no fp32 master copy is kept (ZeRO stage 0, no fp16/bf16 section):
     # each weight and its gradient take 2 bytes instead of 4. `rounding` says how ASDT writes an updated bf16
     # weight: "stochastic" (unbiased; the default) or "nearest" (drops every update under half a bf16 step)

@@ -16,7 +16,11 @@ for the torchao row the Trainer's ``optim``) differs:
 - ``plain``: ``ds_configs/hf_plain.json``, the Trainer's torch AdamW under DeepSpeed (what a user has);
 - ``titan_asdt_8bit``: ``ds_configs/hf_asdt_8bit.json`` (MLME + ASDT adaptive, 8-bit momentum, step in backward);
 - ``torchao_adamw8bit``: ``hf_plain.json`` with ``--optim adamw_torch_8bit`` (torchao's AdamW8bit, the peer at
-  about the same optimizer-state bytes; torch.compile'd on its first steps, inside the warm-up).
+  about the same optimizer-state bytes; torch.compile'd on its first steps, inside the warm-up);
+- ``plain_gc``: ``plain`` with the Trainer's ``gradient_checkpointing`` (HF's recompute of each decoder layer: what
+  ``hf_asdt_8bit``'s ``mlme.recompute_blocks`` does, the peer a user would turn on for the same activation saving);
+- ``titan_asdt_8bit_compiled``: ``hf_asdt_8bit.json`` with ``"compile": true`` in its optimizer section (the
+  update's chunks as compiled fused graphs, bit for bit the eager loop; compiled within the warm-up steps).
 
 **speed**: ``--warmup`` + ``--steps`` optimizer steps; tokens/s = tokens of the timed steps / the wall time from the
 end of step ``--warmup`` to the end of the last step (``TrainerCallback.on_step_end``: everything the Trainer does
@@ -67,7 +71,11 @@ ROWS: dict[str, tuple[str, list[str]]] = {  # row -> (ds_config, extra example a
     "plain": ("hf_plain.json", []),
     "titan_asdt_8bit": ("hf_asdt_8bit.json", []),
     "torchao_adamw8bit": ("hf_plain.json", ["--optim", "adamw_torch_8bit"]),
+    "plain_gc": ("hf_plain.json", ["--gradient-checkpointing"]),
+    "titan_asdt_8bit_compiled": ("hf_asdt_8bit.json", []),
 }
+# rows whose ds_config is the file above with these keys of its "titan.optimizer" section changed
+OPTIMIZER_OVERRIDES: dict[str, dict[str, Any]] = {"titan_asdt_8bit_compiled": {"compile": True}}
 PHASES = ("forward", "loss", "backward", "optimizer", "rest")
 
 
@@ -197,11 +205,17 @@ def _settings(a: argparse.Namespace, model: Path) -> dict[str, Any]:
 
 def _run(a: argparse.Namespace, name: str, model: str, work: Path) -> dict[str, Any]:
     config, extra = ROWS[name]
+    config_path = ROOT / "ds_configs" / config
+    if name in OPTIMIZER_OVERRIDES:
+        ds = json.loads(config_path.read_text())
+        ds["titan"]["optimizer"].update(OPTIMIZER_OVERRIDES[name])
+        config_path = work / f"{name}.ds_config.json"
+        config_path.write_text(json.dumps(ds, indent=1))
     result = work / f"{name}.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result", str(result),
            "--warm", str(a.warmup), "--profile", str(int(a.what == "profile")),
-           "--deepspeed", str(ROOT / "ds_configs" / config), "--model", model,
+           "--deepspeed", str(config_path), "--model", model,
            "--steps", str(a.warmup + a.steps), "--seq", str(a.seq), "--batch", str(a.batch), "--lr", str(a.lr),
            "--warmup", "0", "--seed", str(a.seed), "--eval-blocks", str(a.eval_blocks),
            "--output-dir", str(work / name), *extra]

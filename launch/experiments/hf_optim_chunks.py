@@ -30,6 +30,8 @@ torch.manual_seed(0)
 model = transformers.AutoModelForCausalLM.from_pretrained(
     Path(os.environ.get("TITAN_CACHE", ROOT / ".cache")) / "hf" / "smollm2-135m-instruct", dtype=torch.float32)
 section = json.loads((ROOT / "ds_configs" / "hf_asdt_8bit.json").read_text())["titan"]["optimizer"]
+if os.environ.get("COMPILE"):  # COMPILE=1/0: the section's "compile" (the compiled per-unit chunks) on/off
+    section["compile"] = os.environ["COMPILE"] == "1"
 opt = build_optimizer(model, OptimizerConfig(**{k: v for k, v in section.items() if k != "step_in_backward"}))
 params = [p for p in model.parameters() if p.requires_grad]
 
@@ -40,7 +42,7 @@ def grads() -> None:
         p.grad = torch.randn_like(p) * 1e-3
 
 
-for _ in range(3):
+for _ in range(int(os.environ.get("STEPS", "3"))):
     grads()
     t0 = time.perf_counter()
     opt.step()

@@ -167,12 +167,14 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
                  state_dtype: str = "fp32", granularity: str = "tensor", block_size: int = 4096,
                  sketch_width: int = 1 << 16, sketch_depth: int = 3, sketch_seed: int = 0, update: str = "sign",
                  eps: float = 1e-8, update_clip: Optional[float] = None, second_moment: str = "unit",
-                 second_dtype: str = "fp32", rounding: str = "stochastic", rounding_seed: int = 0):
+                 second_dtype: str = "fp32", rounding: str = "stochastic", rounding_seed: int = 0,
+                 compile: bool = False):
         groups = self._groups(params)
         named = [np for g in groups for np in g["params"]]
         _check(lr, betas, density, weight_decay, importance, state_dtype, block_size, update, eps, update_clip,
                second_moment, second_dtype)
         self.update, self.eps, self.update_clip = update, eps, update_clip
+        self.compile = bool(compile)  # the dense step's chunks on core's compiled graphs (else TITAN_CORE_COMPILE)
         if rounding not in _ROUNDINGS:
             raise ValueError(f"rounding={rounding!r}: choose one of {list(_ROUNDINGS)}")
         # bf16 weights (no fp32 master copy) are written with stochastic rounding from these generators, one per
@@ -450,7 +452,8 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
             unit_numels=slices[3] if adaptive and not coordinate else None,
             seconds=st[_SECOND].view(-1, 2) if adaptive else None, lr=group["lr"], betas=group["betas"],
             weight_decay=group["weight_decay"], importance=self.importance, update=self.update, eps=self.eps,
-            update_clip=self.update_clip if adaptive else None, generator=self._generator(t))
+            update_clip=self.update_clip if adaptive else None, generator=self._generator(t),
+            compiled=None if fresh or not self.compile else True)  # fresh: the one step on fp32 working state
         if fresh:
             self._pack(st)
 

@@ -338,6 +338,116 @@ def _compiled(*static):
     return torch.compile(fn, dynamic=True, options=OPTIONS)
 
 
+# The per-unit second moment's compiled chunk (:func:`_fused_unit_chunk`): whole units of one length ``L`` (the rows
+# of a weight at ``granularity="row"``: 576 and 1536 for SmolLM2), seen as ``[rows, L]``, any ``L`` (quantization
+# blocks restart at each unit and the last one is partial, as qstate stores them: padded to whole blocks in the
+# graph). One graph per ``L`` (static: a symbolic ``L`` made inductor index blocks by a modulo per load) with the
+# row count dynamic; units longer than UNIT_FUSED_MAX (pieces of a large 1-D unit) and past UNIT_FUSED_LENGTHS
+# distinct lengths a process step eagerly.
+UNIT_FUSED_MAX, UNIT_FUSED_LENGTHS = 16384, 16
+
+
+def _rows_decode(raw: tuple, tables: Optional[tuple], kind: Optional[str]) -> torch.Tensor:
+    """The fp32 values of a ``[rows, L]`` state slice: ``(values,)``, or ``(codes, absmax [rows, blocks])`` decoded
+    as qstate's ``_values`` decodes them (codes padded to whole blocks with code 0, the pad dropped after)."""
+    if kind is None:
+        return raw[0].float()
+    from . import qstate
+    codes, absmax = raw
+    rows, length = codes.shape
+    nb, block = absmax.shape[1], qstate.KINDS[kind][0]
+    if nb * block != length:
+        codes = torch.nn.functional.pad(codes, (0, nb * block - length))
+    return qstate.decode_with(tables[0], codes, absmax, block).view(rows, nb * block)[:, :length]
+
+
+def _rows_encode(x: torch.Tensor, like: tuple, tables: Optional[tuple], kind: Optional[str]) -> tuple:
+    """``x`` ([rows, L], fp32) stored as ``like`` is: cast, or qstate's ``_codes`` (zero-padded to whole blocks,
+    each block over its absmax clipped at 1e-12, as torchao's scale_tensor; the pad's codes dropped)."""
+    if kind is None:
+        return (x.to(like[0].dtype),)
+    from . import qstate
+    rows, length = x.shape
+    nb, block = like[1].shape[1], qstate.KINDS[kind][0]
+    if nb * block != length:
+        x = torch.nn.functional.pad(x, (0, nb * block - length))
+    x = x.reshape(rows, nb, block)
+    scale = x.abs().amax(-1, keepdim=True).clip(1e-12)
+    codes = qstate.encode_with(x / scale, tables[1], tables[2]).view(rows, nb * block)[:, :length]
+    return codes, scale.view(rows, nb)
+
+
+def _fused_unit_chunk(w: torch.Tensor, g: torch.Tensor, m_raw: tuple, denom: torch.Tensor, hp: torch.Tensor,
+                      m_tables: Optional[tuple], m_kind: Optional[str], importance: str, clip: bool,
+                      out_dtype: torch.dtype):
+    """:func:`dense_step`'s adaptive chunk with the per-unit second moment as one pure function (what
+    ``torch.compile`` fuses): ``w``, ``g``: ``[rows, L]``; ``m_raw``: the momentum's slice as
+    :func:`_rows_decode` takes it; ``denom``: ``[rows, 1]``, each unit's denominator; ``hp`` as
+    :func:`_fused_chunk`'s. Returns the new weights (``out_dtype``), the new raw momentum and the count of changed
+    elements; the arithmetic is the eager loop's, op for op."""
+    gf, wf = g.float(), w.float()
+    m = _rows_decode(m_raw, m_tables, m_kind) * hp[0] + gf * hp[1]
+    c = m / denom
+    if clip:
+        c = c.clamp(-hp[7], hp[7])
+    mask = (c.abs() if importance == "momentum" else (gf * wf).abs()) > 0
+    new = torch.where(mask, wf - (c + hp[6] * wf) * hp[5], wf)
+    return new.to(out_dtype), _rows_encode(m, m_raw, m_tables, m_kind), mask.sum()
+
+
+def _unit_fusable(s: Slice, momentum: StateBuffer) -> bool:
+    """Whether the compiled per-unit step takes chunk ``s``: whole units of one length (at most
+    :data:`UNIT_FUSED_MAX`), 4-bit codes starting and ending on a byte."""
+    return (s.uniform > 0 and s.offset == 0 and s.uniform <= UNIT_FUSED_MAX
+            and (momentum.kind != "4bit" or (s.buf % 2 == 0 and s.n % 2 == 0))
+            and (s.uniform in _unit_lengths or len(_unit_lengths) < UNIT_FUSED_LENGTHS))
+
+
+_unit_lengths: set[int] = set()
+
+
+def _fused_unit_step(w_flat: torch.Tensor, g_flat: torch.Tensor, s: Slice, momentum: StateBuffer,
+                     unit_denom: torch.Tensor, hp: torch.Tensor, importance: str, clip: bool,
+                     generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Chunk ``s`` on the compiled :func:`_fused_unit_chunk`, stored in place (as :func:`_fused_step`)."""
+    from . import qstate
+    rows, length = s.hi - s.lo, s.uniform
+    _unit_lengths.add(length)
+    w = w_flat[s.flat:s.flat + s.n]
+    if momentum.kind is None:
+        m_raw = (momentum.data[s.buf:s.buf + s.n].view(rows, length),)
+        m_in, tables = m_raw, None
+    else:
+        block, bits = qstate.KINDS[momentum.kind]
+        nb, b0 = -(-length // block), momentum.block0[s.lo]
+        absmax = momentum.absmax[b0:b0 + rows * nb].view(rows, nb)
+        if bits == 4:
+            m_raw = (momentum.data[s.buf // 2:(s.buf + s.n) // 2], absmax)
+            m_in = (qstate._unpack4(m_raw[0]).view(rows, length), absmax)
+        else:
+            m_raw = m_in = (momentum.data[s.buf:s.buf + s.n].view(rows, length), absmax)
+        tables = qstate._on(momentum.kind, momentum.signed, w.device)
+    sr = generator is not None and w.dtype == torch.bfloat16
+    out_dtype = torch.float32 if sr else w.dtype
+    fn = _compiled_unit(momentum.kind, importance, clip, out_dtype, length)
+    new, m_new, count = fn(w.view(rows, length), g_flat[s.flat:s.flat + s.n].view(rows, length), m_in,
+                           unit_denom[s.lo:s.hi].view(rows, 1), hp, tables, momentum.kind, importance, clip,
+                           out_dtype)
+    w.copy_(round_to(w.dtype, new.reshape(-1), generator) if sr else new.reshape(-1))
+    for dst, src in zip(m_raw, m_new):
+        dst.copy_(qstate._pack4(src.reshape(-1)) if dst.shape != src.shape else src)  # 4-bit codes: packed
+    return count
+
+
+@lru_cache(maxsize=None)
+def _compiled_unit(*static):
+    """:func:`_fused_unit_chunk` under ``torch.compile``, one copy per ``static`` (state kind, importance, clip,
+    weight dtype, unit length: the length stays static, the row count turns dynamic on its second value)."""
+    fn = types.FunctionType(_fused_unit_chunk.__code__.replace(), _fused_unit_chunk.__globals__,
+                            "_fused_unit_chunk")
+    return torch.compile(fn, dynamic=None, options=OPTIONS)
+
+
 def bias_corrections(seconds: torch.Tensor, betas: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Count one more step of each unit (``seconds[:, 1]``, in place) and return its ``1 - b1^t`` and
     ``1 / (1 - b2^t)``: computed in fp64, used in fp32 (the per-coordinate second moment's)."""
@@ -399,14 +509,20 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
     elif update != "sign":
         raise ValueError(f"dense_step: unknown update {update!r}")
     selected: Union[int, torch.Tensor] = 0
-    fused = adaptive and variance is not None and (COMPILE if compiled is None else compiled)
+    # the compiled graphs need a backend: on the meta device (a GPU's stand-in in the tests) the eager loop, the
+    # same arithmetic, steps
+    fused = adaptive and (COMPILE if compiled is None else compiled) and w_flat.device.type != "meta"
     if fused:
         hp = torch.tensor([b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
                            0.0 if update_clip is None else update_clip], dtype=torch.float32, device=w_flat.device)
     for s in slices:
-        if fused and _fusable(s, momentum, variance):
+        if fused and variance is not None and _fusable(s, momentum, variance):
             selected = selected + _fused_step(w_flat, g_flat, s, momentum, variance, bc1, inv_bc2, hp,
                                               importance, update_clip is not None, generator)
+            continue
+        if fused and unit_denom is not None and _unit_fusable(s, momentum):
+            selected = selected + _fused_unit_step(w_flat, g_flat, s, momentum, unit_denom, hp, importance,
+                                                   update_clip is not None, generator)
             continue
         w = w_flat[s.flat:s.flat + s.n]
         g = g_flat[s.flat:s.flat + s.n].float()

@@ -69,7 +69,7 @@ def _asdt_kwargs(cfg: Any) -> dict[str, Any]:
                 granularity=cfg.granularity, block_size=cfg.block_size, sketch_width=cfg.sketch_width,
                 sketch_depth=cfg.sketch_depth, update=cfg.update, eps=cfg.eps, update_clip=cfg.update_clip,
                 second_moment=cfg.second_moment, second_dtype=cfg.second_dtype, rounding=cfg.rounding,
-                rounding_seed=cfg.rounding_seed)
+                rounding_seed=cfg.rounding_seed, compile=cfg.compile)
 
 
 def _foreign_params(model: torch.nn.Module, passed: Any) -> list[str]:
