@@ -182,7 +182,11 @@ def test_chunked_kth_largest_is_topk(k):
 
 @pytest.mark.parametrize("case", ["sign-8bit", "adaptive-8bit-4bit-clip"])
 def test_sparse_step_temporaries_within_5_bytes_per_element(case):
-    """One density-0.1 step of a 4M-element unit holds at most 5 bytes/element above its state (the flat path
-    held ~25): the direction kept for the threshold (4) and one chunk's temporaries."""
-    per_element = step_temporaries(1 << 22, {**CASES[case], "density": 0.1})
+    """One density-0.1 step holds at most 5 bytes/element above its state (the flat path held ~25): the direction
+    kept for the threshold (4) and one chunk's temporaries. Counted as the growth of the step's peak from a 2M- to a
+    4M-element unit, per added element: a fixed allocation (a lookup table, the interpreter's own, ~0.25-2 MB seen
+    in CI runs) is not a per-element cost and made the single-size figure 4.9-5.6 from run to run."""
+    kw = {**CASES[case], "density": 0.1}
+    small, large = 1 << 21, 1 << 22
+    per_element = (step_temporaries(large, kw) * large - step_temporaries(small, kw) * small) / (large - small)
     assert per_element <= 5.0, per_element
