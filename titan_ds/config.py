@@ -76,6 +76,13 @@ class HMSConfig(_Strict):
     before a checkpoint is saved or loaded and on close; a failed write is raised by the next read of that
     partition, after the step, or there, naming its key. Off: each sub-group's partitions are on disk before the
     step goes on. The results are bit-identical.
+
+    ``master_from_partitions`` (on by default): with partitions in the master's dtype (fp32), each sub-group's
+    fp32 master is the concatenation of its parameter partitions, which the optimizer step writes anyway, so the
+    master is read back from those files and not written a second time (4 bytes/param less written per step, and
+    on disk from the first step on: initialize still writes every master once). A sub-group whose partitions were
+    not all written from its master in that step (another dtype, a partition ZeRO-3 kept in memory) writes its
+    master as before. Bit-identical either way.
     """
 
     nvme_path: str
@@ -101,6 +108,9 @@ class HMSConfig(_Strict):
     pipeline_depth: int = Field(default=1, ge=1, le=8)
     # the updated parameter partitions written behind as well (pipeline_depth sub-groups in flight at most)
     param_write_behind: bool = False
+    # fp32 partitions: each sub-group's fp32 master is kept as the parameter partitions ZeRO-3 writes from it (the
+    # same bytes) instead of a second file (opt/<id>/fp32): 4 bytes/param less written per step
+    master_from_partitions: bool = True
 
     @field_validator("nvme_path")
     @classmethod

@@ -60,7 +60,7 @@ def dump_state(engine, mode):
     for i, p in enumerate(opt.fp32_partitioned_groups_flat):
         if mode == "hms":
             sw = opt.optimizer_swapper
-            st = {"fp32": sw.store.get(f"opt/{p.ds_id}/fp32")}
+            st = {"fp32": sw._read_master(p.ds_id)}  # its file, or the partitions it is kept as
             for n in sw._state_names.get(p.ds_id, []):
                 st[n] = sw.store.get(f"opt/{p.ds_id}/state/{n}")
             for k, v in opt.optimizer.state.get(p, {}).items():
@@ -166,6 +166,7 @@ def main():
     ap.add_argument("--no-pipeline", action="store_true", help="titan.hms.pipeline_optimizer: false")
     ap.add_argument("--pipeline-depth", type=int, default=1)
     ap.add_argument("--no-param-behind", action="store_true", help="titan.hms.param_write_behind: false")
+    ap.add_argument("--no-master-from-parts", action="store_true", help="titan.hms.master_from_partitions: false")
     ap.add_argument("--cpu-adam", action="store_true",
                     help="DeepSpeedCPUAdam from the config's optimizer section instead of the client torch AdamW")
     ap.add_argument("--slow-writes", type=float, default=0.0,
@@ -191,6 +192,7 @@ def main():
         cfg["titan"]["hms"]["pipeline_optimizer"] = not a.no_pipeline
         cfg["titan"]["hms"]["pipeline_depth"] = a.pipeline_depth
         cfg["titan"]["hms"]["param_write_behind"] = not a.no_param_behind
+        cfg["titan"]["hms"]["master_from_partitions"] = not a.no_master_from_parts
     if a.bf16:
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -260,6 +262,10 @@ def main():
         gb = engine.optimizer.grad_partitions_flat_buffer
         res["grad_buffer_mapped"] = gb.untyped_storage().filename is not None
         res["grad_keys"] = sum("/grad/" in k for k in engine.titan.reports["hms"].store.keys())
+        res["store_bytes_written"] = engine.titan.reports["hms"].store.stats.bytes_written
+        res["master_files"] = sum(k.endswith("/fp32") for k in engine.titan.reports["hms"].store.keys())
+        res["subgroups"] = len(engine.optimizer.fp32_partitioned_groups_flat)
+        res["numel"] = sum(engine.optimizer.fp16_partitioned_groups_flat_numel)
         res["store_ops"] = ops
         if a.record_trace:
             import json

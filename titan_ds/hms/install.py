@@ -384,7 +384,8 @@ class HMSPillar(Pillar):
         rank = _rank()
         grad_file = _DiskGradientBuffer(pswap.store.tiers[0].path) if hms.gradient_buffer == "disk" else None
         factory = functools.partial(HMSOptimizerSwapper, store=pswap.store, rank=rank, grad_file=grad_file,
-                                    pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0)
+                                    pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0,
+                                    master_from_partitions=hms.master_from_partitions)
         # only for the duration of deepspeed.initialize: attach undoes them
         self.patches = [ctx.patch(p) for p in dsc.route_optimizer_swapper(factory)]
         if grad_file is not None:

@@ -191,6 +191,10 @@ class TensorStore:
         self._lock = threading.RLock()
         self._tmp = itertools.count()
         self.stats = StoreStats()
+        # storage data_ptr -> [(key, byte offset in that storage, nbytes)]: values put by HMS's parameter swapper
+        # that were views of another tensor's storage (the partitions ZeRO-3 writes from an fp32 master), so that
+        # the optimizer swapper can keep that master as those files instead of writing its bytes a second time
+        self.written_views: dict[int, list[tuple[str, int, int]]] = {}
 
     # ------------------------------------------------------------------ paths and index
     def path(self, key: str, tier: Optional[int] = None) -> str:
