@@ -72,16 +72,17 @@ def reference_cache(log, *, prefetch=True, reads=None):
     """Hits and misses by key kind of an LRU DRAM cache of ``log["budget"]`` bytes replaying the store calls in
     ``log`` (tests/hms/zero3_harness.py --record-store), with every prefetch complete when it is issued:
     a put replaces the key's cached copy (write-allocate), a get hits if the key is cached or was prefetched
-    (or staged from its last put) since that put and not yet read, and a missed read is cached; anything over the budget is never cached.
+    (or staged from its last put) since that put and not yet read, and a missed read is cached; anything over ``log["item_max"]`` (the store's admission limit) is never cached.
     ``prefetch=False`` ignores the prefetch calls (caching alone). ``reads``, a Counter, gets the file reads by
     key kind (a prefetch that starts one, a missed get)."""
     reads = Counter() if reads is None else reads
     budget, cache, staged = log["budget"], OrderedDict(log["cache"]), set()
+    item_max = log["item_max"]
     sizes = {k: n for op, k, n in log["ops"] if op != "prefetch"}
     hits, misses = Counter(), Counter()
 
     def insert(key, n):
-        if n > budget:
+        if n > item_max:
             return
         while cache and sum(cache.values()) + n > budget:
             cache.popitem(last=False)

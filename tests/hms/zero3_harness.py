@@ -110,7 +110,8 @@ def record_store_ops(store):
     for a prefetch or a stage), after the DRAM cache's budget, its contents now (LRU first) and the hit counts by kind so far.
     Pending prefetches are dropped first, so nothing that started before the log changes the cache behind it."""
     store.drop_staged()
-    log = {"budget": store.cache_budget, "cache": [(k, t.numel() * t.element_size()) for k, t in store._cache.items()],
+    log = {"budget": store.cache_budget, "item_max": store.cache_item_max,
+           "cache": [(k, t.numel() * t.element_size()) for k, t in store._cache.items()],
            "ops": [], "by_kind": {k: list(v) for k, v in store.stats.by_kind.items()},
            "reads": store.stats.reads}
     ops = log["ops"]
