@@ -245,10 +245,10 @@ class HMSParamSwapper:
         for p, src in zip(dst_fp16_params, src_fp32_params):
             key, value = _pkey(p), src.to(p.ds_tensor.dtype)
             keep = key in soon
+            if value is src:  # the file gets the master's bytes (a copy of them if staged, the same bytes)
+                _note_view(self.store, key, src)
             if keep and value is src:
                 value = value.clone()
-            if value is src:
-                _note_view(self.store, key, src)
             futs.append(self.store.put_behind(key, value.detach(), durable=False, on_done=done, lane="param",
                                               stage=keep))
             p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
