@@ -76,9 +76,24 @@ class HMSConfig(_Strict):
     before a checkpoint is saved or loaded and on close; a failed write is raised by the next read of that
     partition, after the step, or there, naming its key. Off: each sub-group's partitions are on disk before the
     step goes on. The results are bit-identical.
+
+    ``master_from_partitions`` (on by default): with partitions in the master's dtype (fp32), each sub-group's
+    fp32 master is the concatenation of its parameter partitions, which the optimizer step writes anyway, so the
+    master is read back from those files and not written a second time (4 bytes/param less written per step, and
+    on disk from the first step on: initialize still writes every master once). A sub-group whose partitions were
+    not all written from its master in that step (another dtype, a partition ZeRO-3 kept in memory) writes its
+    master as before. Bit-identical either way.
+
+    ``param_tier``: where the parameter partitions live between uses. ``"nvme"`` (default): in the store, streamed
+    in by trace prefetch (models whose parameters do not fit in RAM). ``"dram"``: in CPU memory, as DeepSpeed's
+    ``offload_param: {"device": "cpu"}`` keeps them (ZeRO-Infinity's form), and HMS keeps only the optimizer
+    state (fp32 master, moments, gradients) on disk: no parameter reads or writes per step, for models whose
+    parameters (2-4 bytes each) fit in RAM but whose optimizer state (12-16 bytes each) does not.
+    ``titan-ds plan`` picks it where it fits.
     """
 
     nvme_path: str
+    param_tier: Literal["nvme", "dram"] = "nvme"
     dram_cache_mb: int = Field(default=2048, ge=0)
     device_budget_mb: Optional[int] = Field(default=None, ge=1)
     prefetch: Literal["trace", "lstm", "none"] = "trace"
@@ -101,6 +116,9 @@ class HMSConfig(_Strict):
     pipeline_depth: int = Field(default=1, ge=1, le=8)
     # the updated parameter partitions written behind as well (pipeline_depth sub-groups in flight at most)
     param_write_behind: bool = False
+    # fp32 partitions: each sub-group's fp32 master is kept as the parameter partitions ZeRO-3 writes from it (the
+    # same bytes) instead of a second file (opt/<id>/fp32): 4 bytes/param less written per step
+    master_from_partitions: bool = True
 
     @field_validator("nvme_path")
     @classmethod

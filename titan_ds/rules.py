@@ -175,7 +175,7 @@ def _hms(v: View) -> list[str]:
     from .config import TitanConfigError
     from .hms.install import configure_ds_config
     try:
-        configure_ds_config(dict(v.ds_config), v.titan.hms.nvme_path)
+        configure_ds_config(dict(v.ds_config), v.titan.hms.nvme_path, v.titan.hms.param_tier)
     except TitanConfigError as e:
         return list(e.errors)
     return []

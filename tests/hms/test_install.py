@@ -83,7 +83,8 @@ def test_zero3_working_buffers_bounded_unless_the_user_set_them():
 
 @pytest.mark.parametrize("zero,match", [
     ({"stage": 2}, r"zero_optimization.stage is 2: set it to 3"),
-    ({"stage": 3, "offload_param": {"device": "cpu"}}, r"offload_param.device must be \"nvme\", got 'cpu'"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, r"offload_param.device is \"cpu\" but titan.hms.param_tier"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, r"offload_optimizer.device must be \"nvme\", got 'cpu'"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "fast_init": True}}, r"fast_init .*set it to false"),
 ])
 def test_ds_config_conflicts_raise_naming_the_key(zero, match):

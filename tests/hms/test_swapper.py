@@ -72,16 +72,17 @@ def reference_cache(log, *, prefetch=True, reads=None):
     """Hits and misses by key kind of an LRU DRAM cache of ``log["budget"]`` bytes replaying the store calls in
     ``log`` (tests/hms/zero3_harness.py --record-store), with every prefetch complete when it is issued:
     a put replaces the key's cached copy (write-allocate), a get hits if the key is cached or was prefetched
-    (or staged from its last put) since that put and not yet read, and a missed read is cached; anything over the budget is never cached.
+    (or staged from its last put) since that put and not yet read, and a missed read is cached; anything over ``log["item_max"]`` (the store's admission limit) is never cached.
     ``prefetch=False`` ignores the prefetch calls (caching alone). ``reads``, a Counter, gets the file reads by
     key kind (a prefetch that starts one, a missed get)."""
     reads = Counter() if reads is None else reads
     budget, cache, staged = log["budget"], OrderedDict(log["cache"]), set()
-    sizes = {k: n for op, k, n in log["ops"] if op != "prefetch"}
+    item_max = log["item_max"]
+    sizes = {k: n for op, k, n in log["ops"] if op in ("put", "get")}  # a prefetch or a stage records 0 bytes
     hits, misses = Counter(), Counter()
 
     def insert(key, n):
-        if n > budget:
+        if n > item_max:
             return
         while cache and sum(cache.values()) + n > budget:
             cache.popitem(last=False)
@@ -133,11 +134,13 @@ def test_hms_equals_no_offload_bitwise_1rank(tmp):
     assert (m["hits"] - h0, m["misses"] - m0) == (sum(hits.values()), sum(misses.values()))
     assert m["hit_rate"] == m["hits"] / (m["hits"] + m["misses"])
     # every parameter swap-in ZeRO-3 makes after initialize was announced (swap_in prefetches, the predictor
-    # reads ahead), so none misses; caching alone would hit almost nothing: the 1 MiB partition fills the 1 MiB
-    # DRAM cache, the 1.1 MB sub-group's tensors exceed it (measured: 116 hits in the log, 2 without prefetch)
+    # reads ahead, the optimizer step prefetches the partitions a master is read back from), so none misses;
+    # caching alone keeps the small partitions (the store admits items of at most 1/8 of its budget) but misses
+    # the 1 MiB one and the 1.1 MB sub-group's tensors at every use
     assert misses["param"] == 0 and hits["param"] > 0
-    plain, _ = reference_cache(log, prefetch=False)
-    assert hits["param"] + hits["opt"] >= 10 * max(1, plain["param"] + plain["opt"]), (hits, plain)
+    plain_hits, plain_misses = reference_cache(log, prefetch=False)
+    assert plain_misses["param"] > 0 and plain_misses["opt"] > 0, (plain_hits, plain_misses)
+    assert hits["param"] > plain_hits["param"] and hits["opt"] > plain_hits["opt"], (hits, plain_hits)
     # with real background reads the hit counts depend on timing, the accesses do not
     a = hms["hms"]
     for kind in ("param", "opt"):

@@ -60,7 +60,7 @@ def dump_state(engine, mode):
     for i, p in enumerate(opt.fp32_partitioned_groups_flat):
         if mode == "hms":
             sw = opt.optimizer_swapper
-            st = {"fp32": sw.store.get(f"opt/{p.ds_id}/fp32")}
+            st = {"fp32": sw._read_master(p.ds_id)}  # its file, or the partitions it is kept as
             for n in sw._state_names.get(p.ds_id, []):
                 st[n] = sw.store.get(f"opt/{p.ds_id}/state/{n}")
             for k, v in opt.optimizer.state.get(p, {}).items():
@@ -110,10 +110,19 @@ def record_store_ops(store):
     for a prefetch or a stage), after the DRAM cache's budget, its contents now (LRU first) and the hit counts by kind so far.
     Pending prefetches are dropped first, so nothing that started before the log changes the cache behind it."""
     store.drop_staged()
-    log = {"budget": store.cache_budget, "cache": [(k, t.numel() * t.element_size()) for k, t in store._cache.items()],
+    log = {"budget": store.cache_budget, "item_max": store.cache_item_max,
+           "cache": [(k, t.numel() * t.element_size()) for k, t in store._cache.items()],
            "ops": [], "by_kind": {k: list(v) for k, v in store.stats.by_kind.items()},
            "reads": store.stats.reads}
     ops = log["ops"]
+    file_reads = log["file_reads"] = []  # every file the store read, by key (prefetches and missed gets)
+    read_file = store._read_file
+
+    def rec_read_file(key, *args, **kw):
+        file_reads.append(key)
+        return read_file(key, *args, **kw)
+
+    store._read_file = rec_read_file
     put, get, prefetch, stage, behind = store.put, store.get, store.prefetch, store.stage, store.put_behind
 
     def rec_put(key, tensor, **kw):
@@ -166,6 +175,8 @@ def main():
     ap.add_argument("--no-pipeline", action="store_true", help="titan.hms.pipeline_optimizer: false")
     ap.add_argument("--pipeline-depth", type=int, default=1)
     ap.add_argument("--no-param-behind", action="store_true", help="titan.hms.param_write_behind: false")
+    ap.add_argument("--param-tier", choices=("nvme", "dram"), default="nvme", help="titan.hms.param_tier")
+    ap.add_argument("--no-master-from-parts", action="store_true", help="titan.hms.master_from_partitions: false")
     ap.add_argument("--cpu-adam", action="store_true",
                     help="DeepSpeedCPUAdam from the config's optimizer section instead of the client torch AdamW")
     ap.add_argument("--slow-writes", type=float, default=0.0,
@@ -191,6 +202,8 @@ def main():
         cfg["titan"]["hms"]["pipeline_optimizer"] = not a.no_pipeline
         cfg["titan"]["hms"]["pipeline_depth"] = a.pipeline_depth
         cfg["titan"]["hms"]["param_write_behind"] = not a.no_param_behind
+        cfg["titan"]["hms"]["master_from_partitions"] = not a.no_master_from_parts
+        cfg["titan"]["hms"]["param_tier"] = a.param_tier
     if a.bf16:
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -250,16 +263,25 @@ def main():
             losses.setdefault(step, []).append(loss.item())
         if step + 1 == a.save_at:
             engine.save_checkpoint(a.save_dir)
+    if a.mode == "hms":  # the training steps' store calls and counts (writes behind landed), before the dump's reads
+        engine.titan.reports["hms"].store.flush()
+        metrics = engine.titan.collect_metrics()["hms"]
+        if ops is not None:
+            ops = dict(ops, ops=list(ops["ops"]), file_reads=list(ops["file_reads"]))
     with deepspeed.zero.GatheredParameters(list(net.parameters())):
         params = {n: p.detach().clone() for n, p in net.named_parameters()}
     res = {"losses": losses, "params": params, "state": dump_state(engine, a.mode),
            "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups],
            "optimizer": type(engine.optimizer.optimizer).__name__}
     if a.mode == "hms":
-        res["hms"] = engine.titan.collect_metrics()["hms"]
+        res["hms"] = metrics
         gb = engine.optimizer.grad_partitions_flat_buffer
         res["grad_buffer_mapped"] = gb.untyped_storage().filename is not None
         res["grad_keys"] = sum("/grad/" in k for k in engine.titan.reports["hms"].store.keys())
+        res["store_bytes_written"] = engine.titan.reports["hms"].store.stats.bytes_written
+        res["master_files"] = sum(k.endswith("/fp32") for k in engine.titan.reports["hms"].store.keys())
+        res["subgroups"] = len(engine.optimizer.fp32_partitioned_groups_flat)
+        res["numel"] = sum(engine.optimizer.fp16_partitioned_groups_flat_numel)
         res["store_ops"] = ops
         if a.record_trace:
             import json

@@ -37,7 +37,7 @@ import os
 import shutil
 import uuid
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -126,10 +126,12 @@ ZERO3_BOUNDS: dict[str, int] = {
 }
 
 
-def configure_ds_config(ds: dict[str, Any], nvme_path: str) -> list[str]:
-    """Make ``ds`` ZeRO-3 with nvme offload of params and optimizer; returns what was set. Raises on conflicts
+def configure_ds_config(ds: dict[str, Any], nvme_path: str, param_tier: str = "nvme") -> list[str]:
+    """Make ``ds`` ZeRO-3 with nvme offload of the optimizer and of the parameters (``param_tier`` "nvme") or
+    parameters in CPU memory (``param_tier`` "dram"); returns what was set. Raises on conflicts
     (:mod:`titan_ds.rules` runs it on a copy during validation, so ``initialize`` never gets that far)."""
     errors, changed = [], []
+    want = {"offload_param": "nvme" if param_tier == "nvme" else "cpu", "offload_optimizer": "nvme"}
     zero = ds.setdefault("zero_optimization", {})
     stage = zero.get("stage")
     if stage is None:
@@ -141,11 +143,25 @@ def configure_ds_config(ds: dict[str, Any], nvme_path: str) -> list[str]:
     for sec in ("offload_param", "offload_optimizer"):
         off = zero.get(sec)
         if off is None:
-            off = zero[sec] = {"device": "nvme", "nvme_path": nvme_path}
-            changed.append(f"zero_optimization.{sec}.device=nvme")
-        if off.get("device", "none") != "nvme":
-            errors.append(f"titan.hms replaces DeepSpeed's NVMe swap, so zero_optimization.{sec}.device must be "
-                          f"\"nvme\", got {off.get('device')!r}: set it to \"nvme\" or remove {sec}")
+            off = zero[sec] = {"device": want[sec], "nvme_path": nvme_path}
+            if want[sec] == "cpu":
+                off = zero[sec] = {"device": "cpu", "pin_memory": True}
+            changed.append(f"zero_optimization.{sec}.device={want[sec]}")
+        if off.get("device", "none") != want[sec]:
+            if sec == "offload_param" and param_tier == "nvme" and off.get("device") == "cpu":
+                errors.append("zero_optimization.offload_param.device is \"cpu\" but titan.hms.param_tier is "
+                              "\"nvme\" (HMS streams the parameters from disk): set titan.hms.param_tier to "
+                              "\"dram\" to keep them in CPU memory, or offload_param.device to \"nvme\"")
+            elif sec == "offload_param" and param_tier == "dram":
+                errors.append(f"titan.hms.param_tier \"dram\" keeps the parameters in CPU memory, so "
+                              f"zero_optimization.offload_param.device must be \"cpu\", got {off.get('device')!r}: "
+                              f"set it to \"cpu\" (or remove offload_param), or set titan.hms.param_tier to \"nvme\"")
+            else:
+                errors.append(f"titan.hms replaces DeepSpeed's NVMe swap, so zero_optimization.{sec}.device must "
+                              f"be \"nvme\", got {off.get('device')!r}: set it to \"nvme\" or remove {sec}")
+            continue
+        if want[sec] == "cpu":
+            continue
         off.setdefault("nvme_path", nvme_path)
         if sec == "offload_param" and "max_in_cpu" not in off:
             # DeepSpeed otherwise moves up to 1e9 "nvme" parameter elements into a CPU buffer for good; HMS's
@@ -210,7 +226,7 @@ def _prepare(hms, ds_config: dict[str, Any], txn: Any = None) -> str:
     root = _make_folder(hms.nvme_path, "titan.hms.nvme_path", txn)
     for i, t in enumerate(hms.spill_tiers):
         _make_folder(t.path, f"titan.hms.spill_tiers[{i}].path", txn)
-    for c in configure_ds_config(ds_config, root):
+    for c in configure_ds_config(ds_config, root, hms.param_tier):
         log.info("titan hms: set %s", c)
     _bound_allocator_retention(txn)
     deepspeed.init_distributed()
@@ -227,9 +243,9 @@ def _fresh_folder(folder: str, txn: Any) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def build_param_swapper(hms, ds_config: dict[str, Any], root: str, txn: Any = None) -> HMSParamSwapper:
-    """This rank's store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache) and parameter swapper,
-    in folders emptied of an earlier run's swap files (:func:`_fresh_folder`)."""
+def build_store(hms, root: str, txn: Any = None) -> TensorStore:
+    """This rank's store (``<nvme_path>/titan_hms/rank<r>``, spill tiers, DRAM cache), in folders emptied of an
+    earlier run's swap files (:func:`_fresh_folder`)."""
     rank = _rank()
     folder = os.path.join(root, "titan_hms", f"rank{rank}")
     _fresh_folder(folder, txn)
@@ -245,6 +261,12 @@ def build_param_swapper(hms, ds_config: dict[str, Any], root: str, txn: Any = No
                         prefetch_workers=hms.prefetch_workers, max_speculative=max(2, 2 * hms.prefetch_depth))
     if txn is not None:
         txn.on_undo("close the HMS store (its I/O threads)", store.close)
+    return store
+
+
+def build_param_swapper(hms, ds_config: dict[str, Any], root: str, txn: Any = None) -> HMSParamSwapper:
+    """:func:`build_store` and the parameter swapper that streams the partitions through it."""
+    store = build_store(hms, root, txn)
     buffer_count = int(ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
     return HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
                            device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
@@ -274,7 +296,7 @@ def zero_init(ds_config: Any, **init_kwargs: Any):
         return init(config_dict_or_path=plain, **init_kwargs)
     problems = _folders_problems(titan.hms)
     try:
-        configure_ds_config(json.loads(json.dumps(plain)), titan.hms.nvme_path)
+        configure_ds_config(json.loads(json.dumps(plain)), titan.hms.nvme_path, titan.hms.param_tier)
     except TitanConfigError as e:
         problems += e.errors
     if problems:
@@ -282,6 +304,8 @@ def zero_init(ds_config: Any, **init_kwargs: Any):
     root = _prepare(titan.hms, plain)
     for k, v in plain.items():
         ds[k] = v
+    if titan.hms.param_tier == "dram":  # parameters in CPU memory: DeepSpeed's own Init (offload_param cpu)
+        return init(config_dict_or_path=plain, **init_kwargs)
     _refuse_live_store(root)
     pswap = build_param_swapper(titan.hms, plain, root)
     _LIVE[root] = pswap
@@ -331,11 +355,18 @@ class _DiskGradientBuffer:
         return t
 
 
-def _adopted_swapper(model: torch.nn.Module) -> HMSParamSwapper | None:
+def _adopted_swapper(model: torch.nn.Module, param_tier: str = "nvme") -> HMSParamSwapper | None:
     """The HMS swapper of a model built under :func:`zero_init`; None for an ordinary model. Raises for a model
-    built under plain ``deepspeed.zero.Init`` (its parameters use DeepSpeed's swapper) or a mix."""
+    built under plain ``deepspeed.zero.Init`` (its parameters use DeepSpeed's swapper) or a mix. With
+    ``param_tier`` "dram" a model built under ``zero.Init`` whose parameters stream from no swapper is adopted as it is."""
     converted = [p for p in model.parameters() if dsc.is_zero_param(p)]
     if not converted:
+        return None
+    if param_tier == "dram":
+        if any(dsc.param_swapper_of(p) is not None for p in converted):
+            raise TitanConfigError(["titan.hms.param_tier is \"dram\" but the model's parameters stream from a "
+                                    "disk swapper (built under titan_ds.zero_init with param_tier \"nvme\", or "
+                                    "DeepSpeed's NVMe offload): build it with the same ds_config you train with"])
         return None
     swappers = {id(dsc.param_swapper_of(p)): dsc.param_swapper_of(p) for p in converted}
     only = next(iter(swappers.values()))
@@ -368,7 +399,7 @@ class HMSPillar(Pillar):
     def validate(self, view: View) -> list[str]:
         out = _folders_problems(self.cfg)
         try:
-            _adopted_swapper(view.model)
+            _adopted_swapper(view.model, self.cfg.param_tier)
         except TitanConfigError as e:
             out += e.errors
         return out
@@ -376,20 +407,28 @@ class HMSPillar(Pillar):
     def apply(self, ctx: Any) -> None:
         hms, txn = self.cfg, ctx.txn
         root = _prepare(hms, ctx.ds_config, txn)
-        pswap = _adopted_swapper(ctx.model)  # built under titan_ds.zero_init: its parameters already live in HMS
-        if pswap is None:
-            pswap = build_param_swapper(hms, ctx.ds_config, root, txn)
-            _convert_model(ctx.model, ctx.ds_config, pswap)
-        ctx.zero_init_kwargs["param_swapper"] = pswap  # parameters later pillars create (TRD cores) stream via HMS
+        if hms.param_tier == "dram":  # the parameters stay in CPU memory: only the optimizer state goes to the store
+            pswap, store = None, build_store(hms, root, txn)
+            if _adopted_swapper(ctx.model, "dram") is None and not any(map(dsc.is_zero_param, ctx.model.parameters())):
+                _convert_model(ctx.model, ctx.ds_config, None)
+        else:
+            pswap = _adopted_swapper(ctx.model)  # built under titan_ds.zero_init: its parameters already live in HMS
+            if pswap is None:
+                pswap = build_param_swapper(hms, ctx.ds_config, root, txn)
+                _convert_model(ctx.model, ctx.ds_config, pswap)
+            # parameters later pillars create (TRD cores) stream via HMS
+            ctx.zero_init_kwargs["param_swapper"] = pswap
+            store = pswap.store
         rank = _rank()
-        grad_file = _DiskGradientBuffer(pswap.store.tiers[0].path) if hms.gradient_buffer == "disk" else None
-        factory = functools.partial(HMSOptimizerSwapper, store=pswap.store, rank=rank, grad_file=grad_file,
-                                    pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0)
+        grad_file = _DiskGradientBuffer(store.tiers[0].path) if hms.gradient_buffer == "disk" else None
+        factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank, grad_file=grad_file,
+                                    pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0,
+                                    master_from_partitions=hms.master_from_partitions)
         # only for the duration of deepspeed.initialize: attach undoes them
         self.patches = [ctx.patch(p) for p in dsc.route_optimizer_swapper(factory)]
         if grad_file is not None:
             self.patches.append(ctx.patch(dsc.z3_gradient_partitions_allocator(grad_file.alloc)))
-        self.runtime = _HMSRuntime(store=pswap.store, param_swapper=pswap, rank=rank, grad_file=grad_file)
+        self.runtime = _HMSRuntime(store=store, param_swapper=pswap, rank=rank, grad_file=grad_file)
 
     def attach(self, ctx: Any) -> None:
         for p in reversed(self.patches):
@@ -411,7 +450,7 @@ PILLAR = HMSPillar
 class _HMSRuntime:
     """What HMS keeps after initialize: the store, the swappers, metrics and lifecycle callbacks."""
 
-    def __init__(self, *, store: TensorStore, param_swapper: HMSParamSwapper, rank: int,
+    def __init__(self, *, store: TensorStore, param_swapper: Optional[HMSParamSwapper], rank: int,
                  grad_file: "_DiskGradientBuffer | None" = None):
         self.store, self.param_swapper, self.rank = store, param_swapper, rank
         self.grad_file = grad_file
@@ -468,6 +507,8 @@ class _HMSRuntime:
 
     def after_step(self) -> None:
         self.opt_swapper.flush()  # ZeRO-3's step already flushed (log_timers); a no-op then, raises a failure
+        if self.param_swapper is None:  # param_tier "dram"
+            return
         self.param_swapper.check()  # a parameter write that failed already (the rest go on into the forward)
         if self._boundary:
             self.param_swapper.end_step()
@@ -478,7 +519,8 @@ class _HMSRuntime:
         folder = os.path.join(save_dir, tag, "hms", f"rank{self.rank}")
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
-        self.param_swapper.flush()  # every updated parameter partition on disk before the checkpoint is complete
+        if self.param_swapper is not None:  # every updated parameter partition on disk before the checkpoint is complete
+            self.param_swapper.flush()
         self.opt_swapper.snapshot(folder, dsc.z3_fp32_masters(self.engine.optimizer))
         with open(os.path.join(folder, "SNAPSHOT_ID"), "w") as f:
             f.write(self.snapshot_id)
@@ -492,7 +534,8 @@ class _HMSRuntime:
         if options.get("load_module_only"):
             raise RuntimeError("titan hms: load_module_only is not supported with HMS (parameters live in the "
                                "optimizer's fp32 masters); load the full checkpoint")
-        self.param_swapper.flush()  # no write of the old values lands after the restored ones
+        if self.param_swapper is not None:  # no write of the old values lands after the restored ones
+            self.param_swapper.flush()
         self.opt_swapper.restore(folder, dsc.z3_fp32_masters(self.engine.optimizer),
                                  load_optimizer_states=options.get("load_optimizer_states", True))
         dsc.z3_reset_swap_buffers(self.engine.optimizer)  # every parameter partition from its restored fp32 master

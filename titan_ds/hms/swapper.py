@@ -73,6 +73,14 @@ def _wait_all(futs: list) -> None:
         raise first
 
 
+def _note_view(store: TensorStore, key: str, src: torch.Tensor) -> None:
+    """Record that ``key`` was just put from ``src``, a view of another tensor's storage (an fp32 master's slice
+    written as a partition of the same dtype): :meth:`HMSOptimizerSwapper._stored_as_partitions` reads it."""
+    esize = src.element_size()
+    store.written_views.setdefault(src.untyped_storage().data_ptr(), []).append(
+        (key, src.storage_offset() * esize, src.numel() * esize))
+
+
 def _drain(writing: deque, phase: str, then=None) -> None:
     """Wait for every sub-group's writes in ``writing`` (oldest first), then call ``then``; the wait is a timeline
     span of ``phase``. The first failure is raised after all (``writing`` is empty either way)."""
@@ -215,6 +223,8 @@ class HMSParamSwapper:
         for p, src in zip(dst_fp16_params, src_fp32_params):
             key, value = _pkey(p), src.to(p.ds_tensor.dtype)
             self.store.put(key, value, durable=False)
+            if value is src:
+                _note_view(self.store, key, src)
             if key in soon:
                 self.store.stage(key, value.clone() if value is src else value)
             p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
@@ -235,6 +245,8 @@ class HMSParamSwapper:
         for p, src in zip(dst_fp16_params, src_fp32_params):
             key, value = _pkey(p), src.to(p.ds_tensor.dtype)
             keep = key in soon
+            if value is src:  # the file gets the master's bytes (a copy of them if staged, the same bytes)
+                _note_view(self.store, key, src)
             if keep and value is src:
                 value = value.clone()
             futs.append(self.store.put_behind(key, value.detach(), durable=False, on_done=done, lane="param",
@@ -300,8 +312,13 @@ class HMSOptimizerSwapper:
     """
 
     def __init__(self, swap_config, aio_config, base_folder, optimizer, largest_numel, device, dtype, timers,
-                 *, store: TensorStore, rank: int = 0, grad_file: Any = None, pipeline_depth: int = 0):
+                 *, store: TensorStore, rank: int = 0, grad_file: Any = None, pipeline_depth: int = 0,
+                 master_from_partitions: bool = True):
         self.store = store
+        # titan.hms.master_from_partitions: a sub-group whose parameter partitions were all written from its fp32
+        # master in the master's dtype keeps the master as those files: pid -> [(key, element offset, numel)]
+        self.master_from_partitions = bool(master_from_partitions)
+        self._master_parts: dict[str, list[tuple[str, int, int]]] = {}
         if pipeline_depth < 0:
             raise ValueError(f"pipeline_depth must be >= 0 (0: synchronous writes), got {pipeline_depth}")
         self.pipeline_depth = int(pipeline_depth)
@@ -366,8 +383,38 @@ class HMSOptimizerSwapper:
         if self._numel:
             self._prefetch_subgroup(next(iter(self._numel)))
 
+    def _master_keys(self, pid) -> list[str]:
+        parts = self._master_parts.get(pid)
+        return [f"opt/{pid}/fp32"] if parts is None else [k for k, _, _ in parts]
+
+    def _read_master(self, pid) -> torch.Tensor:
+        """Sub-group ``pid``'s fp32 master: its file, or the parameter partitions it was stored as."""
+        parts = self._master_parts.get(pid)
+        if parts is None:
+            return self.store.get(f"opt/{pid}/fp32")
+        master = torch.empty(self._numel[pid], dtype=self.dtype)
+        for key, off, n in parts:
+            self.store.get(key, out=master.narrow(0, off, n))
+        return master
+
+    def _stored_as_partitions(self, parameter) -> Optional[list[tuple[str, int, int]]]:
+        """The partitions written from ``parameter``'s master since it was read (its whole range, in the master's
+        dtype, as :func:`_note_view` recorded them), or None when they do not cover it exactly once."""
+        master = parameter.data
+        views = self.store.written_views.pop(master.untyped_storage().data_ptr(), None)
+        if not self.master_from_partitions or not views or master.dtype != self.dtype:
+            return None
+        esize, base, n = master.element_size(), master.storage_offset() * master.element_size(), master.numel()
+        parts, pos = [], 0
+        for key, boff, nbytes in sorted(views, key=lambda v: v[1]):
+            if boff != base + pos * esize or nbytes % esize:
+                return None
+            parts.append((key, pos, nbytes // esize))
+            pos += nbytes // esize
+        return parts if pos == n else None
+
     def _prefetch_subgroup(self, pid) -> None:
-        keys = [f"opt/{pid}/fp32", *(f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, [])),
+        keys = [*self._master_keys(pid), *(f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, [])),
                 *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
         for key in keys:
             self.store.prefetch(key)
@@ -389,7 +436,9 @@ class HMSOptimizerSwapper:
         if pid not in self._numel:
             return
         t0 = time.perf_counter()
-        parameter.data = self.store.get(f"opt/{pid}/fp32")
+        parameter.data = self._read_master(pid)
+        # a record left at this address by a freed tensor is not about this master
+        self.store.written_views.pop(parameter.data.untyped_storage().data_ptr(), None)
         state = self.optimizer.state[parameter]
         for name in self._state_names.get(pid, []):
             t = self.store.get(f"opt/{pid}/state/{name}")
@@ -399,7 +448,11 @@ class HMSOptimizerSwapper:
                 state[name] = t
         pieces, views = self._grads.get(pid), self._grad_views.get(pid)
         if pieces or views:
-            g = torch.zeros(self._numel[pid], dtype=self.dtype)
+            spans = sorted([*(pieces or ()), *((off, v.numel()) for off, v in views or ())])
+            whole = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0 and \
+                spans[-1][0] + spans[-1][1] == self._numel[pid]
+            # pieces that tile the sub-group overwrite every element: no zero-fill (a 40 MB memset per sub-group)
+            g = (torch.empty if whole else torch.zeros)(self._numel[pid], dtype=self.dtype)
             for off, n in pieces or ():
                 self.store.get(f"opt/{pid}/grad/{off}", out=g.narrow(0, off, n))
             for off, v in views or ():
@@ -416,7 +469,15 @@ class HMSOptimizerSwapper:
         the tensors are detached here, so ``_release`` emptying ``parameter.data`` and the state tensors' ``.data``
         leaves the bytes being written alone)."""
         pid = parameter.ds_id
-        items = [(f"opt/{pid}/fp32", parameter.data)]
+        parts = self._stored_as_partitions(parameter)
+        if parts is None:
+            items = [(f"opt/{pid}/fp32", parameter.data)]
+            self._master_parts.pop(pid, None)
+        else:  # the master's bytes are on disk already, as its partitions: its own file is stale from now on
+            items = []
+            self._master_parts[pid] = parts
+            if f"opt/{pid}/fp32" in self.store:
+                self.store.delete(f"opt/{pid}/fp32")
         names = []
         for name, value in self.optimizer.state.get(parameter, {}).items():
             if self._swapped(parameter, name, value):
@@ -531,7 +592,7 @@ class HMSOptimizerSwapper:
             pid = p.ds_id
             if pid not in self._numel:
                 raise RuntimeError(f"titan hms: sub-group {pid} is not managed by the HMS optimizer swapper")
-            snap.put(f"opt/{pid}/fp32", self.store.get(f"opt/{pid}/fp32"))
+            snap.put(f"opt/{pid}/fp32", self._read_master(pid))
             for name in self._state_names.get(pid, []):
                 snap.put(f"opt/{pid}/state/{name}", self.store.get(f"opt/{pid}/state/{name}"))
             other = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state.get(p, {}).items()
@@ -570,6 +631,7 @@ class HMSOptimizerSwapper:
                 raise RuntimeError(f"titan hms: checkpoint {folder!r} has no sub-group {pid} of the same size; "
                                    f"resume with the same model, world size and sub_group_size")
             self.store.put(f"opt/{pid}/fp32", snap.get(f"opt/{pid}/fp32"), durable=False)
+            self._master_parts.pop(pid, None)  # the restored master is its file until its partitions are written
             if not load_optimizer_states:
                 continue
             for name in sg["state_names"]:

@@ -1,0 +1,179 @@
+"""Where one HMS step's CPU goes: py-spy samples of a capped ``launch/bench/hms_scale.py`` trial, per thread role.
+
+Command (from the repository root, as root with cgroup v1; PY_SPY: a py-spy binary, e.g. from the py_spy wheel)::
+
+    PYTHONPATH=$PWD python launch/experiments/hms_profile.py --path /work/hmsio_bench/prof --mode hms_cpuadam \\
+        --shape 12x768 --cap 4 --warmup 1 --steps 4 --py-spy PY_SPY --lock /tmp/titan_timed.lock \\
+        --out results/hms_profile/NAME
+
+Runs ``launch/train.py`` with the mode's config (:func:`launch.bench.hms_scale.ds_config`) under the cap, with the
+timeline recorder on (``--timeline-out``: wall seconds per phase, :func:`titan_ds.hms.timeline.breakdown`) and
+``py-spy record --nonblocking --threads --format raw`` (on-CPU samples only: a thread blocked in a syscall or on a
+lock is not sampled). Samples are summed by thread role (the main thread; ``titan-hms-io`` I/O workers;
+``titan-hms-writer*``; ``titan-hms-prefetch``; others) and by the innermost frame of ours or torch's that names
+the work (checksum, pwritev/preadv, tensor copy, ...). Samples of the main thread are split into ``init`` (before
+the first training step) and ``steps``; other threads' samples cannot be split by time in the raw format and
+include initialisation (the model's first writes), so the run is given several steps.
+
+Outputs: ``<out>.md`` (tables), ``<out>.collapsed.txt`` (py-spy's raw collapsed stacks), ``<out>.timeline.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from launch.bench.harness import run_capped_clean  # noqa: E402
+from launch.bench.hms_scale import CPU_ADAM_MODES, GiB, build_ops, ds_config, timed_lock  # noqa: E402
+from titan_ds.hms.timeline import breakdown  # noqa: E402
+from titan_ds.utils import free_port  # noqa: E402
+
+# (label, regex on a frame "func (file:line)") checked innermost-first: the first frame matching any label names it
+LABELS = [
+    ("checksum (xxh3/crc32)", r"^(crc|xxh3|_close_last_chunk) |xxhash|zlib"),
+    ("pwritev/preadv (syscall)", r"^chunk \(titan_ds/hms/io\.py"),
+    ("header/json/fsync", r"_encode_header|_read_header|fsync|json"),
+    ("clone/copy (store cache, staging)", r"^(_cache_insert|_maybe_cache|clone|stage) |\bcopy_\b"),
+    ("aligned_empty / alloc", r"aligned_empty|torch.empty|zeros"),
+    ("optimizer compute (cpu_adam / AdamW)", r"cpu_adam|adamw|_single_tensor|_multi_tensor|step \(deepspeed/ops"),
+    ("forward", r"^forward "),
+    ("backward (autograd)", r"backward|run_backward"),
+    ("store.put (other)", r"^_put |^put "),
+    ("store.get / read (other)", r"^_read_file |^get "),
+    ("swapper (other)", r"titan_ds/hms/swapper\.py"),
+    ("deepspeed stage3 (other)", r"deepspeed/runtime/zero"),
+]
+
+
+def role(thread: str) -> str:
+    for prefix, name in (("titan-hms-io", "io workers"), ("titan-hms-writer-param", "param writer"),
+                         ("titan-hms-writer", "opt writer"), ("titan-hms-prefetch", "prefetch")):
+        if prefix in thread:
+            return name
+    return "main" if "MainThread" in thread or "python" in thread.lower() else f"other"
+
+
+def label(frames: list[str]) -> str:
+    for f in reversed(frames):
+        for name, rx in LABELS:
+            if re.search(rx, f):
+                return name
+    return "other"
+
+
+def parse(collapsed: Path) -> list[tuple[str, list[str], int]]:
+    out = []
+    for line in collapsed.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        parts = stack.split(";")
+        out.append((parts[0], parts[1:], int(n)))
+    return out
+
+
+def summarize(samples, rate: int) -> tuple[dict, dict]:
+    by_role = collections.Counter()
+    by_label = collections.defaultdict(collections.Counter)
+    for thread, frames, n in samples:
+        r = role(thread)
+        if r == "main":
+            r = "main (steps)" if any(re.search(r"^(forward|backward|step) \(deepspeed/runtime/engine\.py", f)
+                                          for f in frames) else "main (init/other)"
+        by_role[r] += n
+        by_label[r][label(frames)] += n
+    return ({k: v / rate for k, v in by_role.items()},
+            {k: {lab: v / rate for lab, v in c.most_common()} for k, c in by_label.items()})
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--mode", default="hms_cpuadam")
+    ap.add_argument("--shape", default="12x768")
+    ap.add_argument("--cap", type=float, default=4.0)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rate", type=int, default=50)
+    ap.add_argument("--py-spy", required=True)
+    ap.add_argument("--lock", default=None)
+    ap.add_argument("--set", action="append", default=[], help="titan.hms KEY=JSON override (repeatable)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    layers, width = map(int, a.shape.split("x"))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nvme = os.path.join(a.path, f"{a.mode}_{a.shape}")
+    work = Path(a.path) / "cfg"
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = ds_config(a.mode, nvme)
+    for kv in a.set:
+        k, v = kv.split("=", 1)
+        cfg["titan"]["hms"][k] = json.loads(v)
+    cfg_path = work / f"{out.name}.json"
+    cfg_path.write_text(json.dumps(cfg))
+    metrics, tl, coll = work / f"{out.name}.metrics.jsonl", work / f"{out.name}.timeline.json", \
+        Path(str(out) + ".collapsed.txt")
+    for f in (metrics, tl, coll):
+        f.unlink(missing_ok=True)
+    train = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg_path), "--steps",
+             str(a.warmup + a.steps), "--layers", str(layers), "--width", str(width), "--heads",
+             str(max(1, width // 64)), "--micro-batch", "1", "--val-batches", "1", "--warmup", "1", "--no-progress",
+             "--zero-init", "--metrics-out", str(metrics), "--timeline-out", str(tl)]
+    cmd = [a.py_spy, "record", "--nonblocking", "--threads", "--format", "raw", "--rate", str(a.rate),
+           "-o", str(coll), "--", *train]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    if a.mode in CPU_ADAM_MODES:
+        build_ops(env)
+    log = Path(str(out) + ".log")
+    with timed_lock(a.lock):
+        t0 = time.time()
+        r = run_capped_clean(cmd, int(a.cap * GiB), log, env=env, cwd=str(ROOT), timeout=3600)
+        wall = time.time() - t0
+    shutil.rmtree(nvme, ignore_errors=True)
+    if not r.ok:
+        raise SystemExit(f"trial failed (exit {r.returncode}, oom {r.oom_killed}); see {log}")
+    hist = [json.loads(x) for x in metrics.read_text().splitlines()]
+    timed = hist[a.warmup:]
+    spans = json.loads(tl.read_text())
+    shutil.copy(tl, str(out) + ".timeline.json")
+    phases = [breakdown(spans["spans"], m["step"]) for m in timed]
+    by_role, by_label = summarize(parse(coll), a.rate)
+    lines = [f"### HMS profile: {a.mode} {a.shape} under {a.cap:g} GiB", "",
+             f"Command: `PYTHONPATH=$PWD python launch/experiments/hms_profile.py {' '.join(sys.argv[1:])}`",
+             f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; "
+             f"load average at the end {os.getloadavg()[0]:.2f}; wall {wall:.0f} s; peak anon "
+             f"{r.peak_anon_bytes / GiB:.3f} GiB; titan.hms overrides {a.set or 'none'}", "",
+             f"s/step (timed steps, py-spy sampling at {a.rate} Hz, non-blocking): "
+             + ", ".join(f"{m['step_s']:.2f}" for m in timed)
+             + f"; median {statistics.median(m['step_s'] for m in timed):.2f}", "",
+             "Wall seconds per phase (timeline, mean over the timed steps):", "",
+             "| phase | s/step |", "|---|---|"]
+    for k in phases[0]:
+        lines.append(f"| {k} | {statistics.mean(p[k] for p in phases):.2f} |")
+    h = [m.get("hms", {}) for m in timed]
+    lines += ["", f"Bytes per timed step: read {statistics.mean(x.get('bytes_read', 0) for x in h) / 1e9:.2f} GB, "
+              f"written {statistics.mean(x.get('bytes_written', 0) for x in h) / 1e9:.2f} GB", "",
+              "On-CPU seconds by thread role over the whole run (py-spy samples / rate; `main (steps)`: samples "
+              "under the training loop; other roles include initialisation):", "",
+              "| role | CPU s | top work (CPU s) |", "|---|---|---|"]
+    for k, v in sorted(by_role.items(), key=lambda kv: -kv[1]):
+        top = "; ".join(f"{lab} {s:.1f}" for lab, s in list(by_label[k].items())[:6])
+        lines.append(f"| {k} | {v:.1f} | {top} |")
+    Path(str(out) + ".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
