@@ -73,7 +73,7 @@ def label(frames: list[str]) -> str:
 
 def parse(collapsed: Path) -> list[tuple[str, list[str], int]]:
     out = []
-    for line in collapsed.read_text().splitlines():
+    for line in collapsed.read_text(errors="replace").splitlines():  # py-spy writes raw bytes of native frames
         stack, _, n = line.rpartition(" ")
         parts = stack.split(";")
         out.append((parts[0], parts[1:], int(n)))

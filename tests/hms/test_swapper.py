@@ -191,15 +191,14 @@ def test_model_built_under_titan_zero_init_streams_from_birth_and_trains_the_sam
 def test_gradient_buffer_on_disk_trains_the_same(tmp):
     # titan.hms.gradient_buffer "disk": DeepSpeed's fp32 gradient partitions live in a file mapping (page cache,
     # reclaimable under a memory cap) instead of anonymous memory; the arithmetic is unchanged. The optimizer
-    # swapper then reads the gradient pieces from that mapping instead of writing a second copy to the store
+    # swapper reads the gradient pieces from that mapping, as it reads them from DeepSpeed's CPU buffer with
+    # "dram": neither writes a copy to the store
     ref, = run(tmp, "hms0_gdram", "--mode", "hms", "--clip", 1.0, "--gas", 2)
     gd, = run(tmp, "hms0_gd", "--mode", "hms", "--clip", 1.0, "--gas", 2, "--grad-disk")
     assert_same(ref, gd)
     assert gd["grad_buffer_mapped"] is True and ref["grad_buffer_mapped"] is False
-    assert ref["grad_keys"] > 0 and gd["grad_keys"] == 0
-    n = sum(p.numel() for p in ref["params"].values())
-    per_step = (ref["hms"]["bytes_written"] - gd["hms"]["bytes_written"]) / len(ref["losses"])
-    assert per_step >= 4 * n * 0.99  # one fp32 gradient copy fewer written per step (the last step's at least)
+    assert ref["grad_keys"] == 0 and gd["grad_keys"] == 0
+    assert ref["hms"]["bytes_written"] == gd["hms"]["bytes_written"] > 0
 
 
 def test_bf16_parameters_with_disk_gradients_train_the_same(tmp):
@@ -209,7 +208,7 @@ def test_bf16_parameters_with_disk_gradients_train_the_same(tmp):
     gd, = run(tmp, "hms_bf16_gd", "--mode", "hms", "--clip", 1.0, "--gas", 2, "--bf16", "--grad-disk")
     assert_same(ref, gd)
     assert all(p.dtype == torch.bfloat16 for p in gd["params"].values())
-    assert gd["grad_buffer_mapped"] is True and gd["grad_keys"] == 0 and ref["grad_keys"] > 0
+    assert gd["grad_buffer_mapped"] is True and gd["grad_keys"] == 0 and ref["grad_keys"] == 0
 
 
 def test_disk_gradient_buffer_maps_a_sparse_unlinked_file(tmp_path):

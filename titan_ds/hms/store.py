@@ -167,7 +167,7 @@ class TensorStore:
 
     def __init__(self, tiers: list[Tier], *, dram_cache_bytes: int = 0, io: Optional[AsyncIOHandle] = None,
                  durable: bool = True, verify: bool = True, prefetch_workers: int = 2,
-                 max_speculative: Optional[int] = None):
+                 max_speculative: Optional[int] = None, overwrite_in_place: bool = False):
         if not tiers:
             raise ValueError("TensorStore needs at least one disk tier")
         self.tiers = tiers
@@ -194,6 +194,12 @@ class TensorStore:
         self._writer = started_pool(1, "titan-hms-writer")
         self._lanes = {"opt": self._writer, "param": started_pool(1, "titan-hms-writer-param")}
         self._writes: dict[str, Future] = {}  # key -> its last queued write, until waited for
+        # key -> set when its in-place overwrite (see _put) is done; no read of the key runs meanwhile
+        self._overwriting: dict[str, threading.Event] = {}
+        # True: a put that is not durable rewrites a same-sized file where it is (see _put): for swap files,
+        # which a restarted run discards; a crash then leaves that file torn. False: every put writes a new file
+        # and renames it over the old one (a crash leaves the previous version whole)
+        self.overwrite_in_place = bool(overwrite_in_place)
         self._lock = threading.RLock()
         self._tmp = itertools.count()
         self.stats = StoreStats()
@@ -270,14 +276,56 @@ class TensorStore:
         hlen = -(-(_FIXED.size + len(json.dumps(meta, separators=(",", ":")))) // ALIGN) * ALIGN  # upper bound
         padded = -(-nbytes // ALIGN) * ALIGN
         size = hlen + padded
+        durable = self.durable if durable is None else durable
         with self._lock:
             ti = self._place(key, size)
+            # a swap file (not durable) of the same size in the same tier is overwritten where it is: writing a
+            # new file and renaming it over the old one allocates its extents and frees the old ones every time
+            # (measured on this disk: 0.8 GB/s against 1.9 GB/s overwriting, O_DIRECT, 40 MiB files). Its old
+            # value is not needed once a new one is being written; a read of it must not overlap the write
+            in_place = (not durable and self.overwrite_in_place and old is not None and old.tier == ti
+                        and old.nbytes == size and key not in self._overwriting)
+            pending = None
+            if in_place:
+                if unstage:  # put: a prefetch of the old value (put_behind dropped it when it was queued, and its
+                    # staged entry may now be the new value, stage=True)
+                    pending = self._staged.pop(key, None)
+                    self._speculative.pop(key, None)
+                self._overwriting[key] = threading.Event()
         final = self.path(key, ti)
-        tmp = f"{final}.tmp.{os.getpid()}.{next(self._tmp)}"
+        if pending is not None:
+            try:
+                pending.result()  # a prefetch of the old value still reading the file
+            except Exception:  # noqa: BLE001 - its value is dropped either way
+                pass
+        tmp = final if in_place else f"{final}.tmp.{os.getpid()}.{next(self._tmp)}"
         try:
-            self._write_file(tmp, meta, hlen, view, durable=self.durable if durable is None else durable)
-            os.replace(tmp, final)
-        except OSError as e:
+            try:
+                self._write_file(tmp, meta, hlen, view, durable=durable)
+            finally:
+                if in_place:
+                    with self._lock:
+                        self._overwriting.pop(key).set()
+            if not in_place:
+                os.replace(tmp, final)
+        except BaseException as e:
+            if in_place:  # the file holds neither value now: forget the key rather than read it back torn
+                with self._lock:
+                    self._index.pop(key, None)
+                    self.tiers[ti].used_bytes -= old.nbytes
+                    self._unstage(key)
+                    if key in self._cache:
+                        self._cache_drop(key)
+                if os.path.exists(final):
+                    os.remove(final)
+                if isinstance(e, OSError):
+                    raise OSError(e.errno, f"titan hms: overwriting {final!r} failed ({e.strerror or e}); the value "
+                                           f"of {key!r} is lost") from e
+                raise
+            if not isinstance(e, OSError):
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
             if os.path.exists(tmp):
                 os.remove(tmp)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -496,6 +544,10 @@ class TensorStore:
         """The tensor stored under ``key`` (caller-owned); copied into ``out`` when given."""
         self._wait_write(key)
         with self._lock:
+            ev = self._overwriting.get(key)
+        if ev is not None:  # a put on another thread rewriting the file where it is
+            ev.wait()
+        with self._lock:
             if key not in self._index:
                 raise KeyError(f"titan hms: no tensor stored under {key!r}")
             self._freq[key] = self._freq.get(key, 0) + 1
@@ -553,6 +605,8 @@ class TensorStore:
                 write = None  # landed: the index and cache are current
             # a queued write makes the index and any cached copy stale: read after it lands
             if write is None and (key not in self._index or key in self._cache) or key in self._staged:
+                return
+            if key in self._overwriting:  # a put rewriting the file where it is: the get reads it after
                 return
             path, gen = (self.path(key), self._index[key].gen) if write is None else (None, None)
 

@@ -328,6 +328,11 @@ class HMSOptimizerSwapper:
         # their dtype is the master's, so they are kept as views instead of being written to the store a second
         # time (4 bytes/param of disk and of write traffic per step).
         self.grad_file = grad_file
+        # gradient_buffer "dram": the same for DeepSpeed's own gradient partition buffer in CPU memory
+        # (grad_partitions_flat_buffer: with offload_optimizer ZeRO-3 allocates it on the CPU, pinned on a GPU
+        # machine, and keeps it from backward to the optimizer step). Set by install._HMSRuntime.attach; before
+        # that (None) every piece is written to the store
+        self.grad_buffer: Optional[torch.Tensor] = None
         self._grad_views: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self.optimizer = optimizer
         self.dtype = dtype
@@ -520,10 +525,13 @@ class HMSOptimizerSwapper:
         self._grad_views[pid] = []
 
     def _is_mapped(self, t: torch.Tensor) -> bool:
-        """``t`` is a view of the gradient file mapping, in the master's dtype."""
-        m = getattr(self.grad_file, "mapped", None)
-        return (m is not None and t.dtype == self.dtype and t.is_contiguous() and
-                t.untyped_storage().data_ptr() == m.untyped_storage().data_ptr())
+        """``t`` is a view, in the master's dtype, of a gradient buffer that lives until the step reads it: the
+        file mapping (gradient_buffer "disk") or DeepSpeed's CPU gradient partitions (gradient_buffer "dram")."""
+        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(m is not None and ptr == m.untyped_storage().data_ptr()
+                   for m in (getattr(self.grad_file, "mapped", None), self.grad_buffer))
 
     def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors) -> None:
         pid = parameter.ds_id
