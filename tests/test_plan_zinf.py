@@ -18,7 +18,8 @@ from titan_ds.plan import MODES, candidate_config, candidates, load_calibration,
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 # the committed speed runs that rank the candidates (launch/bench/hms_scale.py --speed-shape 12x768 --speed-cap 4)
-SPEED = ["results/hms_scale_zinf.speed.jsonl", "results/hms_scale_zinf_pipelined.speed.jsonl"]
+SPEED = ["results/hms_scale_zinf.speed.jsonl", "results/hms_scale_zinf_pipelined.speed.jsonl",
+         "results/hms_speed_inplace.speed.jsonl"]
 
 
 def _records(path):
@@ -70,6 +71,33 @@ def test_zero_inf_ranks_by_the_measured_step_time():
     # 32x768 under 2 GiB: only the HMS modes fit (ZeRO-Infinity was OOM-killed above 10x768 under 2 GiB)
     cands, best = plan(model_spec("gpt:32x768"), seq=128, micro=1, cpu_mem=2 * GiB, disk=20 * GiB)
     assert not {c.mode: c for c in cands}["zero_inf"].fits and best.mode == "hms"
+
+
+def test_hms_dram_candidate_is_hms_scale_s_config_and_predicted_within_15_percent(tmp_path):
+    """HMS with the parameters in CPU memory (titan.hms.param_tier "dram"): the config hms_scale.py measured, valid
+    for titan and DeepSpeed, and its peak within 15% of the measured one (its process baseline borrowed from
+    "hms", so it says calibrated: no)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from launch.bench.hms_scale import ds_config
+    from titan_ds.config import TitanConfig
+    from titan_ds.hms.install import configure_ds_config
+    nvme = str(tmp_path / "nvme")
+    cfg = candidate_config("hms_dram", nvme_path=nvme)
+    assert cfg == ds_config("hms_dram", nvme) and cfg["titan"]["hms"]["param_tier"] == "dram"
+    TitanConfig.from_ds_config(cfg)
+    plain = {k: v for k, v in cfg.items() if k != "titan"}
+    configure_ds_config(plain, nvme, "dram")
+    z = DeepSpeedConfig(plain).zero_config
+    assert (z.offload_param.device, z.offload_optimizer.device) == ("cpu", "nvme")
+    m = model_spec("gpt:12x768")
+    c = predict("hms_dram", m, calibration=load_calibration())
+    assert not c.calibrated and "parameters" not in c.disk and c.dram["parameters"] >= 4 * m.params
+    peaks = [r["peak_anon_GiB"] for _, r in _records("results/hms_speed_inplace.speed.jsonl")
+             if r.get("mode") == "hms_dram" and r.get("fits")]
+    assert len(peaks) == 3
+    measured = statistics.median(peaks) * GiB
+    assert abs(c.dram_peak / measured - 1) <= 0.15, (c.dram_peak / GiB, measured / GiB)
 
 
 def test_the_peak_counts_the_larger_phase_not_both():

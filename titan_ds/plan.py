@@ -52,12 +52,15 @@ PIPELINE_DEPTH = 1
 # zero_inf sits by its measured s/step: 19.934 against zero3_cpu's 20.521 and HMS + AdamW's 34.119 in one run of the
 # three (results/hms_scale_zinf.speed.md), 5.077 against pipelined HMS + AdamW's 12.391 over 2 alternated runs
 # (results/hms_scale_zinf_pipelined.speed.md); tests/test_plan_zinf.py checks this order against those files
-MODES = ("zero2", "zero3", "zero_inf", "zero3_cpu", "hms", "hms_asdt", "hms_asdt_bf16")
+MODES = ("zero2", "zero3", "zero_inf", "zero3_cpu", "hms_dram", "hms", "hms_asdt", "hms_asdt_bf16")
 # modes whose element-proportional bytes (partitions, masters, optimizer state) live on disk, and whose DRAM the
 # structure already sizes by what grows (the gradient partition where it is in DRAM, one sub-group, activations):
 # their calibration fits the process baseline only. A slope fitted on 0.01-0.2B-parameter shapes was noise
 # (-0.19, -0.34, +0.49 bytes/param) that 5B parameters turned into +2.3 GiB (issue 29: +68% at 25x4096)
 BASELINE_ONLY_MODES = ("hms", "hms_asdt", "hms_asdt_bf16")
+# a mode without runs of its own in the calibration borrows another's process baseline (and stays "calibrated: no"):
+# hms_dram runs HMS's store and optimizer swapper with DeepSpeed's CPU parameter offload
+CALIBRATION_OF = {"hms_dram": "hms"}
 # ZeRO-Infinity runs DeepSpeed's ZeRO-3 offload code as zero3_cpu does (the same partitions in CPU memory, the
 # same gradient partition): it shares zero3_cpu's fitted bytes/param and fits its own baseline
 # ZeRO-Infinity as launch/bench/hms_scale.py trains it (its ``zero_inf`` mode): ZeRO-3, optimizer state (fp32
@@ -78,6 +81,7 @@ STEP_TEMP_FILE = Path(__file__).with_name("step_temp.json")
 STEP_TEMP_COMMAND = ("python launch/bench/optim_step.py --what temp --sizes 67108864 --dtypes fp32 "
                      "--step-temp-json titan_ds/step_temp.json")
 MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "zero_inf": "adamw", "hms": "adamw",
+                  "hms_dram": "adamw",
                   "hms_asdt": "asdt_bf16", "hms_asdt_bf16": "asdt_8bit"}
 DESCRIPTION = {
     "zero2": "ZeRO-2, torch AdamW",
@@ -85,6 +89,8 @@ DESCRIPTION = {
     "zero3_cpu": "ZeRO-3 + CPU offload (params, optimizer), torch AdamW",
     "zero_inf": "ZeRO-Infinity: ZeRO-3, optimizer state on NVMe (DeepSpeed's async_io op: needs libaio-dev), "
                 "params in CPU memory, DeepSpeedCPUAdam",
+    "hms_dram": "ZeRO-3 + titan HMS for the optimizer state (on disk), params in CPU memory (param_tier dram), "
+                "torch AdamW; needs no libaio",
     "hms": "ZeRO-3 + titan HMS (params, optimizer on disk), torch AdamW",
     "hms_asdt": "ZeRO-3 + titan HMS + titan optimizer (ASDT, bf16 state), gradient partitions in a file mapping",
     "hms_asdt_bf16": "hms_asdt with bf16 parameters (fp32 gradients and masters) and ASDT's momentum in 8 bits",
@@ -176,6 +182,8 @@ def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_bat
     if mode.startswith("hms"):
         cfg["titan"] = {"hms": {"nvme_path": nvme_path, "dram_cache_mb": dram_cache_mb, "prefetch": "trace",
                                 "prefetch_depth": 2}}
+        if mode == "hms_dram":
+            cfg["titan"]["hms"]["param_tier"] = "dram"
         if mode == "hms_asdt":
             cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-3, "density": 0.1, "state_dtype": "bf16"}
             cfg["titan"]["hms"]["gradient_buffer"] = "disk"
@@ -300,6 +308,8 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         grads_on_disk = mode.startswith("hms_asdt") and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
         dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
                    buffers=w * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
+        if mode == "hms_dram":  # titan.hms.param_tier "dram": the partitions in CPU memory (offload_param cpu)
+            dram["parameters"] = w * P / N
         # the sub-group's master, gradient and state, and the step's temporaries; plus the previous sub-group's
         # master and state still being written (titan.hms.pipeline_optimizer, on by default, depth 1)
         # and the next sub-group's master and state, read ahead while this one steps (titan_ds/hms/swapper.py:
@@ -307,8 +317,11 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         temp = (step_temp or load_step_temp())[MODE_OPTIMIZER[mode]]
         dram.update(optimizer=sub * (4 + 4 + S + temp) + sub * (4 + S) * (pipeline_depth + 1),
                     cache=64 * 2**20)
-        disk.update(parameters=w * P / N, optimizer=(4 + S) * P / N,  # fp32 masters + state
-                    gradients=4 * P / N)  # the swapped fp32 grads, or the mapping they are read from
+        # fp32 masters + state; the gradients are read where ZeRO-3 keeps them (its CPU buffer, or the file
+        # mapping of gradient_buffer "disk", counted on disk)
+        disk.update(optimizer=(4 + S) * P / N, gradients=4 * P / N if grads_on_disk else 0)
+        if mode != "hms_dram":
+            disk["parameters"] = w * P / N
     phase = {"activations": "forward/backward"}
     if mode.startswith("hms"):
         phase["optimizer"] = "optimizer step"
@@ -324,8 +337,9 @@ def predict(mode: str, m: ModelSpec, *, ranks: int = 1, seq: int = 128, micro: i
             pipeline_depth: int = PIPELINE_DEPTH) -> Candidate:
     t = _structure(mode, m, ranks, seq, micro, gpu, step_temp, pipeline_depth)
     c = Candidate(mode, DESCRIPTION[mode], device=t["device"], dram=t["dram"], disk=t["disk"], phase=t["phase"])
-    cal = (calibration or load_calibration())["modes"].get(mode)
-    if cal is None or gpu:
+    modes = (calibration or load_calibration())["modes"]
+    cal = modes.get(mode, modes.get(CALIBRATION_OF.get(mode, "")))
+    if mode not in modes or gpu:
         c.calibrated = False
     if cal is not None:  # the process baseline, and bytes/param the structure does not explain (issue 16)
         c.dram["baseline"] = cal["baseline_bytes"]
