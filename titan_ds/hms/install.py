@@ -143,9 +143,8 @@ def configure_ds_config(ds: dict[str, Any], nvme_path: str, param_tier: str = "n
     for sec in ("offload_param", "offload_optimizer"):
         off = zero.get(sec)
         if off is None:
-            off = zero[sec] = {"device": want[sec], "nvme_path": nvme_path}
-            if want[sec] == "cpu":
-                off = zero[sec] = {"device": "cpu", "pin_memory": True}
+            off = zero[sec] = ({"device": "cpu", "pin_memory": True} if want[sec] == "cpu"
+                               else {"device": "nvme", "nvme_path": nvme_path})
             changed.append(f"zero_optimization.{sec}.device={want[sec]}")
         if off.get("device", "none") != want[sec]:
             if sec == "offload_param" and param_tier == "nvme" and off.get("device") == "cpu":
@@ -411,7 +410,7 @@ class HMSPillar(Pillar):
         root = _prepare(hms, ctx.ds_config, txn)
         if hms.param_tier == "dram":  # the parameters stay in CPU memory: only the optimizer state goes to the store
             pswap, store = None, build_store(hms, root, txn)
-            if _adopted_swapper(ctx.model, "dram") is None and not any(map(dsc.is_zero_param, ctx.model.parameters())):
+            if not any(map(dsc.is_zero_param, ctx.model.parameters())):  # validate() refused a disk-swapped model
                 _convert_model(ctx.model, ctx.ds_config, None)
         else:
             pswap = _adopted_swapper(ctx.model)  # built under titan_ds.zero_init: its parameters already live in HMS

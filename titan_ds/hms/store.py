@@ -322,12 +322,10 @@ class TensorStore:
                     raise OSError(e.errno, f"titan hms: overwriting {final!r} failed ({e.strerror or e}); the value "
                                            f"of {key!r} is lost") from e
                 raise
-            if not isinstance(e, OSError):
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
             if os.path.exists(tmp):
                 os.remove(tmp)
+            if not isinstance(e, OSError):
+                raise
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 st = os.statvfs(self.tiers[ti].path)
                 raise StoreFullError(e.errno, f"titan hms: disk full writing {final!r}: needed {size} bytes, "
