@@ -13,6 +13,9 @@ export OMP_NUM_THREADS ?= 2
 # DeepSpeed JIT-builds its CPU shared-memory all-reduce op on the first init_distributed (2-15 min on 2 cores):
 # build it once here, where nothing times it out, rather than inside the first test or demo step.
 SHM_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
+# titan's own CPU op (the optimizer core's kernel, titan_ds/optim/csrc/core_cpu.cpp; ~35 s): built here too. Where it
+# cannot build, titan warns and steps with the eager loop (same results), so a failed build does not stop make.
+CORE_OP := $(TORCH_EXTENSIONS_DIR)/titan_core_cpu/titan_core_cpu.so
 
 .PHONY: demo demo2 test test-heavy test-fast report bench-baseline clean clean-shm
 
@@ -26,11 +29,14 @@ $(SHM_OP): $(VENV)/.installed
 	rm -f $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/lock  # left by a build that was killed; loads would wait on it
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"
 
+$(CORE_OP): $(VENV)/.installed titan_ds/optim/csrc/core_cpu.cpp
+	-$(PY) -c "from titan_ds.optim import core_cpu; core_cpu.available()"
+
 # Free /dev/shm files that earlier DeepSpeed CPU runs leaked (only ones no live process uses).
 clean-shm: $(VENV)/.installed
 	$(VENV)/bin/titan-ds clean-shm
 
-demo: $(SHM_OP)
+demo: $(SHM_OP) $(CORE_OP)
 	$(PY) launch/demo.py --steps $(STEPS) --out results/tmp/demo
 
 demo2: $(SHM_OP)
@@ -42,14 +48,14 @@ demo2: $(SHM_OP)
 # compile and benchmark-resume tests (~15 min more: kill -9 at random points, the soak, the gloo exit race,
 # Triton compiles, DeepSpeed's NVMe swapper bug, a ZeRO-Infinity trial), run before a release and by every session before it stops.
 XDIST := -n 2
-test: $(SHM_OP) clean-shm
+test: $(SHM_OP) $(CORE_OP) clean-shm
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests $(XDIST) --durations=10
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "slow and not heavy" tests $(XDIST) --durations=25
 
-test-heavy: $(SHM_OP) clean-shm
+test-heavy: $(SHM_OP) $(CORE_OP) clean-shm
 	$(PY) -m pytest -q -m heavy tests --durations=25
 
-test-fast: $(SHM_OP)
+test-fast: $(SHM_OP) $(CORE_OP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests $(XDIST) --durations=10
 
 report: $(VENV)/.installed

@@ -30,6 +30,11 @@ gradient first (each unit's mean square). Strategies that need a whole unit or e
 density < 1, the TGSS sketch, BSPS modes, a unit split across ranks) stay in :mod:`~titan_ds.optim.asdt_math`;
 ASDT routes to this core when none is on.
 
+**On a CPU** the adaptive chunks step on a C++ kernel (:mod:`~titan_ds.optim.core_cpu`, ``csrc/core_cpu.cpp``):
+the same arithmetic in two passes over the chunk, each element's work done while it is in cache, with ATen's
+square root between them; it stores what the eager loop stores, bit for bit (``tests/optim/test_core_cpu.py``),
+at ~5x its elements/s. ``TITAN_CORE_CPU=0`` (or a machine where it does not build) steps eagerly.
+
 **The compiled fused chunk** (:func:`_fused_chunk` under ``torch.compile``; on with ``TITAN_CORE_COMPILE=1``
 (:data:`COMPILE`) or ``dense_step(compiled=True)``): the adaptive step with the per-coordinate second
 moment runs each chunk of units of one length (a multiple of 256; 4-bit codes starting on a byte) as one graph:
@@ -515,7 +520,16 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
     if fused:
         hp = torch.tensor([b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
                            0.0 if update_clip is None else update_clip], dtype=torch.float32, device=w_flat.device)
+    from . import core_cpu
+    native = adaptive and not fused and core_cpu.ENABLED and core_cpu.supports(w_flat, g_flat, momentum, variance) \
+        and core_cpu.available()
     for s in slices:
+        if native:
+            selected = selected + core_cpu.step(
+                w_flat, g_flat, s, momentum, variance, unit_denom=unit_denom, bc1=bc1, inv_bc2=inv_bc2, betas=betas,
+                eps=eps, lr=lr, weight_decay=weight_decay, update_clip=update_clip, importance=importance,
+                generator=generator)
+            continue
         if fused and variance is not None and _fusable(s, momentum, variance):
             selected = selected + _fused_step(w_flat, g_flat, s, momentum, variance, bc1, inv_bc2, hp,
                                               importance, update_clip is not None, generator)

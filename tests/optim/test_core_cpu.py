@@ -1,0 +1,69 @@
+"""The C++ CPU kernel of ASDT's adaptive chunk (titan_ds/optim/core_cpu.py) against the eager loop it replaces:
+the same weights and the same stored state, bit for bit, for every state kind, weight dtype, second moment,
+granularity, clip and importance the dense core takes, over several steps and chunk sizes."""
+import pytest
+import torch
+
+pytest.importorskip("torchao")  # the quantized state's code maps
+
+from titan_ds.optim import core, core_cpu  # noqa: E402
+from titan_ds.optim.asdt import ASDT  # noqa: E402
+
+if not core_cpu.available():  # pragma: no cover (a machine without a compiler: the warning says why)
+    pytest.skip("the C++ kernel did not build here", allow_module_level=True)
+
+# odd sizes (4-bit codes straddle bytes, units start on either half), a unit over 256 (several work items), a
+# large one cut into pieces at small chunk sizes
+SHAPES = [(37, 29), (5,), (300,), (3, 4, 6), (1,), (41, 17), (700, 3)]
+
+CASES = {
+    "balanced": dict(second_moment="coordinate", state_dtype="8bit", second_dtype="4bit"),
+    "memory": dict(second_moment="coordinate", state_dtype="4bit", second_dtype="4bit"),
+    "8bit-8bit-row": dict(second_moment="coordinate", state_dtype="8bit", second_dtype="8bit", granularity="row"),
+    "bf16-fp32-clip": dict(second_moment="coordinate", state_dtype="bf16", second_dtype="fp32", update_clip=0.5),
+    "fp32-bf16-grad_weight": dict(second_moment="coordinate", state_dtype="fp32", second_dtype="bf16",
+                                  importance="grad_weight"),
+    "unit-row-8bit-clip": dict(granularity="row", state_dtype="8bit", update_clip=1.0),
+    "unit-row-4bit": dict(granularity="row", state_dtype="4bit"),
+    "unit-tensor-bf16": dict(state_dtype="bf16"),
+}
+
+
+def _run(monkeypatch, native, chunk, dtype, steps=4, **kw):
+    monkeypatch.setattr(core_cpu, "ENABLED", native)
+    monkeypatch.setattr(core, "CHUNK", chunk)
+    torch.manual_seed(0)
+    ps = [torch.randn(s).to(dtype).requires_grad_() for s in SHAPES]
+    opt = ASDT([(f"p{i}", p) for i, p in enumerate(ps)], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+               density=1.0, rounding_seed=3, update="adaptive", **kw)
+    calls = []
+    step = core_cpu.step
+    monkeypatch.setattr(core_cpu, "step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    for t in range(steps):
+        gen = torch.Generator().manual_seed(100 + t)
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=gen) * (1 + t)).to(p.dtype)
+        opt.step()
+    return ps, opt, len(calls)
+
+
+@pytest.mark.parametrize("chunk", [256, 1 << 20], ids=["chunk256", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_is_the_eager_loop(monkeypatch, case, dtype, chunk):
+    eager, opt_e, n_e = _run(monkeypatch, False, chunk, dtype, **CASES[case])
+    native, opt_n, n_n = _run(monkeypatch, True, chunk, dtype, **CASES[case])
+    assert n_e == 0 and n_n > 0  # the kernel ran in one run and not in the other
+    for a, b in zip(eager, native):
+        assert torch.equal(a.data, b.data)
+        for key, v in opt_e.state[a].items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, opt_n.state[b][key]), key
+    assert int(opt_e._last_selected) == int(opt_n._last_selected)
+
+
+def test_no_kernel_off_the_cpu(monkeypatch):
+    """Tensors on another device (meta stands in for a GPU) never reach the kernel."""
+    w = torch.empty(512, device="meta")
+    assert not core_cpu.supports(w, w, None)
+    assert core_cpu.supports(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), None)

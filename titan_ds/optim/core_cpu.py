@@ -1,0 +1,111 @@
+"""The CPU kernel of :mod:`~titan_ds.optim.core`'s adaptive chunk (``csrc/core_cpu.cpp``): the same arithmetic as
+the eager loop, op for op in fp32, in two passes over the chunk with ATen's square root between them, so it
+stores the same weights and state bit for bit (``tests/optim/test_core_cpu.py``), at 7-20x the eager loop's
+elements/s (``launch/bench/optim_step.py``).
+
+The eager loop makes ~20 whole-chunk passes through ATen (decode, update, encode each a few kernels, each
+reading and writing the chunk); the kernel makes two, each element's work done while it is in cache. It is a
+C++ extension JIT-built by ``torch.utils.cpp_extension`` on first use (as DeepSpeed builds its CPU ops; ~30-60 s
+once, cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot build (no compiler) the eager loop runs, with one
+warning. ``TITAN_CORE_CPU=0`` turns it off. Tensors on any other device (a GPU, or ``meta`` in the tests) take the
+eager loop or the compiled step.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from . import qstate
+from .asdt_math import round_to
+
+__all__ = ["ENABLED", "available", "supports", "step"]
+
+_env = os.environ.get("TITAN_CORE_CPU", "1")
+if _env not in ("0", "1"):
+    raise ValueError(f"TITAN_CORE_CPU={_env!r}: set 1 (the C++ CPU kernel, default) or 0 (the eager loop)")
+ENABLED = _env == "1"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "core_cpu.cpp")
+_KIND = {"8bit": 8, "4bit": 4}
+_PLAIN = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@lru_cache(maxsize=None)
+def _module():
+    """The built extension, or None (with a warning) where it does not build."""
+    try:
+        from torch.utils.cpp_extension import load
+        return load(name="titan_core_cpu", sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                    verbose=False)
+    except Exception as e:  # noqa: BLE001 (any build failure: no compiler, no ninja, a read-only cache)
+        warnings.warn(f"titan_ds: the C++ optimizer kernel ({_SOURCE}) did not build ({type(e).__name__}: {e}); "
+                      "ASDT steps with the eager loop (same results, slower). Install a C++ compiler and ninja, "
+                      "or set TITAN_CORE_CPU=0 to silence this.", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def available() -> bool:
+    return ENABLED and _module() is not None
+
+
+def supports(w: torch.Tensor, g: torch.Tensor, *bufs) -> bool:
+    """Whether the kernel steps a chunk of ``w`` (gradient ``g``) with the state buffers ``bufs``: CPU tensors,
+    fp32/bf16 weights and gradients, states plain fp32/bf16 or 8-/4-bit codes."""
+    if w.device.type != "cpu" or g.device.type != "cpu" or w.dtype not in _PLAIN or g.dtype not in _PLAIN:
+        return False
+    return all(b is None or (b.kind in _KIND if b.kind is not None else b.data.dtype in _PLAIN) for b in bufs)
+
+
+def _spec(buf, s) -> tuple:
+    """The kernel's arguments for state buffer ``buf`` at chunk ``s``: kind, data, first index, absmax, tables."""
+    if buf.kind is None:
+        empty = torch.empty(0)
+        return (_PLAIN[buf.data.dtype], buf.data[s.buf:s.buf + s.n], 0, empty, empty, empty, empty)
+    block = qstate.KINDS[buf.kind][0]
+    b0 = buf.block0[s.lo] + s.offset // block
+    return (_KIND[buf.kind], buf.data, s.buf, buf.absmax[b0:], *_tables(buf.kind, buf.signed))
+
+
+@lru_cache(maxsize=None)
+def _tables(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The code map and, per top-16-bit pattern of a float32, the kernel's encoding entry (csrc: ``encode``):
+    qstate._table's code in the low byte and, above it, the threshold on the value's lower 16 bits (ordered by
+    ``key``: reversed for negative values) at which it rounds one code up: the midpoint's, where that midpoint
+    lies in the pattern's bucket, else 0x10000 (never)."""
+    codes, nxt = qstate._table(kind, signed)
+    top = torch.arange(1 << 16, dtype=torch.int32)
+    bits = nxt.view(torch.int32)
+    inside = (((bits >> 16) & 0xFFFF) == top) & torch.isfinite(nxt)
+    low = bits & 0xFFFF
+    key = torch.where(top >= 0x8000, 0xFFFF - low, low)
+    threshold = torch.where(inside, key, torch.full_like(key, 0x10000))
+    return qstate.qmap(kind, signed), (codes | (threshold << 8)).contiguous(), torch.empty(0)
+
+
+def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, unit_denom: Optional[torch.Tensor],
+         bc1: Optional[torch.Tensor], inv_bc2: Optional[torch.Tensor], betas: tuple[float, float], eps: float,
+         lr: float, weight_decay: float, update_clip: Optional[float], importance: str,
+         generator: Optional[torch.Generator]) -> torch.Tensor:
+    """The adaptive step of chunk ``s`` (:func:`core.dense_step`'s arguments), in place; the count of changed
+    elements (an int64 tensor, as the eager loop's ``mask.sum()``)."""
+    mod = _module()
+    b1, b2 = betas
+    w = w_flat[s.flat:s.flat + s.n]
+    g = g_flat[s.flat:s.flat + s.n]
+    four = momentum.kind == "4bit" or (variance is not None and variance.kind == "4bit")
+    empty = torch.empty(0)
+    v = _spec(variance, s) if variance is not None else (-1, empty, 0, empty, empty, empty, empty)
+    sr = generator is not None and w.dtype == torch.bfloat16
+    wout = torch.empty(s.n, dtype=torch.float32) if sr else empty
+    count = mod.step(w, g, list(s.lengths), *_spec(momentum, s), *v,
+                     inv_bc2[s.lo:s.hi] if variance is not None else empty,
+                     bc1[s.lo:s.hi] if variance is not None else unit_denom[s.lo:s.hi],
+                     torch.empty(s.n if four else 0, dtype=torch.uint8), wout,
+                     b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay, update_clip is not None,
+                     0.0 if update_clip is None else update_clip, importance == "grad_weight")
+    if sr:
+        w.copy_(round_to(w.dtype, wout, generator))
+    return torch.tensor(count)

@@ -1,0 +1,364 @@
+// The CPU kernel of ASDT's adaptive chunk step (titan_ds/optim/core_cpu.py builds and calls it; the arithmetic is
+// core.py's eager loop, op for op in fp32, so the two store the same bits: tests/optim/test_core_cpu.py).
+//
+// A chunk is a run of units (each restarting its quantization blocks) of `lengths`. It is stepped in two passes
+// with the square root between them done by ATen (its CPU sqrt, MKL's, is not correctly rounded, and the eager
+// loop uses it):
+//   pass A: decode the momentum (and the per-coordinate second moment), m = m*b1 + g*(1-b1) -> M;
+//           v = v*b2 + (g*g)*(1-b2), stored (encoded) at once, and D = v * inv_bc2
+//   (ATen: D = sqrt(D))
+//   pass B: den = (D + eps) * bc1 (per coordinate) or the unit's denominator; c = M / den, clamped;
+//           w = w - (c + wd*w) * lr where the score is > 0; M encoded into the momentum.
+// Work items are 256 elements of one unit (every block size, 256 and 128, divides 256), spread over ATen's
+// intra-op threads; a 4-bit state's codes go through a byte-per-code buffer and are packed after the pass (two
+// codes share a byte, and a unit may start on either half). Build with -ffp-contract=off: no fused multiply-add
+// may merge two of the eager loop's roundings.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Kind : int64_t { PLAIN_F32 = 0, PLAIN_BF16 = 1, Q8 = 8, Q4 = 4 };
+
+// The code lookups, 8 values at a time with AVX2 gathers where the build targets it (-march=native), else one
+// at a time; the same loads, multiplications and comparisons either way.
+
+// out[k] = qmap[codes[k]] * scale
+inline void decode8(float* out, const uint8_t* codes, int64_t n, const float* qmap, float scale) {
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; k + 8 <= n; k += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k)));
+    _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_i32gather_ps(qmap, idx, 4), s));
+  }
+#endif
+  for (; k < n; ++k) out[k] = qmap[codes[k]] * scale;
+}
+
+// out[k] = qmap[nibble p0 + k] * scale (two codes a byte, the first in the high half)
+inline void decode4(float* out, const uint8_t* bytes, int64_t p0, int64_t n, const float* qmap, float scale) {
+  int64_t k = 0;
+  if (n > 0 && (p0 & 1)) {
+    out[0] = qmap[bytes[p0 >> 1] & 0x0F] * scale;
+    k = 1;
+  }
+#if defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i shifts = _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0), low4 = _mm256_set1_epi32(0x0F);
+  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256 q_lo = _mm256_loadu_ps(qmap), q_hi = _mm256_loadu_ps(qmap + 8);  // the 16 codes' values
+  for (; k + 8 <= n; k += 8) {  // nibbles p0+k.. start a byte here
+    int32_t four;
+    std::memcpy(&four, bytes + ((p0 + k) >> 1), 4);
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(four), dup));
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(wide, shifts), low4);
+    const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));  // codes 8-15
+    const __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(q_lo, idx), _mm256_permutevar8x32_ps(q_hi, idx), hi);
+    _mm256_storeu_ps(out + k, _mm256_mul_ps(v, s));
+  }
+#endif
+  for (; k < n; ++k) {
+    const int64_t p = p0 + k;
+    const uint8_t byte = bytes[p >> 1];
+    out[k] = qmap[(p & 1) ? (byte & 0x0F) : (byte >> 4)] * scale;
+  }
+}
+
+// qstate.encode_with: the nearest code of each scaled value x, table[top] + (x >= next[table[top]]), top the
+// upper 16 bits of x. One lookup a value here: entry[top] = code | threshold << 8, where the threshold is the
+// midpoint's lower 16 bits as key() orders them when the midpoint lies in x's 16-bit bucket, else 0x10000 (never
+// reached: the midpoint is above the whole bucket). For x and a midpoint with the same upper bits, x >= midpoint
+// exactly when key(x) >= key(midpoint) (core_cpu._tables builds the entries; equal for every finite x).
+inline uint32_t key(uint32_t bits) { return (bits & 0x80000000u) ? 0xFFFFu - (bits & 0xFFFFu) : (bits & 0xFFFFu); }
+
+inline void encode(uint8_t* dst, const float* x, int64_t n, const uint32_t* entry) {
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256i byte = _mm256_set1_epi32(0xFF), low16 = _mm256_set1_epi32(0xFFFF);
+  for (; k + 8 <= n; k += 8) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
+    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(entry), _mm256_srli_epi32(bits, 16), 4);
+    const __m256i neg = _mm256_srai_epi32(bits, 31);  // all ones where the sign is set
+    const __m256i kx = _mm256_xor_si256(_mm256_and_si256(bits, low16), _mm256_and_si256(neg, low16));
+    const __m256i up = _mm256_cmpgt_epi32(_mm256_srli_epi32(e, 8), kx);  // threshold > key: no round up
+    const __m256i c = _mm256_sub_epi32(_mm256_add_epi32(_mm256_and_si256(e, byte), _mm256_set1_epi32(1)),
+                                       _mm256_and_si256(up, _mm256_set1_epi32(1)));
+    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + k), _mm_packus_epi16(w16, w16));
+  }
+#endif
+  for (; k < n; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, x + k, 4);
+    const uint32_t e = entry[bits >> 16];
+    dst[k] = static_cast<uint8_t>((e & 0xFF) + (key(bits) >= (e >> 8) ? 1 : 0));
+  }
+}
+
+struct State {
+  int64_t kind = PLAIN_F32;
+  uint8_t* bytes = nullptr;   // quantized: the codes (4-bit: the buffer's packed bytes from byte 0)
+  float* f32 = nullptr;       // plain fp32: the chunk's values
+  c10::BFloat16* bf16 = nullptr;  // plain bf16: the chunk's values
+  int64_t pos0 = 0;           // quantized: the chunk's first value's index in the codes (4-bit: a nibble index)
+  float* absmax = nullptr;    // quantized: the chunk's first block scale
+  const float* qmap = nullptr;
+  const uint32_t* entry = nullptr;  // encode()'s entry of each top-16-bit pattern
+  int64_t block = 256;
+  std::vector<int64_t> unit_block0;  // each unit's first block scale, relative to absmax
+
+  // Values i0..i0+n of the chunk (`off` into unit `unit`; n <= 256, starting on a block of the unit) as fp32.
+  void read(float* out, int64_t i0, int64_t n, int64_t unit, int64_t off) const {
+    if (kind == PLAIN_F32) {
+      std::memcpy(out, f32 + i0, n * sizeof(float));
+      return;
+    }
+    if (kind == PLAIN_BF16) {
+      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(bf16[i0 + k]);
+      return;
+    }
+    for (int64_t b = 0; b < n; b += block) {
+      const int64_t len = std::min(block, n - b);
+      const float scale = absmax[unit_block0[unit] + (off + b) / block];
+      if (kind == Q8) decode8(out + b, bytes + pos0 + i0 + b, len, qmap, scale);
+      else decode4(out + b, bytes, pos0 + i0 + b, len, qmap, scale);
+    }
+  }
+
+  // Store vals[0:n) (value i0.. of the chunk, `off` into unit `unit`; n <= 256, starting on a block of the unit):
+  // plain: cast; quantized: per block, the absmax clipped at 1e-12 (torchao's scale_tensor), the codes of x/scale
+  // (4-bit: into codes4[i0..], packed later).
+  void write(const float* vals, int64_t i0, int64_t n, int64_t unit, int64_t off, uint8_t* codes4) {
+    if (kind == PLAIN_F32) {
+      for (int64_t k = 0; k < n; ++k) f32[i0 + k] = vals[k];
+      return;
+    }
+    if (kind == PLAIN_BF16) {
+      for (int64_t k = 0; k < n; ++k) bf16[i0 + k] = c10::BFloat16(vals[k]);
+      return;
+    }
+    for (int64_t b = 0; b < n; b += block) {
+      const int64_t len = std::min(block, n - b);
+      // the largest |x| as the largest bit pattern of |x| (a NaN's is above every number's: torch.amax
+      // propagates a NaN, and torch.clip(min=1e-12) keeps it), an integer max the compiler vectorizes
+      const float* x = vals + b;
+      uint32_t top_bits = 0;
+      for (int64_t k = 0; k < len; ++k) {
+        uint32_t u;
+        std::memcpy(&u, x + k, 4);
+        u &= 0x7FFFFFFFu;
+        top_bits = u > top_bits ? u : top_bits;
+      }
+      float amax;
+      std::memcpy(&amax, &top_bits, 4);
+      const float scale = amax < 1e-12f ? 1e-12f : amax;
+      absmax[unit_block0[unit] + (off + b) / block] = scale;
+      float scaled[256];
+      for (int64_t k = 0; k < len; ++k) scaled[k] = x[k] / scale;
+      encode(kind == Q8 ? bytes + pos0 + i0 + b : codes4 + i0 + b, scaled, len, entry);
+    }
+  }
+
+  // 4-bit: pack codes4[i0:i0+n) into the buffer's nibbles pos0+i0.., the other halves of the end bytes kept.
+  void pack(const uint8_t* codes4, int64_t i0, int64_t n) {
+    if (kind != Q4 || n == 0) return;
+    const int64_t first = (pos0 + i0) >> 1, last = (pos0 + i0 + n - 1) >> 1;
+    auto one = [&](int64_t byte) {  // an end byte: either half may be outside the range
+      const int64_t p_hi = 2 * byte - pos0, p_lo = p_hi + 1;  // chunk indices of the high and low nibbles
+      uint8_t out = bytes[byte];
+      if (p_hi >= i0 && p_hi < i0 + n) out = static_cast<uint8_t>((out & 0x0F) | (codes4[p_hi] << 4));
+      if (p_lo >= i0 && p_lo < i0 + n) out = static_cast<uint8_t>((out & 0xF0) | codes4[p_lo]);
+      bytes[byte] = out;
+    };
+    one(first);
+    const uint8_t* c = codes4 - pos0;  // c[2 * byte]: the high nibble's code
+    for (int64_t byte = first + 1; byte < last; ++byte) {
+      bytes[byte] = static_cast<uint8_t>((c[2 * byte] << 4) | c[2 * byte + 1]);
+    }
+    if (last != first) one(last);
+  }
+};
+
+State make_state(int64_t kind, const torch::Tensor& data, int64_t pos0, const torch::Tensor& absmax,
+                 const torch::Tensor& qmap, const torch::Tensor& table, const torch::Tensor& next,
+                 const std::vector<int64_t>& lengths) {
+  State s;
+  s.kind = kind;
+  if (kind == PLAIN_F32) {
+    TORCH_CHECK(data.scalar_type() == torch::kFloat32 && data.is_contiguous(), "core_cpu: fp32 state expected");
+    s.f32 = data.data_ptr<float>();
+    return s;
+  }
+  if (kind == PLAIN_BF16) {
+    TORCH_CHECK(data.scalar_type() == torch::kBFloat16 && data.is_contiguous(), "core_cpu: bf16 state expected");
+    s.bf16 = reinterpret_cast<c10::BFloat16*>(data.data_ptr());
+    return s;
+  }
+  TORCH_CHECK(kind == Q8 || kind == Q4, "core_cpu: unknown state kind ", kind);
+  TORCH_CHECK(data.scalar_type() == torch::kUInt8 && data.is_contiguous(), "core_cpu: uint8 codes expected");
+  s.bytes = data.data_ptr<uint8_t>();
+  s.pos0 = pos0;
+  s.absmax = absmax.data_ptr<float>();
+  s.qmap = qmap.data_ptr<float>();
+  TORCH_CHECK(table.scalar_type() == torch::kInt32 && table.numel() == 65536, "core_cpu: 65536 int32 entries expected");
+  s.entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
+  s.block = kind == Q8 ? 256 : 128;
+  s.unit_block0.resize(lengths.size());
+  int64_t at = 0;
+  for (size_t u = 0; u < lengths.size(); ++u) {
+    s.unit_block0[u] = at;
+    at += (lengths[u] + s.block - 1) / s.block;
+  }
+  return s;
+}
+
+struct Item {
+  int64_t i0, n, unit, off;
+};
+
+std::vector<Item> items_of(const std::vector<int64_t>& lengths) {
+  std::vector<Item> items;
+  int64_t i0 = 0;
+  for (size_t u = 0; u < lengths.size(); ++u) {
+    for (int64_t off = 0; off < lengths[u]; off += 256) {
+      items.push_back({i0 + off, std::min<int64_t>(256, lengths[u] - off), static_cast<int64_t>(u), off});
+    }
+    i0 += lengths[u];
+  }
+  return items;
+}
+
+// Values i0..i0+n of an fp32 or bf16 tensor as fp32: the tensor's own (fp32) or converted into `buf`.
+inline const float* as_f32(float* buf, bool bf16, const void* base, int64_t i0, int64_t n) {
+  if (!bf16) return static_cast<const float*>(base) + i0;
+  const c10::BFloat16* src = static_cast<const c10::BFloat16*>(base) + i0;
+  for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<float>(src[k]);
+  return buf;
+}
+
+// Items per sub-range: pass A, the square roots and pass B run over 64 work items (16K values) at a time, so M
+// and D (fp32, 128 KiB together) stay in the core's cache between the passes.
+constexpr int64_t RANGE = 64;
+
+// One chunk's step, in place. Returns the count of changed elements. `per_unit`: each unit's bc1 (a second moment
+// per coordinate: v_kind >= 0, with `inv_bc2`) or its denominator (v_kind < 0). `codes4`: a byte per value of the
+// chunk when a state is 4-bit. `wout`: fp32 [n] to receive the new weights (bf16 weights the caller rounds
+// stochastically), or empty to store them in w (fp32, or bf16 rounded to nearest).
+int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengths,
+             int64_t m_kind, torch::Tensor m_data, int64_t m_pos0, torch::Tensor m_absmax, torch::Tensor m_qmap,
+             torch::Tensor m_table, torch::Tensor m_next,
+             int64_t v_kind, torch::Tensor v_data, int64_t v_pos0, torch::Tensor v_absmax, torch::Tensor v_qmap,
+             torch::Tensor v_table, torch::Tensor v_next,
+             torch::Tensor inv_bc2, torch::Tensor per_unit, torch::Tensor codes4, torch::Tensor wout,
+             double b1, double omb1, double b2, double omb2, double eps, double lr, double wd, bool clip,
+             double clip_value, bool grad_weight) {
+  const int64_t n = g.numel();
+  TORCH_CHECK(g.is_contiguous() && w.is_contiguous() && w.numel() == n, "core_cpu: contiguous chunk expected");
+  const bool w_bf16 = w.scalar_type() == torch::kBFloat16, g_bf16 = g.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(w_bf16 || w.scalar_type() == torch::kFloat32, "core_cpu: fp32 or bf16 weights expected");
+  TORCH_CHECK(g_bf16 || g.scalar_type() == torch::kFloat32, "core_cpu: fp32 or bf16 gradients expected");
+  State m = make_state(m_kind, m_data, m_pos0, m_absmax, m_qmap, m_table, m_next, lengths);
+  const bool coord = v_kind >= 0;
+  State v;
+  if (coord) v = make_state(v_kind, v_data, v_pos0, v_absmax, v_qmap, v_table, v_next, lengths);
+  const auto items = items_of(lengths);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const void* gp = g.data_ptr();
+  float* wf32 = w_bf16 ? nullptr : w.data_ptr<float>();
+  c10::BFloat16* wbf = w_bf16 ? reinterpret_cast<c10::BFloat16*>(w.data_ptr()) : nullptr;
+  float* out = wout.numel() ? wout.data_ptr<float>() : nullptr;
+  const float* ib = coord ? inv_bc2.data_ptr<float>() : nullptr;
+  const float* pu = per_unit.data_ptr<float>();
+  uint8_t* c4 = codes4.numel() ? codes4.data_ptr<uint8_t>() : nullptr;
+  const float fb1 = static_cast<float>(b1), fomb1 = static_cast<float>(omb1);
+  const float fb2 = static_cast<float>(b2), fomb2 = static_cast<float>(omb2);
+  const float feps = static_cast<float>(eps), flr = static_cast<float>(lr), fwd = static_cast<float>(wd);
+  const float lo_clip = static_cast<float>(-clip_value), hi_clip = static_cast<float>(clip_value);
+  std::vector<float> Mbuf(RANGE * 256), Dbuf(RANGE * 256);
+  float* Mp = Mbuf.data();
+  float* Dp = Dbuf.data();
+  std::vector<int64_t> counts(n_items, 0);
+  for (int64_t r = 0; r < n_items; r += RANGE) {
+    const int64_t e = std::min(n_items, r + RANGE);
+    const int64_t base = items[r].i0, len = items[e - 1].i0 + items[e - 1].n - base;
+    at::parallel_for(r, e, 16, [&](int64_t lo, int64_t hi) {  // pass A
+      float gbuf[256], mb[256], vb[256];
+      for (int64_t it = lo; it < hi; ++it) {
+        const Item& t = items[it];
+        const float* gb = as_f32(gbuf, g_bf16, gp, t.i0, t.n);
+        m.read(mb, t.i0, t.n, t.unit, t.off);
+        float* Mo = Mp + (t.i0 - base);
+        for (int64_t k = 0; k < t.n; ++k) Mo[k] = mb[k] * fb1 + gb[k] * fomb1;
+        if (coord) {
+          v.read(vb, t.i0, t.n, t.unit, t.off);
+          const float ibu = ib[t.unit];
+          float* Do = Dp + (t.i0 - base);
+          for (int64_t k = 0; k < t.n; ++k) {
+            vb[k] = vb[k] * fb2 + (gb[k] * gb[k]) * fomb2;
+            Do[k] = vb[k] * ibu;
+          }
+          v.write(vb, t.i0, t.n, t.unit, t.off, c4);
+        }
+      }
+    });
+    if (coord) {
+      v.pack(c4, base, len);
+      torch::from_blob(Dp, {len}, torch::kFloat32).sqrt_();  // ATen's sqrt, the eager loop's
+    }
+    at::parallel_for(r, e, 16, [&](int64_t lo, int64_t hi) {  // pass B
+      float gbuf[256], wbuf[256], nbuf[256];
+      for (int64_t it = lo; it < hi; ++it) {
+        const Item& t = items[it];
+        const float* gb = grad_weight ? as_f32(gbuf, g_bf16, gp, t.i0, t.n) : nullptr;
+        const float* wb = as_f32(wbuf, w_bf16, w_bf16 ? static_cast<const void*>(wbf) : wf32, t.i0, t.n);
+        // the new weights: in place (fp32, no stochastic rounding), else staged in nbuf
+        float* nb = out ? out + t.i0 : (w_bf16 ? nbuf : wf32 + t.i0);
+        const float* Mi = Mp + (t.i0 - base);
+        const float* Di = Dp + (t.i0 - base);
+        const float pun = pu[t.unit];
+        int64_t changed = 0;
+        for (int64_t k = 0; k < t.n; ++k) {
+          const float den = coord ? (Di[k] + feps) * pun : pun;
+          float c = Mi[k] / den;
+          if (clip) {  // torch.clamp: NaN stays NaN
+            c = c < lo_clip ? lo_clip : c;
+            c = c > hi_clip ? hi_clip : c;
+          }
+          const float wi = wb[k];
+          const float score = grad_weight ? std::fabs(gb[k] * wi) : std::fabs(c);
+          const bool changes = score > 0.0f;
+          float d = fwd * wi;
+          d = c + d;
+          d = d * flr;
+          nb[k] = changes ? wi - d : wi;
+          changed += changes;
+        }
+        if (!out && w_bf16) for (int64_t k = 0; k < t.n; ++k) wbf[t.i0 + k] = c10::BFloat16(nb[k]);
+        m.write(Mi, t.i0, t.n, t.unit, t.off, c4);
+        counts[it] = changed;
+      }
+    });
+    m.pack(c4, base, len);
+  }
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  return total;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("step", &step, "ASDT's adaptive step of one chunk (titan_ds/optim/core.py's eager loop, bit for bit)");
+}
