@@ -151,3 +151,14 @@ def test_zero_inf_config_trains(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["optimizer"] == "DeepSpeedCPUAdam" and math.isfinite(s["val_loss"])
+
+
+def test_zero_inf_is_refused_where_the_aio_op_does_not_build():
+    """Without DeepSpeed's async_io op (no libaio), plan does not recommend ZeRO-Infinity and says how to get it;
+    the HMS candidates (titan's own I/O, no libaio) are unaffected."""
+    m = model_spec("gpt:12x768")
+    kw = dict(seq=128, micro=1, cpu_mem=2.2 * GiB, disk=20 * GiB)
+    cands, best = plan(m, aio=False, **kw)
+    zinf = {c.mode: c for c in cands}["zero_inf"]
+    assert not zinf.fits and "libaio-dev" in zinf.why and best.mode == "hms_dram"  # the next that fits
+    assert plan(m, aio=True, **kw)[1].mode == "zero_inf" == plan(m, **kw)[1].mode  # None: not checked

@@ -103,6 +103,9 @@ def _plan_arguments(p) -> None:
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--nvme-path", default="./titan_storage", help="titan.hms.nvme_path written into an HMS config")
     p.add_argument("--out", default=None, help="write the best fitting config here (ds_config json)")
+    p.add_argument("--aio", choices=["auto", "yes", "no"], default="auto",
+                   help="whether DeepSpeed's async_io op (libaio) builds on the target machine; auto: check this one "
+                        "(ZeRO-Infinity's candidate needs it)")
     p.add_argument("--json", action="store_true", help="print the candidates as JSON")
 
 
@@ -110,10 +113,11 @@ def _plan(a) -> int:
     """``titan-ds plan``: the candidates' table (titan_ds.plan), and the best fitting config written."""
     from pathlib import Path
 
-    from .plan import candidate_config, format_table, model_spec, parse_size, plan
+    from .plan import aio_buildable, candidate_config, format_table, model_spec, parse_size, plan
     m = model_spec(a.model, a.seq)
+    aio = aio_buildable() if a.aio == "auto" else a.aio == "yes"
     cands, best = plan(m, seq=a.seq, micro=a.micro_batch, cpu_mem=parse_size(a.cpu_mem), disk=parse_size(a.disk),
-                       gpu_mem=None if a.gpu_mem is None else parse_size(a.gpu_mem), ranks=a.ranks)
+                       gpu_mem=None if a.gpu_mem is None else parse_size(a.gpu_mem), ranks=a.ranks, aio=aio)
     if a.json:
         print(json.dumps([{"mode": c.mode, "fits": c.fits, "why": c.why, "device": c.device, "dram": c.dram,
                            "disk": c.disk, "calibrated": c.calibrated} for c in cands], indent=1))

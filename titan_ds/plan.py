@@ -347,10 +347,22 @@ def predict(mode: str, m: ModelSpec, *, ranks: int = 1, seq: int = 128, micro: i
     return c
 
 
+# The candidates that need DeepSpeed's async_io op (a C++ op over libaio): refused where it does not build.
+NEEDS_AIO = ("zero_inf",)
+
+
+def aio_buildable() -> bool:
+    """Whether DeepSpeed's async_io op builds here (its builder's own check: libaio's headers and library)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))
+
+
 def candidates(m: ModelSpec, *, seq: int, micro: int, cpu_mem: float, disk: float, gpu_mem: Optional[float] = None,
-               ranks: int = 1, calibration: Optional[dict] = None) -> list[Candidate]:
+               ranks: int = 1, calibration: Optional[dict] = None, aio: Optional[bool] = None) -> list[Candidate]:
     """Every candidate with its prediction and whether it fits (all sizes in bytes; DRAM and disk are for the
-    whole machine, shared by ``ranks`` processes; the device memory is per rank)."""
+    whole machine, shared by ``ranks`` processes; the device memory is per rank). ``aio``: whether DeepSpeed's
+    async_io op builds on the target machine (False: the :data:`NEEDS_AIO` candidates do not fit; None: not
+    checked, as for a machine other than this one)."""
     out = []
     for mode in MODES:
         c = predict(mode, m, ranks=ranks, seq=seq, micro=micro, gpu=gpu_mem is not None, calibration=calibration)
@@ -361,6 +373,9 @@ def candidates(m: ModelSpec, *, seq: int, micro: int, cpu_mem: float, disk: floa
             reasons.append(f"device {c.device_peak / GiB:.1f} > {gpu_mem / GiB:.1f} GiB")
         if c.disk_total * ranks > disk:
             reasons.append(f"disk {c.disk_total * ranks / GiB:.1f} > {disk / GiB:.1f} GiB")
+        if aio is False and mode in NEEDS_AIO:
+            reasons.append("DeepSpeed's async_io op does not build here: apt-get install libaio-dev "
+                           "(or pass --aio yes when planning for another machine)")
         c.fits, c.why = not reasons, "; ".join(reasons) or "fits"
         out.append(c)
     return out

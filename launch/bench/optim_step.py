@@ -102,6 +102,25 @@ def _ds_cpu_adam(model: torch.nn.Module, dtype: str) -> torch.optim.Optimizer:
     return DeepSpeedCPUAdam(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def _eager(build: Callable[[torch.nn.Module, str], torch.optim.Optimizer]
+           ) -> Callable[[torch.nn.Module, str], torch.optim.Optimizer]:
+    """``build``'s optimizer stepping on the core's eager loop (the C++ CPU kernel off during its steps)."""
+    def eager(model: torch.nn.Module, dtype: str) -> torch.optim.Optimizer:
+        from titan_ds.optim import core_cpu
+        opt = build(model, dtype)
+        step = opt.step
+
+        def eager_step(*a: Any, **k: Any) -> Any:
+            saved, core_cpu.ENABLED = core_cpu.ENABLED, False
+            try:
+                return step(*a, **k)
+            finally:
+                core_cpu.ENABLED = saved
+        opt.step = eager_step
+        return opt
+    return eager
+
+
 @dataclass(frozen=True)
 class Row:
     build: Callable[[torch.nn.Module, str], torch.optim.Optimizer]
@@ -117,6 +136,12 @@ ROWS: dict[str, Row] = {
     "titan_memory": Row(_titan_profile("titan_memory"), "ds_configs/titan_memory.json's ASDT (adaptive, 4-bit "
                         "momentum and second moment, stochastic rounding of bf16 weights)",
                         peer={"fp32": "torchao_adamw4bit", "bf16": "torchao_adamw4bit_sr"}),
+    "titan_balanced_eager": Row(_eager(_titan_profile("titan_balanced")), "titan_balanced on the core's eager loop "
+                                "(TITAN_CORE_CPU=0: no C++ kernel)",
+                                peer={"fp32": "torchao_adamw8bit", "bf16": "torchao_adamw8bit"}),
+    "titan_memory_eager": Row(_eager(_titan_profile("titan_memory")), "titan_memory on the core's eager loop "
+                              "(TITAN_CORE_CPU=0: no C++ kernel)",
+                              peer={"fp32": "torchao_adamw4bit", "bf16": "torchao_adamw4bit_sr"}),
     "asdt_sign_bf16": Row(_titan_section({"name": "asdt", "lr": 1e-5, "density": 1.0, "state_dtype": "bf16"}),
                           "ASDT sign update, density 1, bf16 momentum"),
     "asdt_sign_bf16_d0.1": Row(_plan_mode("hms_asdt"), "ASDT sign update, density 0.1, bf16 momentum (plan's "
@@ -415,6 +440,9 @@ def tables(records: list[dict[str, Any]], threads: int) -> dict[str, list[dict[s
                 t[f"M/s {L}"] = _fmt(sp, lambda r: f"{r['elements_per_s'] / 1e6:.1f}")
                 t[f"x torchao {L}"] = (f"{sp['elements_per_s'] / peer['elements_per_s']:.2f}"
                                        if sp and peer and sp["status"] == peer["status"] == "ok" else "-")
+                ds = last.get(("speed", "ds_cpu_adam", dt, n))
+                t[f"x DS {L}"] = (f"{sp['elements_per_s'] / ds['elements_per_s']:.2f}"
+                                  if sp and ds and sp["status"] == ds["status"] == "ok" else "-")
                 t[f"temp B/el {L}"] = _fmt(tp, lambda r: f"{r['temp_bytes_per_element']:.2f}")
                 state = next((r for r in (sp, tp) if r and r["status"] == "ok"), None)
                 t[f"state B/el {L}"] = f"{state['state_bytes_per_element']:.3f}" if state else "-"
@@ -445,6 +473,7 @@ def write_outputs(out: Path, a: argparse.Namespace) -> None:
               "over repeats of the mean step time; " + ("; ".join(f"{s}: {st} timed steps after {w} warm-up, "
                                                           f"{rep} repeat(s)" for s, st, w, rep in steps) or
                                                 "not measured") + ".",
+              "x DS: elements/s over DeepSpeedCPUAdam's (same size and dtype). "
               "x torchao: elements/s over that of the torchao optimizer of about the same state bytes (titan_memory: "
               "AdamW4bit, with bf16_stochastic_round for bf16; titan_balanced: AdamW8bit, which holds more state: "
               "compare the state columns). temp B/el: peak RSS above the resident state during one step, per "

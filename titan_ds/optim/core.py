@@ -203,7 +203,12 @@ def _unit_second_moment(g_flat: torch.Tensor, slices: list[Slice], seconds: torc
     b1, b2 = betas
     dev = seconds.device
     sq = torch.zeros(seconds.shape[0], dtype=torch.float64, device=dev)
+    from . import core_cpu
+    native = core_cpu.ENABLED and core_cpu.supports(g_flat, g_flat) and core_cpu.available()
     for s in slices:
+        if native and s.hi - s.lo > 1:  # the C++ kernel's sum, segment_reduce's order (a single unit: ATen's sum)
+            core_cpu._module().unit_sumsq(g_flat[s.flat:s.flat + s.n], list(s.lengths), sq[s.lo:s.hi])
+            continue
         g = g_flat[s.flat:s.flat + s.n].double() ** 2
         if s.hi - s.lo == 1:
             sq[s.lo:s.lo + 1] += g.sum()

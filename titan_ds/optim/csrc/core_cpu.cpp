@@ -357,8 +357,43 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
   return total;
 }
 
+// Each unit's sum of squared gradients in fp64, added to sq[u] (the per-unit second moment's first pass, for a
+// chunk of several whole units): torch.segment_reduce(g.double() ** 2, "sum") sums each segment in order from 0,
+// and so does this (a float's square is exact in fp64, and no -ffast-math lets the compiler reorder the sum).
+void unit_sumsq(const torch::Tensor& g, std::vector<int64_t> lengths, torch::Tensor sq) {
+  TORCH_CHECK(g.is_contiguous() && sq.scalar_type() == torch::kFloat64 && sq.is_contiguous() &&
+              sq.numel() == static_cast<int64_t>(lengths.size()), "core_cpu: unit_sumsq arguments");
+  const bool g_bf16 = g.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(g_bf16 || g.scalar_type() == torch::kFloat32, "core_cpu: fp32 or bf16 gradients expected");
+  std::vector<int64_t> starts(lengths.size() + 1, 0);
+  for (size_t u = 0; u < lengths.size(); ++u) starts[u + 1] = starts[u] + lengths[u];
+  TORCH_CHECK(starts.back() == g.numel(), "core_cpu: the units' lengths do not sum to the chunk's");
+  const void* gp = g.data_ptr();
+  double* out = sq.data_ptr<double>();
+  at::parallel_for(0, static_cast<int64_t>(lengths.size()), 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      double acc = 0.0;
+      if (g_bf16) {
+        const c10::BFloat16* x = static_cast<const c10::BFloat16*>(gp) + starts[u];
+        for (int64_t k = 0; k < lengths[u]; ++k) {
+          const double d = static_cast<double>(static_cast<float>(x[k]));
+          acc = acc + d * d;
+        }
+      } else {
+        const float* x = static_cast<const float*>(gp) + starts[u];
+        for (int64_t k = 0; k < lengths[u]; ++k) {
+          const double d = static_cast<double>(x[k]);
+          acc = acc + d * d;
+        }
+      }
+      out[u] = out[u] + acc;
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("unit_sumsq", &unit_sumsq, "each unit's sum of squared gradients, fp64, in order");
   mod.def("step", &step, "ASDT's adaptive step of one chunk (titan_ds/optim/core.py's eager loop, bit for bit)");
 }
