@@ -32,7 +32,7 @@ def test_tiny_run_writes_table_jsonl_plot_and_a_rerun_measures_nothing(tmp_path,
     assert speed["adamw"]["state_bytes_per_element"] == pytest.approx(8.0, abs=0.01)  # exp_avg + exp_avg_sq
     assert all(r["temp_bytes_per_element"] >= 0 for r in records if r["kind"] == "temp")
     md = out.with_suffix(".md").read_text()
-    assert "| optimizer | dtype | M/s 2^14 | x torchao 2^14 | temp B/el 2^14 | state B/el 2^14 |" in md
+    assert "| optimizer | dtype | M/s 2^14 | x torchao 2^14 | x DS 2^14 | temp B/el 2^14 | state B/el 2^14 |" in md
     assert md.count("| fp32 |") == 3 and "Command: `python launch/bench/optim_step.py --sizes 16384" in md
     assert "#### bf16" not in md
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -60,17 +60,18 @@ def supports(w: torch.Tensor, g: torch.Tensor, *bufs) -> bool:
 
 
 def _spec(buf, s) -> tuple:
-    """The kernel's arguments for state buffer ``buf`` at chunk ``s``: kind, data, first index, absmax, tables."""
+    """The kernel's arguments for state buffer ``buf`` at chunk ``s``: kind, data, first index, absmax, code map,
+    encoding entries."""
     if buf.kind is None:
         empty = torch.empty(0)
-        return (_PLAIN[buf.data.dtype], buf.data[s.buf:s.buf + s.n], 0, empty, empty, empty, empty)
+        return (_PLAIN[buf.data.dtype], buf.data[s.buf:s.buf + s.n], 0, empty, empty, empty)
     block = qstate.KINDS[buf.kind][0]
     b0 = buf.block0[s.lo] + s.offset // block
     return (_KIND[buf.kind], buf.data, s.buf, buf.absmax[b0:], *_tables(buf.kind, buf.signed))
 
 
 @lru_cache(maxsize=None)
-def _tables(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tables(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The code map and, per top-16-bit pattern of a float32, the kernel's encoding entry (csrc: ``encode``):
     qstate._table's code in the low byte and, above it, the threshold on the value's lower 16 bits (ordered by
     ``key``: reversed for negative values) at which it rounds one code up: the midpoint's, where that midpoint
@@ -82,7 +83,7 @@ def _tables(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.
     low = bits & 0xFFFF
     key = torch.where(top >= 0x8000, 0xFFFF - low, low)
     threshold = torch.where(inside, key, torch.full_like(key, 0x10000))
-    return qstate.qmap(kind, signed), (codes | (threshold << 8)).contiguous(), torch.empty(0)
+    return qstate.qmap(kind, signed), (codes | (threshold << 8)).contiguous()
 
 
 def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, unit_denom: Optional[torch.Tensor],
@@ -97,7 +98,7 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, u
     g = g_flat[s.flat:s.flat + s.n]
     four = momentum.kind == "4bit" or (variance is not None and variance.kind == "4bit")
     empty = torch.empty(0)
-    v = _spec(variance, s) if variance is not None else (-1, empty, 0, empty, empty, empty, empty)
+    v = _spec(variance, s) if variance is not None else (-1, empty, 0, empty, empty, empty)
     sr = generator is not None and w.dtype == torch.bfloat16
     wout = torch.empty(s.n, dtype=torch.float32) if sr else empty
     count = mod.step(w, g, list(s.lengths), *_spec(momentum, s), *v,

@@ -1,8 +1,8 @@
 // The CPU kernel of ASDT's adaptive chunk step (titan_ds/optim/core_cpu.py builds and calls it; the arithmetic is
 // core.py's eager loop, op for op in fp32, so the two store the same bits: tests/optim/test_core_cpu.py).
 //
-// A chunk is a run of units (each restarting its quantization blocks) of `lengths`. It is stepped in two passes
-// with the square root between them done by ATen (its CPU sqrt, MKL's, is not correctly rounded, and the eager
+// A chunk is a run of units (each restarting its quantization blocks) of `lengths`. It is stepped 16K values at a
+// time (RANGE work items), each in two passes with the square root between them done by ATen (its CPU sqrt, MKL's, is not correctly rounded, and the eager
 // loop uses it):
 //   pass A: decode the momentum (and the per-coordinate second moment), m = m*b1 + g*(1-b1) -> M;
 //           v = v*b2 + (g*g)*(1-b2), stored (encoded) at once, and D = v * inv_bc2
@@ -192,8 +192,7 @@ struct State {
 };
 
 State make_state(int64_t kind, const torch::Tensor& data, int64_t pos0, const torch::Tensor& absmax,
-                 const torch::Tensor& qmap, const torch::Tensor& table, const torch::Tensor& next,
-                 const std::vector<int64_t>& lengths) {
+                 const torch::Tensor& qmap, const torch::Tensor& table, const std::vector<int64_t>& lengths) {
   State s;
   s.kind = kind;
   if (kind == PLAIN_F32) {
@@ -258,9 +257,9 @@ constexpr int64_t RANGE = 64;
 // stochastically), or empty to store them in w (fp32, or bf16 rounded to nearest).
 int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengths,
              int64_t m_kind, torch::Tensor m_data, int64_t m_pos0, torch::Tensor m_absmax, torch::Tensor m_qmap,
-             torch::Tensor m_table, torch::Tensor m_next,
+             torch::Tensor m_table,
              int64_t v_kind, torch::Tensor v_data, int64_t v_pos0, torch::Tensor v_absmax, torch::Tensor v_qmap,
-             torch::Tensor v_table, torch::Tensor v_next,
+             torch::Tensor v_table,
              torch::Tensor inv_bc2, torch::Tensor per_unit, torch::Tensor codes4, torch::Tensor wout,
              double b1, double omb1, double b2, double omb2, double eps, double lr, double wd, bool clip,
              double clip_value, bool grad_weight) {
@@ -269,10 +268,10 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
   const bool w_bf16 = w.scalar_type() == torch::kBFloat16, g_bf16 = g.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(w_bf16 || w.scalar_type() == torch::kFloat32, "core_cpu: fp32 or bf16 weights expected");
   TORCH_CHECK(g_bf16 || g.scalar_type() == torch::kFloat32, "core_cpu: fp32 or bf16 gradients expected");
-  State m = make_state(m_kind, m_data, m_pos0, m_absmax, m_qmap, m_table, m_next, lengths);
+  State m = make_state(m_kind, m_data, m_pos0, m_absmax, m_qmap, m_table, lengths);
   const bool coord = v_kind >= 0;
   State v;
-  if (coord) v = make_state(v_kind, v_data, v_pos0, v_absmax, v_qmap, v_table, v_next, lengths);
+  if (coord) v = make_state(v_kind, v_data, v_pos0, v_absmax, v_qmap, v_table, lengths);
   const auto items = items_of(lengths);
   const int64_t n_items = static_cast<int64_t>(items.size());
   const void* gp = g.data_ptr();
