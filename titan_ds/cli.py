@@ -62,9 +62,8 @@ def _disk(path: str, mb: int) -> dict[str, Any]:
 
 def _aio() -> str:
     try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-        b = AsyncIOBuilder()
-        return "buildable" if b.is_compatible(verbose=False) else "not buildable here (needs libaio-dev); HMS does not need it"
+        from .plan import aio_buildable
+        return "buildable" if aio_buildable() else "not buildable here (needs libaio-dev); HMS does not need it"
     except Exception as e:  # the op builder itself may fail to import on exotic setups
         return f"unknown ({type(e).__name__}: {e})"
 

@@ -204,10 +204,10 @@ def _unit_second_moment(g_flat: torch.Tensor, slices: list[Slice], seconds: torc
     dev = seconds.device
     sq = torch.zeros(seconds.shape[0], dtype=torch.float64, device=dev)
     from . import core_cpu
-    native = core_cpu.ENABLED and core_cpu.supports(g_flat, g_flat) and core_cpu.available()
+    native = core_cpu.runs(g_flat, g_flat)
     for s in slices:
         if native and s.hi - s.lo > 1:  # the C++ kernel's sum, segment_reduce's order (a single unit: ATen's sum)
-            core_cpu._module().unit_sumsq(g_flat[s.flat:s.flat + s.n], list(s.lengths), sq[s.lo:s.hi])
+            core_cpu.unit_sumsq(g_flat[s.flat:s.flat + s.n], list(s.lengths), sq[s.lo:s.hi])
             continue
         g = g_flat[s.flat:s.flat + s.n].double() ** 2
         if s.hi - s.lo == 1:
@@ -526,8 +526,7 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
         hp = torch.tensor([b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay,
                            0.0 if update_clip is None else update_clip], dtype=torch.float32, device=w_flat.device)
     from . import core_cpu
-    native = adaptive and not fused and core_cpu.ENABLED and core_cpu.supports(w_flat, g_flat, momentum, variance) \
-        and core_cpu.available()
+    native = adaptive and not fused and core_cpu.runs(w_flat, g_flat, momentum, variance)
     for s in slices:
         if native:
             selected = selected + core_cpu.step(

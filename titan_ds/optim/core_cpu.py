@@ -22,7 +22,7 @@ import torch
 from . import qstate
 from .asdt_math import round_to
 
-__all__ = ["ENABLED", "available", "supports", "step"]
+__all__ = ["ENABLED", "available", "supports", "runs", "step", "unit_sumsq"]
 
 _env = os.environ.get("TITAN_CORE_CPU", "1")
 if _env not in ("0", "1"):
@@ -57,6 +57,17 @@ def supports(w: torch.Tensor, g: torch.Tensor, *bufs) -> bool:
     if w.device.type != "cpu" or g.device.type != "cpu" or w.dtype not in _PLAIN or g.dtype not in _PLAIN:
         return False
     return all(b is None or (b.kind in _KIND if b.kind is not None else b.data.dtype in _PLAIN) for b in bufs)
+
+
+def runs(w: torch.Tensor, g: torch.Tensor, *bufs) -> bool:
+    """Whether the kernel steps these tensors here: on (:data:`ENABLED`), :func:`supports` them, and built."""
+    return ENABLED and supports(w, g, *bufs) and available()
+
+
+def unit_sumsq(g: torch.Tensor, lengths: list[int], sq: torch.Tensor) -> None:
+    """Add each unit's sum of squared gradients (fp64, in order: ``segment_reduce``'s) to ``sq`` (fp64, one per
+    unit), for ``g`` holding whole units of ``lengths``."""
+    _module().unit_sumsq(g, lengths, sq)
 
 
 def _spec(buf, s) -> tuple:
