@@ -380,7 +380,10 @@ class MLMEConfig(_Strict):
     attention: "tiled" (titan_ds.kernels.attention), "sdpa" (torch SDPA), "off" (attention left as built);
     tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);
     stripe_ffn: tokens per StripeFFN stripe, "budget" = the largest stripe whose hidden activations fit in
-    titan_ds.kernels.stripe_ffn.STRIPE_BUDGET_BYTES (16 MiB), null = MLP left as built; chunked_loss: fuse the LM head with the
+    titan_ds.kernels.stripe_ffn.STRIPE_BUDGET_BYTES (16 MiB), null = MLP left as built; stripe_ffn_saves: what
+    StripeFFN keeps for backward, "input" (the MLP's input only; recomputes the input projections in backward,
+    ~1.2x the eager MLP's time) or "pre_activation" (also the input projections' outputs, half of what the eager
+    MLP keeps; recomputes only the activation, the eager MLP's time); chunked_loss: fuse the LM head with the
     cross-entropy (reference GPT's lm_loss; HF Llama/Qwen2/Qwen3/Mistral/Gemma/GPT-2 causal LMs in training with
     labels, titan_ds/inject/hf_loss.py; another HF family raises);
     loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary);
@@ -391,6 +394,7 @@ class MLMEConfig(_Strict):
     attention: Literal["tiled", "sdpa", "off"] = "tiled"
     tile: int = Field(default=128, ge=16, le=1024)
     stripe_ffn: Union[int, Literal["budget"], None] = "budget"
+    stripe_ffn_saves: Literal["input", "pre_activation"] = "input"
     chunked_loss: bool = True
     loss_chunk: int = Field(default=4096, ge=1)
     loss_vocab_chunk: Optional[int] = Field(default=None, ge=1)

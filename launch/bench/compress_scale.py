@@ -93,12 +93,21 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
     elif method in ("rms", "rms_randk", "rms_cltk"):  # topk / randk / cltk of each worker's RMS-normalized gradient
         return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk"}[method], ratio, warmup_steps=warmup, seed=seed,
                                precondition=RMSOptions())
+    elif (q := qtopk_options(method)) is not None:  # rms_qtopk<bits>[c<chunk>]: chunked low-bit top-k of the same
+        return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=RMSOptions(), **q)
     elif method == "powersgd":
         if rank is None:
             raise ValueError("method 'powersgd' needs a rank")
         return GradientReducer("powersgd", 1.0, warmup_steps=warmup, seed=seed, rank=rank)
     else:
         return GradientReducer(method, ratio, warmup_steps=warmup, seed=seed)
+
+
+def qtopk_options(method: str) -> Optional[dict]:
+    """``rms_qtopk<bits>`` or ``rms_qtopk<bits>c<chunk>`` (``titan.compression`` with ``method: "qtopk"``, ``bits``,
+    ``chunk`` and ``precondition: "rms"``; chunk 4096 unless given): ``{bits, chunk}``; ``None`` for other methods."""
+    m = re.fullmatch(r"rms_qtopk(\d)(?:c(\d+))?", method)
+    return None if m is None else {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096)}
 
 
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,

@@ -25,6 +25,8 @@ Rows (``--rows``: comma-separated names or shell patterns):
 - ``plain``: ds_configs/baseline_adamw.json, torch AdamW at lr 1e-3 (16 sequences of 128 per step);
 - ``titan_exact``, ``titan_balanced``, ``titan_memory``: the shipped profiles (titan_exact trains with AdamW, lr 1e-3);
 - ``titan_exact_no_recompute``: titan_exact with ``mlme.recompute_blocks`` false;
+- ``titan_exact_pre``, ``titan_exact_no_recompute_pre``: the same two with ``mlme.stripe_ffn_saves``
+  ``"pre_activation"`` (StripeFFN keeps its input projections' outputs and recomputes no matmul in backward);
 - the fair peers, what the exact pillars give any optimizer: ``adamw+memory_mlme`` (plain AdamW with titan_memory's
   ``mlme`` section and its 4 micro-batches of 4), ``adamw4bit_bf16+memory_mlme`` (torchao AdamW4bit with
   bf16_stochastic_round over bf16 weights, as the frontier's ``adamw4bit_bf16`` row, + the same) and
@@ -94,9 +96,15 @@ def build_rows() -> list[Row]:
     adamw = ["--optimizer", "adamw", "--lr", "1e-3"]
     no_rec = _profile("titan_exact")
     no_rec["titan"]["mlme"]["recompute_blocks"] = False
+    pre = _profile("titan_exact")
+    pre["titan"]["mlme"]["stripe_ffn_saves"] = "pre_activation"
+    no_rec_pre = copy.deepcopy(no_rec)
+    no_rec_pre["titan"]["mlme"]["stripe_ffn_saves"] = "pre_activation"
     return [Row("plain", baseline_config(0), adamw),
             Row("titan_exact", _profile("titan_exact"), adamw),
             Row("titan_exact_no_recompute", no_rec, adamw),
+            Row("titan_exact_pre", pre, adamw),
+            Row("titan_exact_no_recompute_pre", no_rec_pre, adamw),
             Row("titan_balanced", _profile("titan_balanced")),
             Row("titan_memory", _profile("titan_memory")),
             Row("adamw+memory_mlme", _with_mlme_of("titan_memory"), adamw),

@@ -108,7 +108,7 @@ def test_apply_publishes_report(monkeypatch):
     by = {e.policy: e.detail for e in ctx.reports["mlme"].entries}
     assert by["mlme.attention"]["kernel"].startswith("cpu: torch_sdpa")  # the report says which kernel runs
     assert by["mlme.stripe_ffn"] == {"stripe": "budget", "tokens_per_stripe": 16 * 2**20 // (2 * 4 * 64 * 4),
-                                     "dtype": "float32"}
+                                     "dtype": "float32", "saves": "input"}
 
 
 def test_config_validation():

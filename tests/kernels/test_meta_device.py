@@ -39,13 +39,15 @@ def test_chunked_lm_loss_module_on_meta():
     assert head.weight.grad.device == META
 
 
+@pytest.mark.parametrize("saves", ["input", "pre_activation"])
 @pytest.mark.parametrize("kind", ["plain", "gated"])
-def test_stripe_ffn_on_meta(kind):
+def test_stripe_ffn_on_meta(kind, saves):
     if kind == "plain":
-        ffn = StripeFFN.plain(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), stripe=4)
+        ffn = StripeFFN.plain(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), stripe=4, saves=saves)
     else:
         ffn = StripeFFN.gated(nn.Linear(16, 64, bias=False), nn.Linear(16, 64, bias=False),
-                              nn.Linear(64, 16, bias=False), nn.SiLU(), stripe=4)
+                              nn.Linear(64, 16, bias=False), nn.SiLU(), stripe=4, saves=saves)
+    assert ffn.saves_used == saves
     ffn = ffn.to(META)
     x = _leaf(2, 7, 16)
     with NoHostCopies():

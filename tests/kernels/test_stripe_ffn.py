@@ -75,11 +75,8 @@ def test_frozen_parameters_get_no_gradient():
     assert eager.fc.weight.grad is None and eager.fc.bias.grad is not None and x.grad is not None
 
 
-def test_hidden_is_recomputed_not_saved():
-    """Only x (and parameters) are saved: no tensor with the 4d hidden width."""
-    eager = EagerMLP(d=16)
-    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, 8)
-    params = {p.data_ptr() for p in striped.parameters()}
+def _saved_shapes(module, x):
+    params = {p.data_ptr() for p in module.parameters()}
     shapes = []
 
     def pack(t):
@@ -88,8 +85,15 @@ def test_hidden_is_recomputed_not_saved():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        striped(torch.randn(32, 16, requires_grad=True))
-    assert shapes == [(32, 16)]
+        module(x)
+    return shapes
+
+
+def test_hidden_is_recomputed_not_saved():
+    """Only x (and parameters) are saved: no tensor with the 4d hidden width."""
+    eager = EagerMLP(d=16)
+    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, 8)
+    assert _saved_shapes(striped, torch.randn(32, 16, requires_grad=True)) == [(32, 16)]
 
 
 def test_errors():
@@ -150,3 +154,66 @@ def test_budget_stripe_is_the_largest_stripe_within_the_byte_budget(monkeypatch)
     assert calls[:8] == [5] * 7 + [4]  # 39 tokens: 7 stripes of 5 and one of 4 in forward
     with pytest.raises(ValueError, match="'budget'"):
         StripeFFN.plain(eager.fc, eager.act, eager.out, "big")
+
+
+# ------------------------------------------------------------------ saves="pre_activation"
+@pytest.mark.parametrize("stripe", [1, 7, 1000])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pre_activation_plain_matches_eager(stripe, bias):
+    eager = EagerMLP(bias=bias)
+    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, stripe, saves="pre_activation")
+    assert striped.saves_used == "pre_activation"
+    _check(eager, striped, torch.randn(3, 13, 24))
+
+
+def test_pre_activation_gated_and_function_activation_match_eager():
+    eager = EagerGated()
+    striped = StripeFFN.gated(eager.gate_proj, eager.up_proj, eager.down_proj, eager.act_fn, 6, saves="pre_activation")
+    _check(eager, striped, torch.randn(2, 17, 24))
+    eager = EagerMLP()
+    striped = StripeFFN.plain(eager.fc, F.gelu, eager.out, 5, saves="pre_activation")
+    _check(eager, striped, torch.randn(13, 3, 24).transpose(0, 1))
+
+
+def test_pre_activation_saves_the_projections_and_recomputes_no_matmul(monkeypatch):
+    eager = EagerMLP(d=16)
+    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, 8, saves="pre_activation")
+    assert _saved_shapes(striped, torch.randn(32, 16, requires_grad=True)) == [(32, 16), (32, 64)]
+    gated = EagerGated(d=16, h=40)
+    striped_g = StripeFFN.gated(gated.gate_proj, gated.up_proj, gated.down_proj, gated.act_fn, 8,
+                                saves="pre_activation")
+    assert _saved_shapes(striped_g, torch.randn(32, 16, requires_grad=True)) == [(32, 16), (32, 40), (32, 40)]
+    # backward runs no linear layer's forward: fc is never called again (the "input" mode calls it per stripe)
+    x = torch.randn(32, 16, requires_grad=True)
+    y = striped(x)
+    calls = []
+    monkeypatch.setattr(eager.fc, "forward", lambda *a: calls.append(1) or nn.Linear.forward(eager.fc, *a))
+    y.sum().backward()
+    assert calls == [] and x.grad is not None and eager.fc.weight.grad is not None
+    y = StripeFFN.plain(eager.fc, eager.act, eager.out, 8)(x)
+    calls.clear()
+    y.sum().backward()
+    assert len(calls) == 4  # the "input" mode: one recompute of fc per stripe
+
+
+def test_pre_activation_frozen_parameters_and_fallback():
+    eager = EagerMLP()
+    eager.fc.weight.requires_grad_(False)
+    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, 4, saves="pre_activation")
+    x = torch.randn(9, 24, requires_grad=True)
+    striped(x).sum().backward()
+    assert eager.fc.weight.grad is None and eager.fc.bias.grad is not None and x.grad is not None
+    # a non-linear output projection (a tensor-ring layer) or an activation with parameters: "input" is used
+    m = StripeFFN.plain(nn.Linear(12, 30), nn.GELU(), Doubler(30, 12), 4, saves="pre_activation")
+    assert m.saves_used == "input" and "saves=input" in repr(m)
+    m = StripeFFN.plain(nn.Linear(12, 30), nn.PReLU(), nn.Linear(30, 12), 4, saves="pre_activation")
+    assert m.saves_used == "input"
+    with pytest.raises(ValueError, match="saves"):
+        StripeFFN.plain(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4), 4, saves="hidden")
+
+
+def test_pre_activation_saves_nothing_without_grad():
+    eager = EagerMLP(d=16)
+    striped = StripeFFN.plain(eager.fc, eager.act, eager.out, 8, saves="pre_activation")
+    with torch.no_grad():
+        torch.testing.assert_close(striped(torch.randn(4, 16)).shape, torch.Size([4, 16]))

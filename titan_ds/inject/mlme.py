@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..kernels.attention import TiledAttention, kernels_by_device, tiled_attention
 from ..kernels.chunked_ce import ChunkedLMLoss
-from ..kernels.stripe_ffn import StripeFFN
+from ..kernels.stripe_ffn import SAVES, StripeFFN
 from .hf_loss import CapturingHead, HFChunkedLossPolicy
 from ..pillar import Pillar, View
 from .policy import ReplacementReport, apply_policies, planned
@@ -228,10 +228,12 @@ class StripeFFNPolicy:
     replace time, so an MLP whose forward is not the assumed layout raises instead of training wrongly.
     """
 
-    def __init__(self, stripe: Union[int, str], verify: bool = True):
+    def __init__(self, stripe: Union[int, str], verify: bool = True, saves: str = "input"):
         if stripe != "budget" and not (isinstance(stripe, int) and stripe >= 1):
             raise ValueError(f"stripe must be >= 1 tokens or 'budget', got {stripe!r}")
-        self.name, self.stripe, self.verify = "mlme.stripe_ffn", stripe, verify
+        if saves not in SAVES:
+            raise ValueError(f"unknown stripe_ffn_saves {saves!r}; choose one of {list(SAVES)}")
+        self.name, self.stripe, self.verify, self.saves = "mlme.stripe_ffn", stripe, verify, saves
 
     def matches(self, name: str, module: nn.Module) -> bool:
         if isinstance(module, StripeFFN) or _leaf_name(name) != "mlp":
@@ -252,16 +254,18 @@ class StripeFFNPolicy:
     def replace(self, name: str, module: nn.Module) -> nn.Module:
         layout = self._layout(module)
         if layout == "gated":
-            new = StripeFFN.gated(module.gate_proj, module.up_proj, module.down_proj, module.act_fn, self.stripe)
+            new = StripeFFN.gated(module.gate_proj, module.up_proj, module.down_proj, module.act_fn, self.stripe,
+                                  saves=self.saves)
         elif layout == "gpt2":
             drop = getattr(module, "dropout", None)
             new = StripeFFN.plain(module.c_fc, module.act, module.c_proj, self.stripe, names=("c_fc", "act", "c_proj"),
-                                  dropout=("dropout", drop) if isinstance(drop, nn.Module) else None)
+                                  dropout=("dropout", drop) if isinstance(drop, nn.Module) else None, saves=self.saves)
         else:
             act_name, act = _act_of(module, "act", "gelu", "activation")
             if act is None:
                 act_name, act = "act", F.gelu
-            new = StripeFFN.plain(module.fc, act, module.out, self.stripe, names=("fc", act_name, "out"))
+            new = StripeFFN.plain(module.fc, act, module.out, self.stripe, names=("fc", act_name, "out"),
+                                  saves=self.saves)
         new.train(module.training)
         if self.verify and not _zero3_partitioned(module):
             self._verify(name, module, new)
@@ -270,7 +274,8 @@ class StripeFFNPolicy:
     def detail(self, name: str, old: nn.Module, new: nn.Module) -> dict[str, Any]:
         p = next(new.parameters(), None)
         dtype = p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
-        return {"stripe": self.stripe, "tokens_per_stripe": new.stripe_for(dtype), "dtype": str(dtype)[6:]}
+        return {"stripe": self.stripe, "tokens_per_stripe": new.stripe_for(dtype), "dtype": str(dtype)[6:],
+                "saves": new.saves_used}
 
     @staticmethod
     def _verify(name: str, old: nn.Module, new: nn.Module) -> None:
@@ -325,7 +330,7 @@ def mlme_policies(cfg: Any, model: Optional[nn.Module] = None) -> list:
     if cfg.attention != "off":
         policies += [AttentionCorePolicy(cfg.attention, cfg.tile), HFAttentionPolicy(cfg.attention, cfg.tile)]
     if cfg.stripe_ffn is not None:
-        policies.append(StripeFFNPolicy(cfg.stripe_ffn))
+        policies.append(StripeFFNPolicy(cfg.stripe_ffn, saves=getattr(cfg, "stripe_ffn_saves", "input")))
     if cfg.chunked_loss:
         vchunk = getattr(cfg, "loss_vocab_chunk", None)
         if model is not None and _is_hf(model):
