@@ -228,7 +228,11 @@ class CompressionConfig(_Strict):
     dense). ``qtopk`` only (SparseLoCo's message, titan_ds/comm/qtopk.py): ``bits`` (2, 4 or 8 bits per sent value,
     with a per-chunk fp32 scale) and ``chunk`` (entries per chunk, 2 to 65536; each chunk sends its top values with
     in-chunk indices of 1 byte up to chunk 256, else 2 bytes; the ratio must fit one value per chunk,
-    ``4 chunk / (index bytes + 4 + bits / 8)``: 195x at chunk 256 and 2 bits). ``precondition="rms"`` (every
+    ``4 chunk / (index bytes + 4 + bits / 8)``: 195x at chunk 256 and 2 bits) and ``exchange``: ``all_gather``
+    (every rank receives every other rank's message: bytes received grow with the number of ranks) or ``sharded``
+    (each rank owns a shard of whole chunks; the messages' pieces go to their owners by an all-to-all, each owner
+    sums its shard, re-compresses it with its own error feedback and all-gathers it: each rank receives about 2x
+    its message whatever the number of ranks, like a ring all-reduce of it). ``precondition="rms"`` (every
     method but ``none``): each rank divides its gradient by the RMS of its own gradients (Adam's second moment,
     ``precondition_beta2``/``precondition_eps``, kept per rank) before error feedback and the compressor, so the
     reduced sum is an Adam-scaled update that plain SGD applies: titan turns the ds_config's Adam/AdamW (or the
@@ -256,6 +260,7 @@ class CompressionConfig(_Strict):
     min_compression: float = Field(default=2.0, ge=1)
     bits: Literal[_QTOPK_BITS] = DEFAULT_BITS  # type: ignore[valid-type]
     chunk: int = Field(default=DEFAULT_CHUNK, ge=2, le=MAX_CHUNK)
+    exchange: Literal["all_gather", "sharded"] = "all_gather"
     precondition: Literal["none", "rms"] = "none"
     precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
     precondition_eps: float = Field(default=1e-8, gt=0)
@@ -300,6 +305,10 @@ class CompressionConfig(_Strict):
             raise ValueError(f"has ratio={self.ratio:g} with method='qtopk' and chunk={self.chunk}, which sends at "
                              f"least one value per chunk: at most {top:.4g}x; raise chunk (in-chunk indices are 1 "
                              f"byte up to 256, 2 bytes up to {MAX_CHUNK}) or lower ratio")
+        if self.exchange == "sharded" and not self.error_feedback:
+            raise ValueError("has exchange='sharded' with error_feedback false: the sharded exchange compresses each "
+                             "shard's sum a second time and keeps that error for the next step; set "
+                             "error_feedback true or exchange 'all_gather'")
         if "ratio_warmup_start" in self.model_fields_set and self.ratio_warmup_steps == 0:
             raise ValueError("has ratio_warmup_start but ratio_warmup_steps is 0 (no ramp); set ratio_warmup_steps "
                              "or remove ratio_warmup_start")

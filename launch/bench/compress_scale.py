@@ -104,10 +104,12 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
 
 
 def qtopk_options(method: str) -> Optional[dict]:
-    """``rms_qtopk<bits>`` or ``rms_qtopk<bits>c<chunk>`` (``titan.compression`` with ``method: "qtopk"``, ``bits``,
-    ``chunk`` and ``precondition: "rms"``; chunk 4096 unless given): ``{bits, chunk}``; ``None`` for other methods."""
-    m = re.fullmatch(r"rms_qtopk(\d)(?:c(\d+))?", method)
-    return None if m is None else {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096)}
+    """``rms_qtopk<bits>[c<chunk>][_sharded]`` (``titan.compression`` with ``method: "qtopk"``, ``bits``, ``chunk``,
+    ``precondition: "rms"`` and, with ``_sharded``, ``exchange: "sharded"``; chunk 4096 unless given):
+    ``{bits, chunk, exchange}``; ``None`` for other methods."""
+    m = re.fullmatch(r"rms_qtopk(\d)(?:c(\d+))?(_sharded)?", method)
+    return None if m is None else {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096),
+                                   "exchange": "sharded" if m.group(3) else "all_gather"}
 
 
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,

@@ -31,7 +31,8 @@ p.add_argument("--local_rank", type=int, default=0)
 args = p.parse_args()
 
 RESUMED = 3  # steps run after the checkpoint, then again after loading it: the two must agree bit for bit
-COUNTED = ("all_reduce", "reduce", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
+COUNTED = ("all_reduce", "reduce", "all_gather", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
+           "all_to_all_single")
 
 
 def count_backend() -> dict[str, int]:
@@ -43,8 +44,8 @@ def count_backend() -> dict[str, int]:
         orig = getattr(cdb, op)
 
         def f(*a, **kw):
-            if op in ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor"):
-                t = a[1] if len(a) > 1 else kw.get("input_tensor", kw.get("tensor"))
+            if op in ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+                t = a[1] if len(a) > 1 else kw.get("input_tensor", kw.get("input", kw.get("tensor")))
             else:
                 t = a[0] if a else kw["tensor"]
             counts[op] += t.numel() * t.element_size()
@@ -83,6 +84,8 @@ def config(method: str) -> dict:
         comp = {"method": "powersgd", "rank": 1, "warmup_steps": 2}
     elif method == "dgc":  # topk with DGC's momentum correction, masking and local clipping (ramp: unit tests)
         comp = {"method": "topk", "ratio": args.ratio, "warmup_steps": 2, "momentum": 0.9, "local_clip": 1.0}
+    elif method == "qtopk_sharded":  # qtopk whose messages go to shard owners (all-to-all), summed, all-gathered
+        comp = {"method": "qtopk", "ratio": args.ratio, "warmup_steps": 2, "exchange": "sharded"}
     elif method == "rms":  # topk of each rank's RMS-normalized gradient; titan turns the client Adam into SGD
         comp = {"method": "topk", "ratio": args.ratio, "precondition": "rms"}
     else:

@@ -91,7 +91,7 @@ def test_shipped_configs_load(path):
 # ------------------------------------------------------------------ 2 ranks, real DeepSpeed
 SEAM = {0: "engine.allreduce_bucket", 1: "zero.allreduce_bucket", 2: "zero.allreduce_bucket",
         3: "stage3.reduce_scatter_coalesced"}
-GRAD_OPS = ("all_reduce", "reduce", "all_gather", "reduce_scatter_tensor")
+GRAD_OPS = ("all_reduce", "reduce", "all_gather", "reduce_scatter_tensor", "all_to_all_single")
 
 
 def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: float = 20.0) -> dict:
@@ -108,13 +108,13 @@ def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: f
 
 # the smallest steady-state ratio per method (at --ratio 20): PowerSGD's follows from rank 1 on the MLP's matrices
 # (its biases go dense; under ZeRO 1-3 buckets also cut matrices mid-row, whose ragged ends go dense too)
-MIN_RATIO = {"powersgd": 8.0}
+MIN_RATIO = {"powersgd": 8.0, "qtopk_sharded": 10.0}  # sharded: W pieces + one gathered piece handed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,reduce_scatter,methods", [
-    (0, 1, "none,topk,hge,qtopk,cltk"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge,cltk"), (2, 0, "hge,topk"),
-    (3, 1, "tgss,hge,topk,qtopk"),
+    (0, 1, "none,topk,hge,qtopk,cltk,qtopk_sharded"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge,cltk"), (2, 0, "hge,topk"),
+    (3, 1, "tgss,hge,topk,qtopk,qtopk_sharded"),
     (0, 1, "powersgd,dgc,rms"), (2, 1, "powersgd,dgc,rms"), (3, 1, "powersgd,dgc,rms"),
 ], ids=["zero0", "zero1", "zero2", "zero2-allreduce", "zero3", "zero0-peers", "zero2-peers", "zero3-peers"])
 def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, reduce_scatter, methods):
@@ -141,5 +141,6 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
             assert r["resumed_by_rank"] == [True, True], "the steps after a load must repeat bit for bit"
             assert r["residual_norm"] > 0
             want = {"powersgd": {"residuals", "q"}, "dgc": {"residuals", "momentum"},
-                    "rms": {"residuals", "second_moment"}}.get(method, {"residuals"})
+                    "rms": {"residuals", "second_moment"},
+                    "qtopk_sharded": {"residuals", "shard_residuals"}}.get(method, {"residuals"})
             assert set(r["stores"]) == want and all(r["stores"].values()), (method, r["stores"])

@@ -37,6 +37,11 @@ class MetaCollective:
         self.calls += 1
         return [t.clone(), t.clone()]
 
+    def all_to_all(self, t):
+        assert t.device == META, f"all-to-all of a {t.device} tensor"
+        self.calls += 1
+        return t.clone()
+
 
 @pytest.fixture
 def verdicts(monkeypatch):
@@ -71,6 +76,8 @@ CASES = {
     "precondition": dict(method="randk", precondition=RMSOptions()),
     "ramp": dict(method="topk", ratio_warmup_steps=2, warmup_steps=1),
     "no_error_feedback": dict(method="tgss", error_feedback=False),
+    "qtopk": dict(method="qtopk", chunk=16),
+    "qtopk_sharded": dict(method="qtopk", chunk=16, exchange="sharded"),
 }
 
 

@@ -44,6 +44,10 @@ class _ThreadRank:
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return self._exchange(t)
 
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self._exchange(t)
+        return torch.cat([p.view(self.world_size, -1)[self.r] for p in parts])
+
 
 def run_ranks(world: int, fn: Callable[[int, Any], Any]) -> list:
     """Run fn(rank, comm) in ``world`` threads sharing a ThreadCollective; return the results by rank."""

@@ -87,7 +87,10 @@ def zero_where_sent_(t: torch.Tensor, sent: "torch.Tensor | SparseSent") -> None
 
 # ----------------------------------------------------------------------------------------- collectives
 class Collective(Protocol):
-    """The two collectives a compressor may use. Both are sums/gathers over the data-parallel group."""
+    """The collectives a compressor may use, over the data-parallel group: a sum, a gather, and an all-to-all of
+    ``world_size`` equal pieces (piece ``j`` of ``t`` goes to rank ``j``; the result's piece ``i`` came from rank
+    ``i``; ``torch.distributed.all_to_all_single`` with equal splits). A compressor that uses ``all_to_all`` also
+    reads ``rank``, which every multi-rank collective here has."""
 
     world_size: int
 
@@ -95,17 +98,23 @@ class Collective(Protocol):
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor: ...
+
 
 class LocalCollective:
     """One rank: the collectives are identities."""
 
     world_size = 1
+    rank = 0
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         return None
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t.clone()]
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
 
 
 
@@ -127,6 +136,15 @@ class CountingCollective:
         self.bytes += t.numel() * t.element_size()
         self.calls += 1
         return self.inner.all_gather(t)
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes += t.numel() * t.element_size()
+        self.calls += 1
+        return self.inner.all_to_all(t)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
 
 
 # ----------------------------------------------------------------------------------------- residuals

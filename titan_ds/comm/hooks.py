@@ -371,7 +371,8 @@ class CompressionPillar(Pillar):
         if cfg.local_updates:  # the compressor acts on the outer gradient (titan_ds/comm/diloco.py)
             self.reducer = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
                                            rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank,
-                                           min_compression=cfg.min_compression, bits=cfg.bits, chunk=cfg.chunk)
+                                           min_compression=cfg.min_compression, bits=cfg.bits, chunk=cfg.chunk,
+                                           exchange=cfg.exchange)
             return
         precondition = rms_options(ctx) if cfg.precondition == "rms" else None
         self.reducer = GradientReducer(
@@ -379,7 +380,7 @@ class CompressionPillar(Pillar):
             rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank, min_compression=cfg.min_compression,
             dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
             ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start,
-            precondition=precondition, bits=cfg.bits, chunk=cfg.chunk)
+            precondition=precondition, bits=cfg.bits, chunk=cfg.chunk, exchange=cfg.exchange)
 
     def attach(self, ctx: Any) -> None:
         """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""

@@ -27,6 +27,22 @@ class to bit for bit. ``titan.compression.method: "qtopk"`` with ``bits`` and ``
 step on DeepSpeed's reduce path (any ZeRO stage, like ``topk``) or as DiLoCo's outer compressor
 (``sync_every > 1``, ``diloco.py``).
 
+**Sharded exchange** (``exchange="sharded"``). All-gathered, each worker receives ``W - 1`` messages, so the bytes
+it receives grow with ``W`` (100x fewer than a dense ring all-reduce sent is 100 / (W / 2) received). Sharded, rank
+``j`` owns shard ``j``: whole chunks, ``[lo_j, hi_j)`` (:func:`shard_bounds`). With the same ``k`` per chunk:
+
+5. every worker encodes each shard of ``acc`` as its own message (the chunks, hence the values, are those of the
+   whole-vector message) and sends piece ``j`` to rank ``j`` (one all-to-all; pieces padded to the largest);
+6. rank ``j`` decodes the ``W`` pieces of its shard and sums them in rank order, adds its shard residual ``e_j``,
+   encodes that total again (same ``k``, ``bits``, ``chunk``) and keeps ``e_j = total - decoded``: the second
+   compression has its own error feedback (1-bit Adam's and DeepSpeed's compressed all-reduce do the same);
+7. the owners' messages are all-gathered and every worker decodes the whole sum.
+
+Received per worker: ``(W - 1)`` pieces of ``~1/W`` of a message in step 5 and as many in step 7: ~2x one
+message whatever ``W``, the volume of a ring all-reduce of it. ``sent`` (the worker's residual) is still its own
+step-5 message. :func:`reference_sharded_qtopk` is the oracle (bit for bit); ``e_j`` is the compressor's journaled
+store ``shard_residuals``, saved in checkpoints with the residuals.
+
 The largest ratio a chunk size allows is one value per chunk, ``4 C / (index_bytes + 4 + bits / 8)``
 (:func:`qtopk_max_ratio`: 195x at chunk 256 and 2 bits); the config refuses a ratio above it.
 """
@@ -37,10 +53,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from .base import Collective, Segment
+from .base import Collective, ResidualStore, Segment
 
-__all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "MAX_CHUNK", "QTopKCompressor", "qtopk_budget", "qtopk_max_ratio",
-           "qtopk_message_bytes", "reference_qtopk"]
+__all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "EXCHANGES", "MAX_CHUNK", "QTopKCompressor", "qtopk_budget",
+           "qtopk_max_ratio", "qtopk_message_bytes", "reference_qtopk", "reference_sharded_qtopk", "shard_bounds"]
 
 BITS = (2, 4, 8)
 MAX_CHUNK = 65536  # an in-chunk index is at most 2 bytes
@@ -48,6 +64,7 @@ MAX_CHUNK = 65536  # an in-chunk index is at most 2 bytes
 # W=8, 1000 steps, DiLoCo H=20, 100x received: chunk 256 +0.253 nats vs dense, chunk 4096 +0.270, top-k +0.403)
 DEFAULT_BITS, DEFAULT_CHUNK = 2, 256
 BLOCK = 1 << 18  # entries per block of encode/decode (the results do not depend on it)
+EXCHANGES = ("all_gather", "sharded")
 
 
 def _index_bytes(chunk: int) -> int:
@@ -97,17 +114,22 @@ class QTopKCompressor:
     """The module's steps 1-4 (``ratio``: dense fp32 bytes / message bytes per worker, as for ``topk``)."""
 
     name = "qtopk"
-    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "ratio_warmup_steps",
+    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "exchange", "ratio_warmup_steps",
                                     "ratio_warmup_start")
-    init_options = ("bits", "chunk")
+    init_options = ("bits", "chunk", "exchange")
 
-    def __init__(self, ratio: float, rows: int = 1, *, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK):
+    def __init__(self, ratio: float, rows: int = 1, *, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK,
+                 exchange: str = "all_gather"):
         del rows  # CompressionConfig refuses sketch_rows for "qtopk" (not in config_keys)
         _check(bits, chunk)
-        self.ratio, self.bits, self.chunk = ratio, bits, chunk
+        if exchange not in EXCHANGES:
+            raise ValueError(f"qtopk exchange={exchange!r}: choose one of {list(EXCHANGES)}")
+        self.ratio, self.bits, self.chunk, self.exchange = ratio, bits, chunk, exchange
+        # sharded: the error feedback of each rank's re-compressed shard sum (journaled and saved by the reducer)
+        self.stores = {"shard_residuals": ResidualStore()} if exchange == "sharded" else {}
 
     def __repr__(self) -> str:
-        return f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk})"
+        return f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk}, exchange={self.exchange!r})"
 
     def _blocks(self, chunks: int) -> list[tuple[int, int]]:
         """Chunk ranges ``[c0, c1)`` of about :data:`BLOCK` entries, ``c0`` a multiple of 4 (so that a block's codes
@@ -166,11 +188,26 @@ class QTopKCompressor:
             pos = index.view(c1 - c0, k) + torch.arange(c0, c1, dtype=torch.int64, device=msg.device)[:, None] * c
             yield pos.reshape(-1), val.reshape(-1)
 
+    def _decode_into(self, out: torch.Tensor, msg: torch.Tensor, n: int, k: int, *, add: bool) -> torch.Tensor:
+        """``out`` (at least ``n`` rounded up to whole chunks, fp32) += (``add``) or = the decoded ``msg``."""
+        for pos, val in self.decode_blocks(msg, n, k):
+            if add:
+                out.index_add_(0, pos, val)
+            else:
+                out.index_put_((pos,), val)
+        return out
+
+    def _dense(self, msg: torch.Tensor, n: int, k: int, device: torch.device) -> torch.Tensor:
+        padded = -(-n // self.chunk) * self.chunk
+        return self._decode_into(torch.zeros(padded, dtype=torch.float32, device=device), msg, n, k, add=False)[:n]
+
     def reduce(self, acc: torch.Tensor, comm: Collective, seed: int, *, layout: list[Segment],
                ratio: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        del seed, layout  # the selection is this worker's own; residuals are the reducer's
+        del seed  # the selection is this worker's own; residuals are the reducer's
         n = acc.numel()
         k = qtopk_budget(n, self.ratio if ratio is None else ratio, bits=self.bits, chunk=self.chunk)
+        if self.exchange == "sharded" and comm.world_size > 1:
+            return self._reduce_sharded(acc, comm, k, layout)
         msg = self.encode(acc, k)
         padded = -(-n // self.chunk) * self.chunk
         summed = torch.zeros(padded, dtype=torch.float32, device=acc.device)
@@ -183,12 +220,92 @@ class QTopKCompressor:
         return summed[:n], sent[:n]
 
 
+    def _reduce_sharded(self, acc: torch.Tensor, comm: Collective, k: int,
+                        layout: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``exchange="sharded"`` (module docstring, "Sharded exchange")."""
+        n, world, rank = acc.numel(), comm.world_size, comm.rank
+        bounds = shard_bounds(n, self.chunk, world)
+        lens = [qtopk_message_bytes(hi - lo, k, bits=self.bits, chunk=self.chunk) if hi > lo else 0
+                for lo, hi in bounds]
+        size = max(lens)  # every piece padded to the largest: equal splits, the same on every rank
+        send = torch.zeros(world * size, dtype=torch.uint8, device=acc.device)
+        pieces = []
+        for j, (lo, hi) in enumerate(bounds):
+            pieces.append(self.encode(acc[lo:hi], k) if hi > lo else send[:0])
+            send[j * size:j * size + lens[j]] = pieces[-1]
+        recv = comm.all_to_all(send)  # piece i: rank i's message for this rank's shard
+        lo, hi = bounds[rank]
+        mine = hi - lo
+        padded = -(-mine // self.chunk) * self.chunk
+        total = torch.zeros(padded, dtype=torch.float32, device=acc.device)
+        for i in range(world):  # rank order: the same float sum whatever the arrival order
+            if mine:
+                self._decode_into(total, recv[i * size:i * size + lens[rank]], mine, k, add=True)
+        total = total[:mine]
+        store, key = self.stores["shard_residuals"], _shard_key(layout, n, world, rank)
+        kept = store.get(key)
+        if kept is not None:
+            total += kept
+        out = torch.zeros(size, dtype=torch.uint8, device=acc.device)
+        if mine:
+            msg = self.encode(total, k)
+            out[:lens[rank]] = msg
+            store.put(key, total - self._dense(msg, mine, k, acc.device))
+        summed = torch.zeros(n, dtype=torch.float32, device=acc.device)
+        sent = torch.zeros(n, dtype=torch.float32, device=acc.device)
+        for j, part in enumerate(comm.all_gather(out)):
+            lo_j, hi_j = bounds[j]
+            if hi_j > lo_j:
+                summed[lo_j:hi_j] = self._dense(part[:lens[j]], hi_j - lo_j, k, acc.device)
+                sent[lo_j:hi_j] = self._dense(pieces[j], hi_j - lo_j, k, acc.device)
+        return summed, sent
+
+
+def shard_bounds(n: int, chunk: int, world: int) -> list[tuple[int, int]]:
+    """Rank ``j``'s shard ``[lo, hi)`` of an ``n``-entry vector: whole chunks, as even as chunks allow (a rank gets
+    none when there are fewer chunks than ranks)."""
+    chunks = -(-n // chunk)
+    cut = [j * chunks // world * chunk for j in range(world + 1)]
+    return [(min(n, cut[j]), min(n, cut[j + 1])) for j in range(world)]
+
+
+def _shard_key(layout: list[Segment], n: int, world: int, rank: int) -> str:
+    """The shard residual's key: the bucket (its first segment and size), the group size and this rank."""
+    first = min(layout, key=lambda s: s.flat_offset) if layout else None
+    where = f"{first.key}@{first.param_offset}" if first is not None else "flat"
+    return f"{where}+{n}/w{world}r{rank}"
+
+
+def reference_sharded_qtopk(accs: list[torch.Tensor], ratio: float, kept: list[Optional[torch.Tensor]], *,
+                            bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK
+                            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """The oracle of ``exchange="sharded"`` over all ranks at once: ``(summed, sent per rank, shard residuals per
+    rank)``. ``kept``: each rank's shard residual before the step (None: zeros). Loops over shards and ranks with
+    :func:`reference_qtopk`, no messages."""
+    world, n = len(accs), accs[0].numel()
+    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk)
+    bounds = shard_bounds(n, chunk, world)
+    sent = [torch.cat([reference_qtopk(a[lo:hi], ratio, bits=bits, chunk=chunk, k=k) for lo, hi in bounds])
+            for a in accs]
+    summed, residuals = torch.zeros(n), []
+    for j, (lo, hi) in enumerate(bounds):
+        total = torch.zeros(hi - lo)
+        for i in range(world):
+            total += sent[i][lo:hi]
+        if kept[j] is not None:
+            total += kept[j]
+        summed[lo:hi] = reference_qtopk(total, ratio, bits=bits, chunk=chunk, k=k)
+        residuals.append(total - summed[lo:hi])
+    return summed, sent, residuals
+
+
 def reference_qtopk(acc: torch.Tensor, ratio: float, *, bits: int = DEFAULT_BITS,
-                    chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """The oracle of what one worker sends (dense, decoded): chunk by chunk, value by value, no packing."""
+                    chunk: int = DEFAULT_CHUNK, k: Optional[int] = None) -> torch.Tensor:
+    """The oracle of what one worker sends (dense, decoded): chunk by chunk, value by value, no packing. ``k``:
+    values per chunk (default: the budget of ``ratio`` over ``acc``)."""
     _check(bits, chunk)
     n, levels = acc.numel(), 1 << (bits - 1)
-    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk)
+    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk) if k is None else k
     out = torch.zeros_like(acc)
     for lo in range(0, n, chunk):
         part = acc[lo:lo + chunk]

@@ -103,6 +103,9 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
     def into(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
         return _nbytes(kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]), {}
 
+    def a2a(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:  # all_to_all_single(output, input, ...)
+        return _nbytes(kwargs["input"] if "input" in kwargs else args[1]), {}
+
     def bcast(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
         src = kwargs["src"] if "src" in kwargs else args[1]
         group = kwargs.get("group")
@@ -110,7 +113,7 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
         return first(*args, **kwargs)[0], {"is_root": rank == src, "is_last": rank == (src - 1) % w}
 
     table = {"all_reduce": first, "all_gather": gather, "all_gather_into_tensor": into,
-             "reduce_scatter_tensor": into, "broadcast": bcast}
+             "reduce_scatter_tensor": into, "all_to_all_single": a2a, "broadcast": bcast}
     saved = {name: getattr(dist, name) for name in table}
     try:
         for name, size in table.items():
@@ -136,6 +139,11 @@ class DistCollective:
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         self.dist.all_gather(out, t, group=self.group)
+        return out
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t)
+        self.dist.all_to_all_single(out, t, group=self.group)
         return out
 
 
@@ -208,11 +216,13 @@ class SimCollective:
         op = self._slots[0][0]  # type: ignore[index]
         parts = [s[1] for s in self._slots]  # type: ignore[index]
         for c in self.wire:
-            c.add(op, _nbytes(parts[0]), self.world_size)
+            c.add("all_to_all_single" if op == "all_to_all" else op, _nbytes(parts[0]), self.world_size)
         self.calls += 1
         self._slots = [None] * self.world_size
         if op == "all_gather":
             return parts
+        if op == "all_to_all":  # worker w receives piece w of every worker's buffer, in rank order
+            return [torch.cat([p.view(self.world_size, -1)[w] for p in parts]) for w in range(self.world_size)]
         total = parts[0].clone()
         for p in parts[1:]:
             total += p  # rank order, once: every worker reads this same tensor
@@ -260,3 +270,8 @@ class _SimWorker:
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [p.clone() for p in self.group._collective(self.w, "all_gather", t)]
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel() % self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} equal pieces, got {t.numel()} elements")
+        return self.group._collective(self.w, "all_to_all", t)[self.w].clone()

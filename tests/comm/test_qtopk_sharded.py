@@ -1,0 +1,107 @@
+"""qtopk's sharded exchange (titan_ds/comm/qtopk.py, "Sharded exchange"): bit for bit its oracle over several steps,
+identical sums on every rank, received bytes flat in the number of ranks, checkpointed shard residuals, refusals."""
+import pytest
+import torch
+
+from tests.helpers.collectives import run_ranks
+from titan_ds.comm import GradientReducer, Segment
+from titan_ds.comm.qtopk import QTopKCompressor, reference_sharded_qtopk, shard_bounds
+from titan_ds.comm.wire import SimCollective
+from titan_ds.config import CompressionConfig
+
+RATIO, BITS, CHUNK = 8.0, 4, 16
+
+
+def _layout(n):
+    return [Segment("w", 0, 0, n - 7, n - 7, (n - 7,)), Segment("b", 0, n - 7, 7, 7, (7,))]
+
+
+@pytest.mark.parametrize("world,n", [(2, 100), (3, 257), (5, 64), (4, 16)])  # (4, 16): one chunk, 3 empty shards
+def test_sharded_reduce_is_its_oracle_bit_for_bit_over_steps(world, n):
+    gen = torch.Generator().manual_seed(world * 1000 + n)
+    steps = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(3)]
+    comps = [QTopKCompressor(RATIO, bits=BITS, chunk=CHUNK, exchange="sharded") for _ in range(world)]
+    kept = [None] * world
+    for accs in steps:
+        outs = run_ranks(world, lambda r, comm: comps[r].reduce(accs[r], comm, 0, layout=_layout(n)))
+        summed, sent, residuals = reference_sharded_qtopk(accs, RATIO, kept, bits=BITS, chunk=CHUNK)
+        for r, (out, own) in enumerate(outs):
+            assert torch.equal(out, summed), f"rank {r}'s sum"
+            assert torch.equal(own, sent[r]), f"rank {r}'s sent"
+        for r, (lo, hi) in enumerate(shard_bounds(n, CHUNK, world)):
+            stored = list(comps[r].stores["shard_residuals"].residuals.values())
+            if hi > lo:
+                assert len(stored) == 1 and torch.equal(stored[0], residuals[r])
+            else:
+                assert stored == []
+            comps[r].stores["shard_residuals"].commit()
+        kept = [r if r.numel() else None for r in residuals]
+
+
+def test_shard_bounds_are_whole_chunks_tiling_the_vector():
+    for n, chunk, world in [(100, 16, 3), (16, 16, 4), (1000, 7, 9), (5, 2, 2)]:
+        b = shard_bounds(n, chunk, world)
+        assert b[0][0] == 0 and b[-1][1] == n and all(b[i][1] == b[i + 1][0] for i in range(world - 1))
+        assert all(lo % chunk == 0 for lo, hi in b if hi > lo)
+
+
+def _received_per_worker(world, n, exchange):
+    sim = SimCollective(world)
+    gen = torch.Generator().manual_seed(0)
+    accs = [torch.randn(n, generator=gen) for _ in range(world)]
+    comps = [QTopKCompressor(100.0, bits=2, chunk=256, exchange=exchange) for _ in range(world)]
+    outs = sim.run(lambda w, comm: comps[w].reduce(accs[w], comm, 0, layout=_layout(n))[0])
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    return max(sim.received) / (2 * (world - 1) / world * 4 * n)  # of a dense fp32 ring all-reduce
+
+
+def test_received_bytes_stay_flat_in_the_number_of_ranks():
+    n = 256 * 64
+    gathered = [_received_per_worker(w, n, "all_gather") for w in (2, 8, 32)]
+    sharded = [_received_per_worker(w, n, "sharded") for w in (2, 8, 32)]
+    assert gathered[2] > 10 * gathered[0]  # all-gather: ~W/2 times the message's share
+    assert all(s <= 1.15 / 100 for s in sharded), sharded  # ~1/ratio of dense at every W (padding: < 15%)
+
+
+def test_shard_residuals_are_checkpointed_and_rolled_back():
+    n, world = 300, 3
+    gen = torch.Generator().manual_seed(1)
+    accs = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(3)]
+
+    def run(reds, steps):
+        out = None
+        for s in steps:
+            out = run_ranks(world, lambda r, comm: reds[r].reduce(accs[s][r].clone(), _layout(n), comm, s))
+            for red in reds:
+                red.end_step()
+        return out
+
+    make = lambda: GradientReducer("qtopk", RATIO, bits=BITS, chunk=CHUNK, exchange="sharded")  # noqa: E731
+    reds = [make() for _ in range(world)]
+    run(reds, [0, 1])
+    saved = [red.state_dict() for red in reds]
+    assert all("shard_residuals" in s["stores"] and s["stores"]["shard_residuals"] for s in saved)
+    want = run(reds, [2])
+    fresh = [make() for _ in range(world)]
+    for red, s in zip(fresh, saved):
+        red.load_state_dict(s)
+    got = run(fresh, [2])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # a skipped step (rollback) leaves the shard residuals as they were
+    before = [{k: v.clone() for k, v in red.stores["shard_residuals"].residuals.items()} for red in fresh]
+    run_ranks(world, lambda r, comm: fresh[r].reduce(accs[0][r].clone(), _layout(n), comm, 3))
+    for red in fresh:
+        red.stores["shard_residuals"].rollback()
+    for red, b in zip(fresh, before):
+        assert all(torch.equal(red.stores["shard_residuals"].residuals[k], v) for k, v in b.items())
+
+
+def test_config_exchange_is_qtopk_only_and_needs_error_feedback():
+    cfg = CompressionConfig(method="qtopk", ratio=50, chunk=4096, exchange="sharded")
+    assert cfg.exchange == "sharded"
+    with pytest.raises(ValueError, match="exchange"):
+        CompressionConfig(method="topk", ratio=50, exchange="sharded")
+    with pytest.raises(ValueError, match="error_feedback"):
+        CompressionConfig(method="qtopk", ratio=50, chunk=4096, exchange="sharded", error_feedback=False)
+    with pytest.raises(ValueError, match="exchange"):
+        QTopKCompressor(10.0, exchange="ring")
