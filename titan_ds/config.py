@@ -232,7 +232,8 @@ class CompressionConfig(_Strict):
     (every rank receives every other rank's message: bytes received grow with the number of ranks) or ``sharded``
     (each rank owns a shard of whole chunks; the messages' pieces go to their owners by an all-to-all, each owner
     sums its shard, re-compresses it with its own error feedback and all-gathers it: each rank receives about 2x
-    its message whatever the number of ranks, like a ring all-reduce of it). ``precondition="rms"`` (every
+    its message whatever the number of ranks, like a ring all-reduce of it; ``gather_share``: the share of those
+    bytes that the owners' re-compressed sums take, 0.5 = both messages at ``ratio``). ``precondition="rms"`` (every
     method but ``none``): each rank divides its gradient by the RMS of its own gradients (Adam's second moment,
     ``precondition_beta2``/``precondition_eps``, kept per rank) before error feedback and the compressor, so the
     reduced sum is an Adam-scaled update that plain SGD applies: titan turns the ds_config's Adam/AdamW (or the
@@ -261,6 +262,7 @@ class CompressionConfig(_Strict):
     bits: Literal[_QTOPK_BITS] = DEFAULT_BITS  # type: ignore[valid-type]
     chunk: int = Field(default=DEFAULT_CHUNK, ge=2, le=MAX_CHUNK)
     exchange: Literal["all_gather", "sharded"] = "all_gather"
+    gather_share: float = Field(default=0.5, gt=0, lt=1)
     precondition: Literal["none", "rms"] = "none"
     precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
     precondition_eps: float = Field(default=1e-8, gt=0)
@@ -305,6 +307,19 @@ class CompressionConfig(_Strict):
             raise ValueError(f"has ratio={self.ratio:g} with method='qtopk' and chunk={self.chunk}, which sends at "
                              f"least one value per chunk: at most {top:.4g}x; raise chunk (in-chunk indices are 1 "
                              f"byte up to 256, 2 bytes up to {MAX_CHUNK}) or lower ratio")
+        if "gather_share" in self.model_fields_set and self.exchange != "sharded":
+            raise ValueError("has gather_share but exchange is 'all_gather' (one message, nothing to share); set "
+                             "exchange 'sharded' or remove gather_share")
+        if self.method == "qtopk" and self.exchange == "sharded":
+            top = qtopk_max_ratio(bits=self.bits, chunk=self.chunk)
+            passes = {"the pieces": self.ratio / (2 * (1 - self.gather_share)),
+                      "the owners' sums": self.ratio / (2 * self.gather_share)}
+            over = [f"{name} at {r:.4g}x" for name, r in passes.items() if r > top]
+            if over:
+                raise ValueError(f"has exchange='sharded' with ratio={self.ratio:g} and gather_share="
+                                 f"{self.gather_share:g}, which sends {', '.join(over)}, above the {top:.4g}x that "
+                                 f"chunk={self.chunk} allows (one value per chunk); raise chunk, lower ratio or move "
+                                 f"gather_share toward 0.5")
         if self.exchange == "sharded" and not self.error_feedback:
             raise ValueError("has exchange='sharded' with error_feedback false: the sharded exchange compresses each "
                              "shard's sum a second time and keeps that error for the next step; set "

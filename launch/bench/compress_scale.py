@@ -104,12 +104,15 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
 
 
 def qtopk_options(method: str) -> Optional[dict]:
-    """``rms_qtopk<bits>[c<chunk>][_sharded]`` (``titan.compression`` with ``method: "qtopk"``, ``bits``, ``chunk``,
-    ``precondition: "rms"`` and, with ``_sharded``, ``exchange: "sharded"``; chunk 4096 unless given):
-    ``{bits, chunk, exchange}``; ``None`` for other methods."""
-    m = re.fullmatch(r"rms_qtopk(\d)(?:c(\d+))?(_sharded)?", method)
-    return None if m is None else {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096),
-                                   "exchange": "sharded" if m.group(3) else "all_gather"}
+    """``rms_qtopk<bits>[c<chunk>][_sharded[_g<share>]]`` (``titan.compression`` with ``method: "qtopk"``, ``bits``,
+    ``chunk``, ``precondition: "rms"`` and, with ``_sharded``, ``exchange: "sharded"`` and ``gather_share``; chunk
+    4096 unless given): ``{bits, chunk, exchange[, gather_share]}``; ``None`` for other methods."""
+    m = re.fullmatch(r"rms_qtopk(\d)(?:c(\d+))?(_sharded(?:_g([0-9.]+))?)?", method)
+    if m is None:
+        return None
+    out = {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096),
+           "exchange": "sharded" if m.group(3) else "all_gather"}
+    return out if m.group(4) is None else {**out, "gather_share": float(m.group(4))}
 
 
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,

@@ -26,7 +26,9 @@ from launch.bench import compress_scale as cs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = ["results/compress_w2_1000.jsonl", "results/compress_scale_w.jsonl", "results/compress_cltk_w8_200.jsonl",
-         "results/compress_cltk_w32_200.jsonl", "results/compress_cltk_w8_1000.jsonl"]  # compress_scale stores
+         "results/compress_cltk_w32_200.jsonl", "results/compress_cltk_w8_1000.jsonl",
+         "results/compress_qtopk_sweep.jsonl", "results/compress_qtopk_w8_1000.jsonl",
+         "results/compress_qtopk_sharded.jsonl", "results/compress_qtopk_sharded_1000.jsonl"]  # compress_scale stores
 DILOCO = ["results/diloco/rows.jsonl", "results/diloco_long/rows.jsonl", "results/diloco_cltk/rows.jsonl"]  # bench_diloco stores
 NAMES = {"none": "dense", "rms": "top-k + rms", "topk": "top-k", "hge": "HGE", "tgss": "TGSS",
          "rms_randk": "rand-k + rms", "rms_cltk": "cltk + rms"}
@@ -52,9 +54,13 @@ def collect(root: Path = ROOT) -> list[dict[str, Any]]:
         if not (root / rel).exists():
             continue
         for r in cs.load_rows(cs.open_store(root / rel, reuse_stale=True)):
-            if r["method"] not in NAMES or r.get("rank") or r.get("dgc"):
+            family, q = NAMES.get(r["method"]), cs.qtopk_options(r["method"])
+            if q is not None:
+                family = "qtopk + rms" + (", sharded" if q["exchange"] == "sharded" else "")
+            if family is None or r.get("rank") or r.get("dgc"):
                 continue
-            out.append({"source": rel, "family": NAMES[r["method"]], "setting": f"ratio {r['ratio']:g}",
+            setting = f"ratio {r['ratio']:g}" + (f", {q['bits']}-bit, chunk {q['chunk']}" if q else "")
+            out.append({"source": rel, "family": family, "setting": setting,
                         "world": r["world"], "steps": r["steps"], "seed": r["seed"], "lr": r["lr"],
                         "val_loss": r["val_loss"], "x_recv": r["wire_x_recv"],
                         "recv_mib": r["recv_per_worker_step"] * r["steps"] / 2**20})

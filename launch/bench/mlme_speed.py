@@ -10,7 +10,7 @@ and bf16 (``--dtypes``). One process, no DeepSpeed. Per part:
 * attention core (q, k, v of (B, 8, T, 32), causal): torch SDPA (what the plain GPT runs), the pure-PyTorch tiled
   reference at each ``--tiles``, and ``tiled_attention`` as dispatched here (what ``mlme.attention="tiled"`` runs);
 * MLP (256 -> 1024 -> 256, GELU): eager, and StripeFFN at each ``--stripes`` (tokens per stripe; the MLME module
-  with ``stripe="budget"`` is listed too);
+  with ``stripe="budget"`` is listed too), each with ``saves="input"`` and ``saves="pre_activation"``;
 * LM loss (head 256 -> 256 + cross-entropy): eager (logits, fp32 CE), and the chunked loss at each ``--chunks``;
 * one transformer block (titan_ds.models.gpt.Block): eager forward+backward, the same block under
   ``recompute_blocks``, and the eager forward alone: recompute_blocks should cost about one extra forward,
@@ -48,7 +48,7 @@ from titan_ds.inject.mlme import apply_mlme  # noqa: E402
 from titan_ds.kernels.attention import attention_kernel, tiled_attention, tiled_attention_reference  # noqa: E402
 from titan_ds.kernels.chunked_ce import chunked_linear_cross_entropy  # noqa: E402
 from titan_ds.kernels.saved import SavedTensorMeter  # noqa: E402
-from titan_ds.kernels.stripe_ffn import StripeFFN  # noqa: E402
+from titan_ds.kernels.stripe_ffn import SAVES, StripeFFN  # noqa: E402
 from titan_ds.models.gpt import Block, GPTConfig  # noqa: E402
 
 __all__ = ["measure_parts", "main"]
@@ -78,10 +78,18 @@ def _block_rows(B: int, T: int, dtype: torch.dtype, reps: int) -> list[dict]:
     x = lambda: (torch.randn(B, T, WIDTH, dtype=dtype, requires_grad=True),)  # noqa: E731
     rows = [{"part": "block", "impl": "eager", **_measure(x, eager, eager.parameters(), reps)},
             {"part": "block", "impl": "recompute_blocks", **_measure(x, holder.blocks[0], eager.parameters(), reps)}]
+    for saves in SAVES:  # the block recomputed with its MLP as StripeFFN: the replay, and the MLP's own recompute
+        striped = nn.Module()
+        striped.blocks = nn.ModuleList([copy.deepcopy(eager)])
+        apply_mlme(striped, MLMEConfig(attention="off", stripe_ffn="budget", stripe_ffn_saves=saves,
+                                       chunked_loss=False, recompute_blocks=True))
+        rows.append({"part": "block", "impl": f"recompute_blocks + StripeFFN saves {saves}",
+                     **_measure(x, striped.blocks[0], eager.parameters(), reps)})
     with torch.no_grad():
         fwd = median_time(lambda: eager(*x()), reps)
     rows.append({"part": "block", "impl": "forward only (no grad)", "saved_bytes": 0, "time_s": fwd})
-    rows[1]["extra_over_eager_in_forwards"] = (rows[1]["time_s"] - rows[0]["time_s"]) / fwd
+    for r in rows[1:-1]:
+        r["extra_over_eager_in_forwards"] = (r["time_s"] - rows[0]["time_s"]) / fwd
     return rows
 
 
@@ -108,6 +116,9 @@ def measure_parts(B: int, T: int, dtype: torch.dtype, reps: int, tiles: Sequence
         ffn = StripeFFN.plain(fc, nn.GELU(), out, stripe=s)
         label = f"StripeFFN, stripe {s}" + (f" ({ffn.stripe_for(dtype)} tokens)" if s == "budget" else "")
         rows.append({"part": "mlp", "impl": label, **_measure(x, ffn, ffn.parameters(), reps)})
+        pre = StripeFFN.plain(fc, nn.GELU(), out, stripe=s, saves="pre_activation")
+        rows.append({"part": "mlp", "impl": label + ", saves pre_activation", **_measure(x, pre, pre.parameters(),
+                                                                                         reps)})
 
     head = nn.Linear(WIDTH, VOCAB, bias=False).to(dtype)
     ht = lambda: (torch.randn(B, T, WIDTH, dtype=dtype, requires_grad=True),  # noqa: E731

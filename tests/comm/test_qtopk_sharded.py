@@ -16,15 +16,18 @@ def _layout(n):
     return [Segment("w", 0, 0, n - 7, n - 7, (n - 7,)), Segment("b", 0, n - 7, 7, 7, (7,))]
 
 
-@pytest.mark.parametrize("world,n", [(2, 100), (3, 257), (5, 64), (4, 16)])  # (4, 16): one chunk, 3 empty shards
-def test_sharded_reduce_is_its_oracle_bit_for_bit_over_steps(world, n):
+@pytest.mark.parametrize("world,n,share", [(2, 100, 0.5), (3, 257, 0.5), (5, 64, 0.5), (4, 16, 0.5),  # (4, 16):
+                                           (3, 257, 0.75), (2, 100, 0.3)])              # one chunk, 3 empty shards
+def test_sharded_reduce_is_its_oracle_bit_for_bit_over_steps(world, n, share):
     gen = torch.Generator().manual_seed(world * 1000 + n)
     steps = [[torch.randn(n, generator=gen) for _ in range(world)] for _ in range(3)]
-    comps = [QTopKCompressor(RATIO, bits=BITS, chunk=CHUNK, exchange="sharded") for _ in range(world)]
+    comps = [QTopKCompressor(RATIO, bits=BITS, chunk=CHUNK, exchange="sharded", gather_share=share)
+             for _ in range(world)]
     kept = [None] * world
     for accs in steps:
         outs = run_ranks(world, lambda r, comm: comps[r].reduce(accs[r], comm, 0, layout=_layout(n)))
-        summed, sent, residuals = reference_sharded_qtopk(accs, RATIO, kept, bits=BITS, chunk=CHUNK)
+        summed, sent, residuals = reference_sharded_qtopk(accs, RATIO, kept, bits=BITS, chunk=CHUNK,
+                                                          gather_share=share)
         for r, (out, own) in enumerate(outs):
             assert torch.equal(out, summed), f"rank {r}'s sum"
             assert torch.equal(own, sent[r]), f"rank {r}'s sent"
@@ -105,3 +108,19 @@ def test_config_exchange_is_qtopk_only_and_needs_error_feedback():
         CompressionConfig(method="qtopk", ratio=50, chunk=4096, exchange="sharded", error_feedback=False)
     with pytest.raises(ValueError, match="exchange"):
         QTopKCompressor(10.0, exchange="ring")
+    with pytest.raises(ValueError, match="gather_share"):
+        CompressionConfig(method="qtopk", ratio=50, chunk=4096, gather_share=0.7)
+    with pytest.raises(ValueError, match="gather_share"):  # the pieces would need 150x at chunk 256 (max ~195x)...
+        CompressionConfig(method="qtopk", ratio=100, chunk=256, exchange="sharded", gather_share=0.1)
+    assert CompressionConfig(method="qtopk", ratio=100, chunk=256, exchange="sharded", gather_share=0.6)
+    with pytest.raises(ValueError, match="gather_share"):
+        QTopKCompressor(10.0, exchange="sharded", gather_share=1.0)
+
+
+def test_gather_share_moves_bytes_between_the_two_messages():
+    from titan_ds.comm.qtopk import sharded_budgets
+    n = 256 * 40
+    k1, k2 = sharded_budgets(n, 100.0, bits=4, chunk=256, gather_share=0.5)
+    assert k1 == k2
+    k1b, k2b = sharded_budgets(n, 100.0, bits=4, chunk=256, gather_share=0.75)
+    assert k1b < k1 < k2b

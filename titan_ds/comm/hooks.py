@@ -372,7 +372,7 @@ class CompressionPillar(Pillar):
             self.reducer = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
                                            rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank,
                                            min_compression=cfg.min_compression, bits=cfg.bits, chunk=cfg.chunk,
-                                           exchange=cfg.exchange)
+                                           exchange=cfg.exchange, gather_share=cfg.gather_share)
             return
         precondition = rms_options(ctx) if cfg.precondition == "rms" else None
         self.reducer = GradientReducer(
@@ -380,7 +380,8 @@ class CompressionPillar(Pillar):
             rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank, min_compression=cfg.min_compression,
             dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
             ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start,
-            precondition=precondition, bits=cfg.bits, chunk=cfg.chunk, exchange=cfg.exchange)
+            precondition=precondition, bits=cfg.bits, chunk=cfg.chunk, exchange=cfg.exchange,
+            gather_share=cfg.gather_share)
 
     def attach(self, ctx: Any) -> None:
         """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""

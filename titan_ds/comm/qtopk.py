@@ -34,12 +34,14 @@ it receives grow with ``W`` (100x fewer than a dense ring all-reduce sent is 100
 5. every worker encodes each shard of ``acc`` as its own message (the chunks, hence the values, are those of the
    whole-vector message) and sends piece ``j`` to rank ``j`` (one all-to-all; pieces padded to the largest);
 6. rank ``j`` decodes the ``W`` pieces of its shard and sums them in rank order, adds its shard residual ``e_j``,
-   encodes that total again (same ``k``, ``bits``, ``chunk``) and keeps ``e_j = total - decoded``: the second
-   compression has its own error feedback (1-bit Adam's and DeepSpeed's compressed all-reduce do the same);
+   encodes that total again (``k2`` values per chunk, same ``bits`` and ``chunk``) and keeps
+   ``e_j = total - decoded``: the second compression has its own error feedback (1-bit Adam's and DeepSpeed's
+   compressed all-reduce do the same);
 7. the owners' messages are all-gathered and every worker decodes the whole sum.
 
 Received per worker: ``(W - 1)`` pieces of ``~1/W`` of a message in step 5 and as many in step 7: ~2x one
-message whatever ``W``, the volume of a ring all-reduce of it. ``sent`` (the worker's residual) is still its own
+message whatever ``W``, the volume of a ring all-reduce of it. The two together take the bytes of two messages at
+``ratio``, ``gather_share`` of them step 7's (:func:`sharded_budgets`; 0.5: ``k2 = k``, both at ``ratio``). ``sent`` (the worker's residual) is still its own
 step-5 message. :func:`reference_sharded_qtopk` is the oracle (bit for bit); ``e_j`` is the compressor's journaled
 store ``shard_residuals``, saved in checkpoints with the residuals.
 
@@ -56,7 +58,8 @@ import torch
 from .base import Collective, ResidualStore, Segment
 
 __all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "EXCHANGES", "MAX_CHUNK", "QTopKCompressor", "qtopk_budget",
-           "qtopk_max_ratio", "qtopk_message_bytes", "reference_qtopk", "reference_sharded_qtopk", "shard_bounds"]
+           "qtopk_max_ratio", "qtopk_message_bytes", "reference_qtopk", "reference_sharded_qtopk", "shard_bounds",
+           "sharded_budgets"]
 
 BITS = (2, 4, 8)
 MAX_CHUNK = 65536  # an in-chunk index is at most 2 bytes
@@ -114,17 +117,21 @@ class QTopKCompressor:
     """The module's steps 1-4 (``ratio``: dense fp32 bytes / message bytes per worker, as for ``topk``)."""
 
     name = "qtopk"
-    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "exchange", "ratio_warmup_steps",
+    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "exchange", "gather_share",
+                                    "ratio_warmup_steps",
                                     "ratio_warmup_start")
-    init_options = ("bits", "chunk", "exchange")
+    init_options = ("bits", "chunk", "exchange", "gather_share")
 
     def __init__(self, ratio: float, rows: int = 1, *, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK,
-                 exchange: str = "all_gather"):
+                 exchange: str = "all_gather", gather_share: float = 0.5):
         del rows  # CompressionConfig refuses sketch_rows for "qtopk" (not in config_keys)
         _check(bits, chunk)
         if exchange not in EXCHANGES:
             raise ValueError(f"qtopk exchange={exchange!r}: choose one of {list(EXCHANGES)}")
+        if not 0.0 < gather_share < 1.0:
+            raise ValueError(f"qtopk gather_share={gather_share}: must be in (0, 1)")
         self.ratio, self.bits, self.chunk, self.exchange = ratio, bits, chunk, exchange
+        self.gather_share = gather_share
         # sharded: the error feedback of each rank's re-compressed shard sum (journaled and saved by the reducer)
         self.stores = {"shard_residuals": ResidualStore()} if exchange == "sharded" else {}
 
@@ -205,9 +212,11 @@ class QTopKCompressor:
                ratio: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
         del seed  # the selection is this worker's own; residuals are the reducer's
         n = acc.numel()
-        k = qtopk_budget(n, self.ratio if ratio is None else ratio, bits=self.bits, chunk=self.chunk)
+        ratio = self.ratio if ratio is None else ratio
         if self.exchange == "sharded" and comm.world_size > 1:
-            return self._reduce_sharded(acc, comm, k, layout)
+            k1, k2 = sharded_budgets(n, ratio, bits=self.bits, chunk=self.chunk, gather_share=self.gather_share)
+            return self._reduce_sharded(acc, comm, k1, k2, layout)
+        k = qtopk_budget(n, ratio, bits=self.bits, chunk=self.chunk)
         msg = self.encode(acc, k)
         padded = -(-n // self.chunk) * self.chunk
         summed = torch.zeros(padded, dtype=torch.float32, device=acc.device)
@@ -220,13 +229,17 @@ class QTopKCompressor:
         return summed[:n], sent[:n]
 
 
-    def _reduce_sharded(self, acc: torch.Tensor, comm: Collective, k: int,
+    def _reduce_sharded(self, acc: torch.Tensor, comm: Collective, k: int, k2: int,
                         layout: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``exchange="sharded"`` (module docstring, "Sharded exchange")."""
+        """``exchange="sharded"`` (module docstring, "Sharded exchange"): ``k`` values per chunk in the pieces,
+        ``k2`` in the owners' messages."""
         n, world, rank = acc.numel(), comm.world_size, comm.rank
         bounds = shard_bounds(n, self.chunk, world)
-        lens = [qtopk_message_bytes(hi - lo, k, bits=self.bits, chunk=self.chunk) if hi > lo else 0
-                for lo, hi in bounds]
+
+        def sizes(kk: int) -> list[int]:
+            return [qtopk_message_bytes(hi - lo, kk, bits=self.bits, chunk=self.chunk) if hi > lo else 0
+                    for lo, hi in bounds]
+        lens, lens2 = sizes(k), sizes(k2)
         size = max(lens)  # every piece padded to the largest: equal splits, the same on every rank
         send = torch.zeros(world * size, dtype=torch.uint8, device=acc.device)
         pieces = []
@@ -246,19 +259,27 @@ class QTopKCompressor:
         kept = store.get(key)
         if kept is not None:
             total += kept
-        out = torch.zeros(size, dtype=torch.uint8, device=acc.device)
+        out = torch.zeros(max(lens2), dtype=torch.uint8, device=acc.device)
         if mine:
-            msg = self.encode(total, k)
-            out[:lens[rank]] = msg
-            store.put(key, total - self._dense(msg, mine, k, acc.device))
+            msg = self.encode(total, k2)
+            out[:lens2[rank]] = msg
+            store.put(key, total - self._dense(msg, mine, k2, acc.device))
         summed = torch.zeros(n, dtype=torch.float32, device=acc.device)
         sent = torch.zeros(n, dtype=torch.float32, device=acc.device)
         for j, part in enumerate(comm.all_gather(out)):
             lo_j, hi_j = bounds[j]
             if hi_j > lo_j:
-                summed[lo_j:hi_j] = self._dense(part[:lens[j]], hi_j - lo_j, k, acc.device)
+                summed[lo_j:hi_j] = self._dense(part[:lens2[j]], hi_j - lo_j, k2, acc.device)
                 sent[lo_j:hi_j] = self._dense(pieces[j], hi_j - lo_j, k, acc.device)
         return summed, sent
+
+
+def sharded_budgets(n: int, ratio: float, *, bits: int, chunk: int, gather_share: float) -> tuple[int, int]:
+    """Values per chunk ``(k, k2)`` of the sharded exchange's pieces and owners' messages: a rank receives about one
+    message of each, which together take the bytes of two messages at ``ratio``, ``gather_share`` of them the
+    owners' (0.5: both at ``ratio``, the same ``k``)."""
+    return (qtopk_budget(n, ratio / (2.0 * (1.0 - gather_share)), bits=bits, chunk=chunk),
+            qtopk_budget(n, ratio / (2.0 * gather_share), bits=bits, chunk=chunk))
 
 
 def shard_bounds(n: int, chunk: int, world: int) -> list[tuple[int, int]]:
@@ -277,13 +298,13 @@ def _shard_key(layout: list[Segment], n: int, world: int, rank: int) -> str:
 
 
 def reference_sharded_qtopk(accs: list[torch.Tensor], ratio: float, kept: list[Optional[torch.Tensor]], *,
-                            bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK
+                            bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK, gather_share: float = 0.5
                             ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The oracle of ``exchange="sharded"`` over all ranks at once: ``(summed, sent per rank, shard residuals per
     rank)``. ``kept``: each rank's shard residual before the step (None: zeros). Loops over shards and ranks with
     :func:`reference_qtopk`, no messages."""
     world, n = len(accs), accs[0].numel()
-    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk)
+    k, k2 = sharded_budgets(n, ratio, bits=bits, chunk=chunk, gather_share=gather_share)
     bounds = shard_bounds(n, chunk, world)
     sent = [torch.cat([reference_qtopk(a[lo:hi], ratio, bits=bits, chunk=chunk, k=k) for lo, hi in bounds])
             for a in accs]
@@ -294,7 +315,7 @@ def reference_sharded_qtopk(accs: list[torch.Tensor], ratio: float, kept: list[O
             total += sent[i][lo:hi]
         if kept[j] is not None:
             total += kept[j]
-        summed[lo:hi] = reference_qtopk(total, ratio, bits=bits, chunk=chunk, k=k)
+        summed[lo:hi] = reference_qtopk(total, ratio, bits=bits, chunk=chunk, k=k2)
         residuals.append(total - summed[lo:hi])
     return summed, sent, residuals
 
