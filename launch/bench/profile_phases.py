@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import os
@@ -51,13 +52,19 @@ MODEL_ARGS = ["--layers", "6", "--width", "256", "--heads", "8", "--context", "1
 
 
 def row_config(name: str) -> tuple[dict[str, Any], list[str]]:
-    """(ds_config, launch/train.py arguments) of a row: ``plain`` or a ``ds_configs/<name>.json`` profile."""
+    """(ds_config, launch/train.py arguments) of a row: ``plain``, a ``ds_configs/<name>.json`` profile, or a row of
+    ``launch/bench/speed.py`` (e.g. ``titan_exact_no_recompute_pre``)."""
     if name == "plain":
         return baseline_config(0), ["--optimizer", "adamw", "--lr", "1e-3"]
     path = ROOT / "ds_configs" / f"{name}.json"
-    if not path.exists():
-        raise SystemExit(f"unknown row {name!r}: no {path}; rows are 'plain' or a ds_configs/*.json profile name")
-    return json.loads(path.read_text()), []
+    if path.exists():
+        return json.loads(path.read_text()), []
+    from launch.bench.speed import build_rows
+    by = {r.name: r for r in build_rows()}
+    if name not in by:
+        raise SystemExit(f"unknown row {name!r}: no {path} and no such speed row; rows are 'plain', a "
+                         f"ds_configs/*.json profile name or one of {sorted(by)}")
+    return copy.deepcopy(by[name].cfg), list(by[name].args)
 
 
 class _Clock:
