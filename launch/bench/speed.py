@@ -159,7 +159,10 @@ def summarise(rows: list[Row], done: dict[tuple, dict], peak: dict[str, float]) 
         table.append({"row": row.name, "repeats": len(recs), "tokens_per_s": statistics.median(tps),
                       "min": min(tps), "max": max(tps), "flops_per_token": fpt, "peak": dtype,
                       "mfu": fpt * statistics.median(tps) / peak[dtype],
-                      "micro_batch": recs[0]["micro_batch"], "optimizer": recs[0].get("optimizer"), "model": m})
+                      "micro_batch": recs[0]["micro_batch"], "optimizer": recs[0].get("optimizer"), "model": m,
+                      "activations_mib": max((r["memory"]["activations"] / 2**20 for r in recs
+                                              if (r.get("memory") or {}).get("activations") is not None),
+                                             default=None)})
     base = next((t for t in table if t["row"] == "plain"), None)
     for t in table:
         t["vs_plain"] = t["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -177,15 +180,18 @@ def _write(out: Path, table: list[dict], peak: dict[str, float], a: argparse.Nam
             f"Workload: GPT {_shape(table)}, 16 sequences per step; {a.steps} timed steps per run after {WARM} "
             f"warm-up steps, {a.repeats} repeat(s), rows alternated. tokens/s: median over the repeats (min-max "
             "beside it); vs plain: ratio of medians. MFU = (6 N + 12 L T d) x tokens/s / the matmul peak of the "
-            "row's weight dtype, or fp32's where that is faster (N trainable parameters with embeddings, L layers, T context, d width).", ""]
-    cols = ["row", "tokens/s", "min-max", "vs plain", "MFU %", "peak", "micro-batch", "optimizer", "repeats"]
+            "row's weight dtype, or fp32's where that is faster (N trainable parameters with embeddings, L layers, T context, d width). "
+            "activations MiB: launch/train.py's accounted peak of saved activations, the largest over the repeats "
+            "('-': not recorded).", ""]
+    cols = ["row", "tokens/s", "min-max", "vs plain", "MFU %", "peak", "micro-batch", "optimizer", "repeats",
+            "activations MiB"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for t in table:
-        lines.append(f"| {t['row']} | {t['tokens_per_s']:.0f} | {t['min']:.0f}-{t['max']:.0f} | "
-                     f"{t['vs_plain']:.2f} | {100 * t['mfu']:.1f} | {t['peak']} | {t['micro_batch']} | "
-                     f"{t['optimizer']} | {t['repeats']} |" if t["vs_plain"] is not None else
-                     f"| {t['row']} | {t['tokens_per_s']:.0f} | {t['min']:.0f}-{t['max']:.0f} | - | "
-                     f"{100 * t['mfu']:.1f} | {t['peak']} | {t['micro_batch']} | {t['optimizer']} | {t['repeats']} |")
+        vs = "-" if t["vs_plain"] is None else f"{t['vs_plain']:.2f}"
+        act = "-" if t.get("activations_mib") is None else f"{t['activations_mib']:.1f}"
+        lines.append(f"| {t['row']} | {t['tokens_per_s']:.0f} | {t['min']:.0f}-{t['max']:.0f} | {vs} | "
+                     f"{100 * t['mfu']:.1f} | {t['peak']} | {t['micro_batch']} | {t['optimizer']} | {t['repeats']} "
+                     f"| {act} |")
     out.with_suffix(".md").write_text("\n".join(head + lines) + "\n")
     _plot(out.with_suffix(".png"), table)
 
@@ -258,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
                     if res["status"] != "ok":
                         raise SystemExit(f"{row.name} repeat {rep}: {res['status']}\n{res.get('log_tail', '')}")
                     keep = ("tokens_per_s", "step_s", "trainable_params", "model", "micro_batch", "optimizer",
-                            "command")
+                            "command", "memory")
                     return {"row": row.name, "fingerprint": row.fingerprint(), "repeat": rep, "settings": settings,
                             "date": datetime.date.today().isoformat(), **{k: res.get(k) for k in keep}}
                 store.get((row.name, row.fingerprint(), rep, settings), run,
