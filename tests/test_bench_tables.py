@@ -9,10 +9,11 @@ import pytest
 
 from launch.bench.__main__ import ROOT, TABLES, regenerate, table_rows
 
-# reproduced byte for byte; the others: their table rows
+# reproduced byte for byte; the others: their table rows. The hf_* tables' headers print the installed transformers
+# version (their records do not hold it), so a fresh install that resolves a newer transformers within the pinned
+# range (5.25.0 on 2026-12-03) changes the header, not the rows: rows only for those.
 EXACT = {"results/frontier_1000", "results/compress_w2_300", "results/compress_w2_1000", "results/diloco",
-         "results/hf_finetune.md", "results/hf_finetune_s1.md", "results/hf_finetune_memory.md",
-         "results/hf_trd_ranks.md", "results/hf_speed.md", "results/hf_speed_phases.md"}
+         "results/hf_trd_ranks.md"}
 CASES = [(suite, out) for suite, (_, outs) in TABLES.items() for out in outs]
 
 
