@@ -29,7 +29,7 @@ step on DeepSpeed's reduce path (any ZeRO stage, like ``topk``) or as DiLoCo's o
 
 **Sharded exchange** (``exchange="sharded"``). All-gathered, each worker receives ``W - 1`` messages, so the bytes
 it receives grow with ``W`` (100x fewer than a dense ring all-reduce sent is 100 / (W / 2) received). Sharded, rank
-``j`` owns shard ``j``: whole chunks, ``[lo_j, hi_j)`` (:func:`shard_bounds`). With the same ``k`` per chunk:
+``j`` owns shard ``j``: whole chunks, ``[lo_j, hi_j)`` (:func:`shard_bounds`). With ``k`` values per chunk:
 
 5. every worker encodes each shard of ``acc`` as its own message (the chunks, hence the values, are those of the
    whole-vector message) and sends piece ``j`` to rank ``j`` (one all-to-all; pieces padded to the largest);
@@ -41,8 +41,8 @@ it receives grow with ``W`` (100x fewer than a dense ring all-reduce sent is 100
 
 Received per worker: ``(W - 1)`` pieces of ``~1/W`` of a message in step 5 and as many in step 7: ~2x one
 message whatever ``W``, the volume of a ring all-reduce of it. The two together take the bytes of two messages at
-``ratio``, ``gather_share`` of them step 7's (:func:`sharded_budgets`; 0.5: ``k2 = k``, both at ``ratio``). ``sent`` (the worker's residual) is still its own
-step-5 message. :func:`reference_sharded_qtopk` is the oracle (bit for bit); ``e_j`` is the compressor's journaled
+``ratio``, ``gather_share`` of them step 7's (:func:`sharded_budgets`; 0.5: ``k2 = k``, both at ``ratio``).
+``sent`` (what the worker's residual subtracts) is still its own step-5 message. :func:`reference_sharded_qtopk` is the oracle (bit for bit); ``e_j`` is the compressor's journaled
 store ``shard_residuals``, saved in checkpoints with the residuals.
 
 The largest ratio a chunk size allows is one value per chunk, ``4 C / (index_bytes + 4 + bits / 8)``
@@ -118,8 +118,7 @@ class QTopKCompressor:
 
     name = "qtopk"
     config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "exchange", "gather_share",
-                                    "ratio_warmup_steps",
-                                    "ratio_warmup_start")
+                                    "ratio_warmup_steps", "ratio_warmup_start")
     init_options = ("bits", "chunk", "exchange", "gather_share")
 
     def __init__(self, ratio: float, rows: int = 1, *, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK,
@@ -136,7 +135,8 @@ class QTopKCompressor:
         self.stores = {"shard_residuals": ResidualStore()} if exchange == "sharded" else {}
 
     def __repr__(self) -> str:
-        return f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk}, exchange={self.exchange!r})"
+        return (f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk}, "
+                f"exchange={self.exchange!r}, gather_share={self.gather_share})")
 
     def _blocks(self, chunks: int) -> list[tuple[int, int]]:
         """Chunk ranges ``[c0, c1)`` of about :data:`BLOCK` entries, ``c0`` a multiple of 4 (so that a block's codes
@@ -218,16 +218,10 @@ class QTopKCompressor:
             return self._reduce_sharded(acc, comm, k1, k2, layout)
         k = qtopk_budget(n, ratio, bits=self.bits, chunk=self.chunk)
         msg = self.encode(acc, k)
-        padded = -(-n // self.chunk) * self.chunk
-        summed = torch.zeros(padded, dtype=torch.float32, device=acc.device)
+        summed = torch.zeros(-(-n // self.chunk) * self.chunk, dtype=torch.float32, device=acc.device)
         for part in comm.all_gather(msg):
-            for pos, val in self.decode_blocks(part, n, k):
-                summed.index_add_(0, pos, val)
-        sent = torch.zeros(padded, dtype=torch.float32, device=acc.device)
-        for pos, val in self.decode_blocks(msg, n, k):  # what the others decode of this worker's message
-            sent.index_put_((pos,), val)
-        return summed[:n], sent[:n]
-
+            self._decode_into(summed, part, n, k, add=True)
+        return summed[:n], self._dense(msg, n, k, acc.device)  # sent: what the others decode of this worker's
 
     def _reduce_sharded(self, acc: torch.Tensor, comm: Collective, k: int, k2: int,
                         layout: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,9 +245,8 @@ class QTopKCompressor:
         mine = hi - lo
         padded = -(-mine // self.chunk) * self.chunk
         total = torch.zeros(padded, dtype=torch.float32, device=acc.device)
-        for i in range(world):  # rank order: the same float sum whatever the arrival order
-            if mine:
-                self._decode_into(total, recv[i * size:i * size + lens[rank]], mine, k, add=True)
+        for i in range(world if mine else 0):  # rank order: the same float sum whatever the arrival order
+            self._decode_into(total, recv[i * size:i * size + lens[rank]], mine, k, add=True)
         total = total[:mine]
         store, key = self.stores["shard_residuals"], _shard_key(layout, n, world, rank)
         kept = store.get(key)

@@ -44,6 +44,7 @@ __all__ = ["StripeFFN", "stripe_ffn", "stripe_ffn_pre", "linear_parts", "budget_
 # tokens, width 4 x 256, fc output + GELU output, fp32): the seed shapes run in one stripe, a large model's MLP in
 # stripes of at most 16 MiB.
 STRIPE_BUDGET_BYTES = 16 * 2**20
+SAVES = ("input", "pre_activation")  # StripeFFN's ``saves``: what backward keeps (module docstring)
 _HIDDEN_COPIES = {"plain": 2, "gated": 4}  # hidden-width tensors alive per stripe: fc, act / gate, up, act, product
 
 
@@ -202,9 +203,6 @@ def stripe_ffn_pre(x: Tensor, in_parts: list[tuple[Tensor, Optional[Tensor]]], c
     return y.reshape(*lead, y.shape[-1])
 
 
-SAVES = ("input", "pre_activation")
-
-
 class StripeFFN(nn.Module):
     """An MLP computed by :func:`stripe_ffn`, holding the replaced MLP's submodules under their original names.
 
@@ -273,9 +271,7 @@ class StripeFFN(nn.Module):
 
     def hidden(self, x: Tensor) -> Tensor:
         """The activation that is recomputed: ``act(fc(x))`` or ``act(gate(x)) * up(x)``."""
-        if self.kind == "plain":
-            return self._role("act")(self._role("fc")(x))
-        return self._role("act")(self._role("gate")(x)) * self._role("up")(x)
+        return self._combine(*[self._role(r)(x) for r in self._in_roles()])
 
     @property
     def saves_used(self) -> str:
