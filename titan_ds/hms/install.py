@@ -436,6 +436,8 @@ class HMSPillar(Pillar):
             p.undo()
         runtime = self.runtime
         runtime.attach(ctx.engine)
+        if ctx.titan.compression is None:  # (compression overrides the same seam, and has its own one-rank case)
+            ctx.patch(dsc.z3_one_rank_scatter(ctx.engine.optimizer))
         ctx.on_before_step(runtime.before_step)
         ctx.on_after_step(runtime.after_step)
         ctx.on_save(runtime.save)
