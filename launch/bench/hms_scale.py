@@ -213,17 +213,33 @@ def build_ops(env: dict) -> None:
         raise RuntimeError(f"DeepSpeed's cpu_adam/async_io ops did not build: {r.stderr[-2000:]}")
 
 
+def set_lr(cfg: dict, lr: float) -> None:
+    """Set the peak lr of ``cfg``'s optimizer: titan's section where the mode trains titan's optimizer, else the
+    ``optimizer`` section's (DeepSpeed's, or the client AdamW's default of ``launch/train.py``)."""
+    opt = cfg.get("titan", {}).get("optimizer")
+    if opt is not None:
+        opt["lr"] = lr
+    else:
+        cfg.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = lr
+
+
 def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, steps: int, timeout: float,
-          logs: Path, aio: dict | None = None, lock: str | None = None, warmup: int = 1, tag: str = "") -> dict:
+          logs: Path, aio: dict | None = None, lock: str | None = None, warmup: int = 1, tag: str = "",
+          lr: float | None = None) -> dict:
     """Train once under the cap; the outcome and its measurements. ``aio``: ZeRO-Infinity's aio block; ``lock``:
-    held around the run (:func:`timed_lock`); ``warmup``: first steps left out of s/step; ``tag``: file names."""
+    held around the run (:func:`timed_lock`); ``warmup``: first steps left out of s/step; ``tag``: file names;
+    ``lr``: the optimizer's peak lr (None: the mode's own)."""
     out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width)}
+    if lr is not None:
+        out["lr"] = lr
     nvme = os.path.join(path, f"{mode}_{layers}x{width}{tag}")
     work = Path(path) / "cfg"
     work.mkdir(parents=True, exist_ok=True)
     name = f"{mode}_c{cap_gib:g}_{layers}x{width}{tag}"
     cfg_path, summary = work / f"{name}.json", work / f"{name}.summary.json"
     cfg = ds_config(mode, nvme, aio)
+    if lr is not None:
+        set_lr(cfg, lr)
     cfg_path.write_text(json.dumps(cfg))
     if "aio" in cfg:
         out["aio"] = cfg["aio"]
@@ -260,6 +276,11 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
         out["optimizer"] = s.get("optimizer")
         moved = [h["hms"]["bytes_read"] + h["hms"]["bytes_written"] for h in hist if "hms" in h]
         out["GiB_moved_per_step"] = sum(moved) / len(moved) / GiB if moved else 0.0
+        for k in ("read", "written"):
+            per = [h["hms"][f"bytes_{k}"] for h in hist if "hms" in h]
+            if per:
+                out[f"GiB_{k}_per_step"] = sum(per) / len(per) / GiB
+        out["loss_all"] = [json.loads(x)["loss"] for x in (work / f"{name}.metrics.jsonl").read_text().splitlines()]
         out.update(trainable=s["trainable_params"], step_s=sum(steps_s) / max(1, len(steps_s)), peak_rss_GiB=s["peak_rss"] / GiB,
                    disk_GiB=hms.get("disk_bytes", 0) / GiB, val_loss=s["val_loss"])
     shutil.rmtree(nvme, ignore_errors=True)
@@ -291,9 +312,18 @@ class Trials(ResultLog):
             if self.no_run:
                 raise NotMeasured(f"{mode} cap {cap:g} GiB {layers}x{width}")
             return trial(mode, layers, width, cap, **kw)
-        return self.get(self.key(mode, cap, layers, width), go,
+        return _same_lr(self.get(self.key(mode, cap, layers, width), go,
                         lambda r: f"{mode} cap {cap:g} GiB {layers}x{width} ({r['params'] / 1e6:.0f}M): "
-                                  f"{r['status']}, peak anon {r['peak_anon_GiB']:.2f} GiB, {r['wall_s']:.0f} s")
+                                  f"{r['status']}, peak anon {r['peak_anon_GiB']:.2f} GiB, {r['wall_s']:.0f} s"),
+                        kw.get("lr"))
+
+
+def _same_lr(r: dict, lr: float | None) -> dict:
+    """A recorded trial reused only at the lr it ran with (the trial key does not hold the lr)."""
+    if r.get("lr") != lr:
+        raise SystemExit(f"--lr {lr}: the store holds this trial at lr {r.get('lr')} (None: the mode's own); "
+                         f"give another --out for another lr")
+    return r
 
 
 class SpeedTrials(ResultLog):
@@ -315,9 +345,9 @@ class SpeedTrials(ResultLog):
                 raise NotMeasured(f"speed {mode} cap {cap:g} GiB {layers}x{width} run {repeat}")
             r = trial(mode, layers, width, cap, steps=warmup + steps, warmup=warmup, tag=f"_speed{repeat}", **kw)
             return dict(r, warmup=warmup, steps=steps, repeat=repeat)
-        return self.get(self.key(mode, cap, layers, width, warmup, steps, repeat), go,
+        return _same_lr(self.get(self.key(mode, cap, layers, width, warmup, steps, repeat), go,
                         lambda r: f"speed {mode} cap {cap:g} GiB {layers}x{width} run {repeat}: {r['status']}, "
-                                  f"{r.get('step_s_median', float('nan')):.2f} s/step")
+                                  f"{r.get('step_s_median', float('nan')):.2f} s/step"), kw.get("lr"))
 
 
 def speed_rows(st: SpeedTrials, modes: list[str], cap: float, layers: int, width: int, warmup: int, steps: int,
@@ -345,6 +375,13 @@ def speed_rows(st: SpeedTrials, modes: list[str], cap: float, layers: int, width
             row.update(status="ok", runs=len(ok), step_s=statistics.median(per_run),
                        runs_step_s=" ".join(f"{x:.2f}" for x in per_run),
                        peak_anon_GiB=max(r["peak_anon_GiB"] for r in ok), optimizer=ok[0].get("optimizer"))
+            if "lr" in ok[0]:
+                row["lr"] = f"{ok[0]['lr']:g}"
+            if "loss_all" in ok[0]:  # the first run's train loss at each step, warm-up included
+                row["losses"] = " ".join(f"{x:.2f}" for x in ok[0]["loss_all"])
+            if "GiB_read_per_step" in ok[0]:
+                row["io_bound_s"], row["compute_bound_s"] = bounds(ok[0])
+                row["x_bound"] = row["step_s"] / max(row["io_bound_s"], row["compute_bound_s"])
         rows.append(row)
     base = next((r["step_s"] for r in rows if r["mode"] == "zero_inf" and "step_s" in r), None)
     for r in rows:
@@ -390,6 +427,18 @@ def _largest(trials: Trials, mode: str, cap: float, width: int, start: int, max_
 _SPEEDS: list = []
 
 
+def bounds(r: dict) -> tuple[float, float]:
+    """(I/O bound, compute bound) seconds of one step of trial ``r``: its bytes read and written per step at this
+    disk's O_DIRECT read and write speeds (``titan_ds/hms/diskprobe.py``, 4 MiB blocks, as recorded in
+    results/hms_timeline/disk.json), and 6 x params x 128 tokens at the fp32 matmul rate measured here (the
+    trials train fp32 unless the mode says bf16; bf16 is not priced differently)."""
+    gflops, _ = _speeds()
+    disk = json.loads((ROOT / "results" / "hms_timeline" / "disk.json").read_text())
+    io = (r["GiB_read_per_step"] * GiB / (disk["raw_read_GBps"] * 1e9)
+          + r["GiB_written_per_step"] * GiB / (disk["raw_write_GBps"] * 1e9))
+    return io, 6 * r["params"] * 128 / (gflops * 1e9)
+
+
 def _speeds() -> tuple[float, float]:
     """fp32 GFLOP/s of a 1024^3 matmul (measured once) and dd's direct read GB/s from results/hms_streaming.csv
     (bench_hms.py part a), the bounds of today's HMS tables."""
@@ -433,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speed-repeats", type=int, default=3, help="speed runs per mode, alternated")
     ap.add_argument("--no-run", action="store_true",
                     help="run nothing: the tables from the recorded trials (an unfinished search says so)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak lr of every mode's optimizer (default: each mode's own); give a new --out for it")
     ap.add_argument("--lock", default=None, help="flock this file around each trial (e.g. /tmp/titan_timed.lock)")
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
     add_store_args(ap)
@@ -464,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
         elif not (a.no_run and not out.with_suffix(".aio_sweep.json").exists()):  # --no-run measures nothing
             aio = aio_settings(a.path, out.with_suffix(".aio_sweep.json"), a.lock)
             logging.info("zero_inf: aio %s (the best of the sweep in %s)", aio, out.with_suffix(".aio_sweep.json"))
-    kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / out.name, aio=aio, lock=a.lock)
+    kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / out.name, aio=aio, lock=a.lock, lr=a.lr)
     if speed is not None:
         st = SpeedTrials(out.with_suffix(".speed.jsonl"), a.reuse_stale)
         st.no_run = a.no_run
@@ -554,12 +605,21 @@ def _write_table(base: Path, title: str, rows: list[dict], keys: list[str], note
 def write_speed(rows: list[dict], out: Path, a) -> None:
     keys = ["cap_GiB", "mode", "shape", "params_M", "step_s", "x_zero_inf", "runs", "runs_step_s", "peak_anon_GiB",
             "optimizer", "status"]
+    if any("x_bound" in r for r in rows):
+        keys[-1:-1] = ["io_bound_s", "compute_bound_s", "x_bound"]
+    if any("losses" in r for r in rows):
+        keys[-1:-1] = ["lr", "losses"] if any("lr" in r for r in rows) else ["losses"]
     notes = [f"Every mode at one shape under a {a.speed_cap:g} GiB cap, micro-batch 1, context 128: {a.speed_repeats} "
              f"runs per mode, the modes' order alternated between runs; each run {a.speed_warmup} warm-up + "
              f"{a.speed_steps} timed steps. step_s: median over the runs of each run's median timed step "
              f"(runs_step_s: each run's); x_zero_inf: step_s / ZeRO-Infinity's. optimizer: the engine's "
              f"basic_optimizer. Modes and configs: launch/bench/hms_scale.py's docstring. Shared 2-core machine: "
              f"indicative only.", _zero_inf_note(out)]
+    if any("x_bound" in r for r in rows):
+        notes.append("io_bound_s: the first run's bytes read and written per timed step at this disk's O_DIRECT read "
+                     "and write speeds (results/hms_timeline/disk.json); compute_bound_s: 6 x params x 128 tokens at "
+                     "the fp32 matmul GFLOP/s measured by this process; x_bound: step_s / the larger. losses: the "
+                     "first run's train loss at each step, warm-up included; lr: set by --lr (else the mode's own).")
     _write_table(out.parent / f"{out.name}.speed", "HMS vs DeepSpeed's offload: s/step at one shape", rows, keys,
                  notes, a)
 
