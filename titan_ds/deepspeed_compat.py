@@ -163,6 +163,10 @@ SYMBOLS: tuple[Symbol, ...] = (
            f"DeepSpeedZeroOptimizer_Stage3.{_Z3_AVG_SCATTER}", ("self", "params_to_reduce", "communication_data_type")),
     Symbol("ZeRO-3: the process group a parameter's gradient is partitioned over", _Z3,
            "DeepSpeedZeroOptimizer_Stage3._get_param_partition_group", ("self", "param")),
+    Symbol("ZeRO-3: one gradient partition's norm (fp64)", _Z3,
+           "DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2", ("self", "input", "buffer_size")),
+    Symbol("ZeRO-3: the dtype gradients are converted to for their norms, a module global", _Z3, "get_norm_dtype",
+           ()),
     Symbol("ZeRO-3: rewrite parameter partitions from the fp32 masters", _Z3,
            "DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers", ("self",)),
     Symbol("ZeRO-0 gradient all-reduce of one bucket", _ENGINE, "DeepSpeedEngine.allreduce_bucket",
@@ -344,6 +348,18 @@ def z3_one_rank_scatter(opt: Any) -> Patch:
                 return original(params_to_reduce, communication_data_type)
         return avg_scatter_grads
     return z3_avg_scatter(opt, wrap)
+
+
+def z3_grad_norm(opt: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Patch:
+    """ZeRO-3's norm of one gradient partition, ``_constant_buffered_norm2(input, buffer_size)`` (stage3.py:1960:
+    the partition converted to ``get_norm_dtype()``, fp64 here, its 2-norm), wrapped on this instance. Not
+    applied."""
+    return override(opt, "_constant_buffered_norm2", wrap(opt._constant_buffered_norm2))
+
+
+def z3_norm_dtype() -> torch.dtype:
+    """The dtype ZeRO-3 converts gradients to for their norms (``get_norm_dtype``, as stage3.py imports it)."""
+    return _stage3().get_norm_dtype()
 
 
 def engine_gradient_clipping(engine: Any, value: float) -> Patch:

@@ -273,6 +273,8 @@ def main():
     res = {"losses": losses, "params": params, "state": dump_state(engine, a.mode),
            "lr": [g["lr"] for g in engine.optimizer.optimizer.param_groups],
            "optimizer": type(engine.optimizer.optimizer).__name__}
+    rt = getattr(getattr(engine, "titan", None), "reports", {}).get("hms")
+    res["grad_norm_calls"] = rt.grad_norm.calls if rt is not None and rt.grad_norm is not None else 0
     if a.mode == "hms":
         res["hms"] = metrics
         gb = engine.optimizer.grad_partitions_flat_buffer

@@ -45,6 +45,7 @@ from .. import deepspeed_compat as dsc
 from ..config import TitanConfigError, ds_precision
 from ..pillar import Pillar, View
 from ..utils import after_init_distributed
+from .gradnorm import ScratchNorm
 from .io import AsyncIOHandle
 from .prefetch import make_predictor
 from .store import Tier, TensorStore
@@ -438,6 +439,8 @@ class HMSPillar(Pillar):
         runtime.attach(ctx.engine)
         if ctx.titan.compression is None:  # (compression overrides the same seam, and has its own one-rank case)
             ctx.patch(dsc.z3_one_rank_scatter(ctx.engine.optimizer))
+        runtime.grad_norm = ctx.patch(dsc.z3_grad_norm(
+            ctx.engine.optimizer, lambda original: ScratchNorm(original, dsc.z3_norm_dtype()))).value
         ctx.on_before_step(runtime.before_step)
         ctx.on_after_step(runtime.after_step)
         ctx.on_save(runtime.save)
@@ -457,6 +460,7 @@ class _HMSRuntime:
                  grad_file: "_DiskGradientBuffer | None" = None):
         self.store, self.param_swapper, self.rank = store, param_swapper, rank
         self.grad_file = grad_file
+        self.grad_norm: Optional[ScratchNorm] = None  # ZeRO-3's gradient norms into one buffer (attach)
         self.engine = None
         self.opt_swapper = None
         self.snapshot_id = None
@@ -511,6 +515,8 @@ class _HMSRuntime:
 
     def before_step(self) -> None:
         self._boundary = self.engine.is_gradient_accumulation_boundary()  # before step() advances micro_steps
+        if self.grad_norm is not None:
+            self.grad_norm.release()  # backward's norms are taken: its buffer is not held through the step
 
     def after_step(self) -> None:
         self.opt_swapper.flush()  # ZeRO-3's step already flushed (log_timers); a no-op then, raises a failure
