@@ -72,8 +72,28 @@ def collect(root: Path = ROOT) -> list[dict[str, Any]]:
                        if r["sync_every"] > 1 else f"ratio {r['ratio']:g}")
             out.append({"source": rel, "family": _family(r["method"]), "setting": setting, "world": r["world"],
                         "steps": r["steps"], "seed": r["seed"], "lr": r["lr"], "val_loss": r["val_loss"],
-                        "x_recv": r["x_recv"], "recv_mib": r["recv_per_worker"] / 2**20})
+                        "x_recv": r["x_recv"], "recv_mib": r["recv_per_worker"] / 2**20,
+                        "compute_s": r.get("compute_s_per_worker_step")})
     return out
+
+
+def compute_by_world(rows: list[dict]) -> dict[int, float]:
+    """Per W: the median measured compute seconds per worker-step of the dense rows that recorded it
+    (``bench_diloco.py`` measures it; every method runs the same model and micro-batch per worker)."""
+    import statistics
+    by: dict[int, list[float]] = {}
+    for r in rows:
+        if r["family"] == "dense" and r.get("compute_s"):
+            by.setdefault(r["world"], []).append(r["compute_s"])
+    return {w: statistics.median(v) for w, v in by.items()}
+
+
+def step_seconds(r: dict, compute_s: float, link_bytes_per_s: float) -> float:
+    """Wall-clock model of one worker-step: ``compute_s`` + the row's received bytes per step / link bandwidth
+    (the same model as ``bench_diloco.step_seconds``: no overlap of compute and communication; a ring or a
+    gather sends about what it receives, full duplex; latency and the sharded exchange's second round not
+    counted)."""
+    return compute_s + r["recv_mib"] * 2**20 / r["steps"] / link_bytes_per_s
 
 
 def best(rows: list[dict], min_x: float) -> list[dict]:
@@ -102,7 +122,8 @@ def best(rows: list[dict], min_x: float) -> list[dict]:
     return out
 
 
-def render(rows: list[dict], min_x: float) -> str:
+def render(rows: list[dict], min_x: float, compute: Optional[dict[int, float]] = None) -> str:
+    compute = compute or {}
     lines = ["### Many workers: validation loss against bytes received per worker (simulator, tiny GPT 2x64)", "",
              "Command: `python -m launch.bench table many-workers` (runs nothing; reads "
              + ", ".join(f"`{s}`" for s in SCALE + DILOCO) + ", made by the commands recorded beside them).", "",
@@ -110,12 +131,21 @@ def render(rows: list[dict], min_x: float) -> str:
              "data-parallel AdamW's at its best lr, same W, steps and seed (one seed per row: no spread). x_recv: "
              "dense ring all-reduce every step's received bytes / the row's, over the whole run. Compressed rows: "
              f"the best setting (lr; H and outer step for DiLoCo) among those at x_recv >= {min_x:g}; "
-             "the uncompressed DiLoCo and top-k + rms rows at the x_recv they reach.", "",
-             "| steps | W | seed | method | setting | lr | val_loss | delta | x_recv | MiB received/worker |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "the uncompressed DiLoCo and top-k + rms rows at the x_recv they reach. "
+             "ms/step @ link: the wall-clock model, compute per worker-step (dense's measured one at that W on this "
+             "2-core CPU, median of the rows of `bench_diloco.py` that recorded it: "
+             + (", ".join(f"W={w}: {c * 1e3:.1f} ms" for w, c in sorted(compute.items())) or "none") +
+             ") + the row's received bytes per worker per step / the link's bandwidth; no overlap of compute and "
+             "communication, no latency (the sharded exchange's second round is not priced).", "",
+             "| steps | W | seed | method | setting | lr | val_loss | delta | x_recv | MiB received/worker "
+             + "".join(f"| ms/step @{k} " for k in bd.LINKS) + "|",
+             "|---" * (10 + len(bd.LINKS)) + "|"]
     for r in rows:
+        c = compute.get(r["world"])
+        wall = "".join(f"| {step_seconds(r, c, bw) * 1e3:.1f} " if c is not None else "| - "
+                       for bw in bd.LINKS.values())
         lines.append(f"| {r['steps']} | {r['world']} | {r['seed']} | {r['label']} | {r['setting']} | {r['lr']:g} | "
-                     f"{r['val_loss']:.4f} | {r['delta']:+.4f} | {r['x_recv']:.1f} | {r['recv_mib']:.2f} |")
+                     f"{r['val_loss']:.4f} | {r['delta']:+.4f} | {r['x_recv']:.1f} | {r['recv_mib']:.2f} {wall}|")
     return "\n".join(lines) + "\n"
 
 
@@ -160,10 +190,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--min-x", type=float, default=90.0, help="x_recv a compressed row must reach")
     p.add_argument("--out", default="results/many_workers")
     a = p.parse_args(argv)
-    rows = best(collect(), a.min_x)
+    everything = collect()
+    rows = best(everything, a.min_x)
     out = ROOT / a.out if not Path(a.out).is_absolute() else Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(render(rows, a.min_x))
+    out.with_suffix(".md").write_text(render(rows, a.min_x, compute_by_world(everything)))
     plot(rows, out.with_suffix(".png"), a.min_x)
     print(out.with_suffix(".md").read_text())
 
