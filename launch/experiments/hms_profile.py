@@ -8,8 +8,9 @@ Command (from the repository root, as root with cgroup v1; PY_SPY: a py-spy bina
 
 Runs ``launch/train.py`` with the mode's config (:func:`launch.bench.hms_scale.ds_config`) under the cap, with the
 timeline recorder on (``--timeline-out``: wall seconds per phase, :func:`titan_ds.hms.timeline.breakdown`) and
-``py-spy record --nonblocking --threads --format raw`` (on-CPU samples only: a thread blocked in a syscall or on a
-lock is not sampled). Samples are summed by thread role (the main thread; ``titan-hms-io`` I/O workers;
+``py-spy record --nonblocking --threads --format raw`` (on-CPU samples only: a thread waiting on a lock or sleeping is not sampled, but one blocked in an
+O_DIRECT read or write, state D, is: the I/O workers' rows overstate their CPU; ``/proc/<pid>/task/*/stat`` has
+the real figure, results/hms_profile/hms_balanced_5b_attached.md). Samples are summed by thread role (the main thread; ``titan-hms-io`` I/O workers;
 ``titan-hms-writer*``; ``titan-hms-prefetch``; others) and by the innermost frame of ours or torch's that names
 the work (checksum, pwritev/preadv, tensor copy, ...). Samples of the main thread are split into ``init`` (before
 the first training step) and ``steps``; other threads' samples cannot be split by time in the raw format and
