@@ -96,3 +96,30 @@ def test_tiny_zero_inf_trial_under_a_cap_runs_deepspeed_cpu_adam_on_nvme(tmp_pat
     assert r["optimizer"] == "DeepSpeedCPUAdam" and r["aio"] == bench.AIO_RECOMMENDED
     assert any(n.endswith(".tensor.swp") for n in seen), "no optimizer swap file under the nvme path"
     assert len(r["step_s_all"]) == 1 and r["step_s_median"] > 0
+
+
+def test_lr_goes_to_the_optimizer_each_mode_trains_and_a_store_is_reused_only_at_its_lr(tmp_path):
+    titan = bench.ds_config("hms_balanced", str(tmp_path))
+    assert bench.set_lr(titan, 1e-5)
+    assert titan["titan"]["optimizer"]["lr"] == 1e-5 and "optimizer" not in titan
+    ds = bench.ds_config("zero_inf", str(tmp_path))
+    assert bench.set_lr(ds, 2e-5)
+    assert ds["optimizer"]["params"]["lr"] == 2e-5  # DeepSpeed builds DeepSpeedCPUAdam from this section
+    plain = bench.ds_config("hms", str(tmp_path))
+    before = json.dumps(plain)
+    assert not bench.set_lr(plain, 3e-5) and json.dumps(plain) == before  # train.py's client AdamW: --lr
+    assert bench._same_lr({"mode": "hms"}, None) == {"mode": "hms"}
+    with pytest.raises(SystemExit, match="another --out"):
+        bench._same_lr({"mode": "hms", "lr": 1e-5}, None)
+    with pytest.raises(SystemExit, match="another --out"):
+        bench._same_lr({"mode": "hms"}, 1e-5)
+
+
+def test_bounds_price_reads_and_writes_at_the_disks_own_speeds(monkeypatch):
+    disk = json.loads((ROOT / "results" / "hms_timeline" / "disk.json").read_text())
+    monkeypatch.setattr(bench, "_speeds", lambda: (100.0, 1.0))
+    r = {"GiB_read_per_step": 2.0, "GiB_written_per_step": 1.0, "params": 1e9}
+    io, compute = bench.bounds(r)
+    GiB = 1 << 30
+    assert abs(io - (2 * GiB / (disk["raw_read_GBps"] * 1e9) + GiB / (disk["raw_write_GBps"] * 1e9))) < 1e-9
+    assert abs(compute - 6 * 1e9 * 128 / 100e9) < 1e-9

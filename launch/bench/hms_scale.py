@@ -213,14 +213,17 @@ def build_ops(env: dict) -> None:
         raise RuntimeError(f"DeepSpeed's cpu_adam/async_io ops did not build: {r.stderr[-2000:]}")
 
 
-def set_lr(cfg: dict, lr: float) -> None:
-    """Set the peak lr of ``cfg``'s optimizer: titan's section where the mode trains titan's optimizer, else the
-    ``optimizer`` section's (DeepSpeed's, or the client AdamW's default of ``launch/train.py``)."""
+def set_lr(cfg: dict, lr: float) -> bool:
+    """Set the peak lr of ``cfg``'s optimizer where the config builds it: titan's section, else DeepSpeed's
+    ``optimizer`` section. False when neither is there (``launch/train.py``'s client AdamW: pass ``--lr``)."""
     opt = cfg.get("titan", {}).get("optimizer")
     if opt is not None:
         opt["lr"] = lr
-    else:
-        cfg.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = lr
+        return True
+    if "optimizer" in cfg:
+        cfg["optimizer"].setdefault("params", {})["lr"] = lr
+        return True
+    return False
 
 
 def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, steps: int, timeout: float,
@@ -238,8 +241,7 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     name = f"{mode}_c{cap_gib:g}_{layers}x{width}{tag}"
     cfg_path, summary = work / f"{name}.json", work / f"{name}.summary.json"
     cfg = ds_config(mode, nvme, aio)
-    if lr is not None:
-        set_lr(cfg, lr)
+    client_lr = lr is not None and not set_lr(cfg, lr)
     cfg_path.write_text(json.dumps(cfg))
     if "aio" in cfg:
         out["aio"] = cfg["aio"]
@@ -248,6 +250,8 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
            str(steps), "--layers", str(layers), "--width", str(width), "--heads", str(max(1, width // 64)),
            "--micro-batch", "1", "--val-batches", "1", "--warmup", "1", "--no-progress", "--zero-init",
            "--summary-out", str(summary), "--metrics-out", str(work / f"{name}.metrics.jsonl")]
+    if client_lr:
+        cmd += ["--lr", str(lr)]
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
     env.setdefault("OMP_NUM_THREADS", "2")
