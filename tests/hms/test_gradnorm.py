@@ -46,7 +46,8 @@ def test_what_it_does_not_handle_goes_to_deepspeeds():
     x = torch.randn(1000)
     assert torch.equal(norm(x, buffer_size=300), _deepspeeds(x, 300))  # split in parts by DeepSpeed: its own sum
     norm(torch.empty(0))
-    assert seen == [1000, 0] and norm.calls == 0
+    norm(torch.empty(5000, device="meta"))  # a device tensor (meta stands in for a GPU): no CPU buffer mixed in
+    assert seen == [1000, 0, 5000] and norm.calls == 0 and norm.buf is None
 
 
 @pytest.fixture(scope="module")
