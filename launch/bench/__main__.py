@@ -205,6 +205,9 @@ RESULTS: list[Result] = [
         "titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24 (x torchao AdamW8bit {x_torchao_2^24}), "
         "temporaries {temp_B_el_2^26} B/element at 2^26, state {state_B_el_2^26} B/element", "optimizer",
         "titan_balanced")),
+    Result("optimizer-step", "results/optim_step_ieee/step.md", _f(
+        "C++ kernel, titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24, {x_DS_2^24}x DeepSpeedCPUAdam (AVX2 "
+        "machine)", "optimizer", "titan_balanced")),
     Result("optimizer-step", "results/optim_step_compiled/README.md", _f(
         "compiled core (TITAN_CORE_COMPILE=1): titan_balanced {compiled_M_s} M/s, {compiled___eager} the eager loop",
         "optimizer", "titan_balanced"), "TITAN_CORE_COMPILE=1 python launch/bench/optim_step.py --what speed --sizes "

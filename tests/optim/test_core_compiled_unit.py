@@ -15,11 +15,20 @@ from titan_ds.optim import core, qstate  # noqa: E402
 from titan_ds.optim.layout import Piece  # noqa: E402
 from tests.optim.test_core_compiled import _compiled_or_error  # noqa: E402,F401 (autouse: no silent eager fallback)
 
+@pytest.fixture(autouse=True)
+def _fresh_unit_lengths(monkeypatch):
+    """Each test starts with no compiled unit length: the process-wide cap (core.UNIT_FUSED_LENGTHS) would
+    otherwise leave a later test's new lengths to the eager loop, depending on which tests ran before it."""
+    monkeypatch.setattr(core, "_unit_lengths", set())
+
+
 # (unit lengths, chunk): 7 rows of 576 in chunks of 2048 (3 rows, 3 rows, 1 row: two row counts); a 1-D unit of
-# 576 beside rows of 1536; a unit of 3 (4-bit: the next starts mid-byte: eager), one of 40000 cut in pieces (eager).
+# 576 beside rows of 1536; units of 3 and 1 (4-bit: the 1 starts mid-byte; core.plan puts both in a chunk of mixed
+# lengths: eager), then a row of 576 starting on a byte again (compiled in 4-bit too), one of 40000 cut in pieces
+# (its first piece compiled, the rest eager).
 LAYOUTS = {
     "rows-576": ([576] * 7, 2048),
-    "mixed": ([576, 1536, 1536, 3, 576, 40000], 4096),
+    "mixed": ([576, 1536, 1536, 3, 1, 576, 40000], 4096),
 }
 
 

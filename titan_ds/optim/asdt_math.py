@@ -15,7 +15,7 @@ from .bsps import FROZEN, GROWTH, SLEEPING
 from .layout import Piece
 
 __all__ = ["asdt_update", "local_kth_largest", "reference_step", "KthLargest", "IMPORTANCE", "round_to",
-           "stochastic_round", "device_list"]
+           "stochastic_round", "device_list", "ieee_sqrt"]
 
 IMPORTANCE = ("momentum", "grad_weight", "sketch")
 
@@ -53,6 +53,19 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=generator, device=bits.device)
     out = torch.where(torch.isfinite(x), (bits + noise) & -65536, bits).view(torch.float32)
     return out.to(torch.bfloat16)  # exact: the low 16 bits are 0
+
+
+def ieee_sqrt(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The correctly rounded square root (IEEE 754's), the one the adaptive update divides by everywhere: what
+    ``torch.sqrt`` computes on CUDA, what inductor emits and what the C++ CPU kernel's ``vsqrtps`` computes. ATen's
+    CPU kernel for fp32 is not correctly rounded (MKL's vml: the last bit differs for ~20% of values on this
+    machine), so an fp32 CPU tensor goes through fp64 and back, which gives the correctly rounded fp32 root for
+    every non-negative finite float (checked over all 2^31 of them against numpy's; tests/optim/test_ieee_sqrt.py
+    checks a sample). ``out``: written in place (it may be ``x``)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        r = x.double().sqrt_()
+        return r.float() if out is None else out.copy_(r)
+    return torch.sqrt(x) if out is None else torch.sqrt(x, out=out)
 
 
 def round_to(dtype: torch.dtype, x: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -109,7 +122,7 @@ def reference_step(units: list[tuple[torch.Tensor, torch.Tensor, dict]], *, lr: 
                 v = st.get("v", torch.zeros_like(w, dtype=second_dtype)).float() * b2 + (g * g) * (1 - b2)
                 st["v"] = v.to(second_dtype)
                 # fp32, as core.dense_step (the bias corrections in fp64, then as v * (1 / bc2) and * bc1)
-                c = m / (((v * (1 / bc2)).sqrt() + eps) * bc1)
+                c = m / ((ieee_sqrt(v * (1 / bc2)) + eps) * bc1)
             else:
                 mean = torch.tensor(float((g.double() ** 2).sum()) / g.numel(), dtype=f32)
                 st["v"] = st.get("v", torch.zeros((), dtype=f32)) * b2 + (1 - b2) * mean
@@ -262,7 +275,7 @@ def _adaptive_update(weights: list[torch.Tensor], grads: list[torch.Tensor], mom
         inv_bc2 = (1 / (1 - b2 ** t.double())).float().repeat_interleave(lens, output_size=total)
         for dst, part in zip(variances, torch.split(vc, [x.numel() for x in variances])):
             dst.copy_(part)
-        c = m / (((vc * inv_bc2).sqrt() + eps) * bc1)  # fp32, as core.dense_step and reference_step
+        c = m / ((ieee_sqrt(vc * inv_bc2) + eps) * bc1)  # fp32, as core.dense_step and reference_step
         del vc, bc1, inv_bc2
     if update_clip is not None:  # bound one coordinate's step when its gradient is far above its unit's RMS
         c = c.clamp(-update_clip, update_clip)

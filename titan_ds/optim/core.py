@@ -31,17 +31,16 @@ density < 1, the TGSS sketch, BSPS modes, a unit split across ranks) stay in :mo
 ASDT routes to this core when none is on.
 
 **On a CPU** the adaptive chunks step on a C++ kernel (:mod:`~titan_ds.optim.core_cpu`, ``csrc/core_cpu.cpp``):
-the same arithmetic in two passes over the chunk, each element's work done while it is in cache, with ATen's
-square root between them; it stores what the eager loop stores, bit for bit (``tests/optim/test_core_cpu.py``),
+the same arithmetic in two passes over the chunk, each element's work done while it is in cache, the square root
+the correctly rounded one (:func:`~titan_ds.optim.asdt_math.ieee_sqrt`, as everywhere in the update); it stores what the eager loop stores, bit for bit (``tests/optim/test_core_cpu.py``),
 at ~5x its elements/s. ``TITAN_CORE_CPU=0`` (or a machine where it does not build) steps eagerly.
 
 **The compiled fused chunk** (:func:`_fused_chunk` under ``torch.compile``; on with ``TITAN_CORE_COMPILE=1``
 (:data:`COMPILE`) or ``dense_step(compiled=True)``): the adaptive step with the per-coordinate second
 moment runs each chunk of units of one length (a multiple of 256; 4-bit codes starting on a byte) as one graph:
 decode, update, weight step and encode, which inductor fuses into a few loops (vectorized C++ on a CPU, Triton on
-a GPU). It stores what the eager loop stores, bit for bit: the one op it leaves to ATen is the square root
-(:func:`_eager_sqrt`), because ATen's CPU sqrt is not correctly rounded and inductor's is. 4-bit codes are
-unpacked before the graph and packed after it, eagerly; stochastic rounding of bf16 weights stays eager
+a GPU). It stores what the eager loop stores, bit for bit (both take the correctly rounded square root). 4-bit
+codes are unpacked before the graph and packed after it, eagerly; stochastic rounding of bf16 weights stays eager
 (``round_to``: the same draws). Other chunks (mixed or odd unit lengths, the sign update, the per-unit second
 moment) take the eager loop, the oracle (``tests/optim/test_core_compiled.py``).
 """
@@ -56,7 +55,7 @@ from typing import Optional, Union
 
 import torch
 
-from .asdt_math import device_list, round_to
+from .asdt_math import device_list, ieee_sqrt, round_to
 from .layout import Piece
 
 __all__ = ["CHUNK", "Slice", "StateBuffer", "plan", "dense_step"]
@@ -277,19 +276,6 @@ def _encode(x: torch.Tensor, like: tuple, tables: Optional[tuple], kind: Optiona
     return qstate.encode_with(x / scale, tables[1], tables[2]), scale.view(like[1].shape)
 
 
-@torch.library.custom_op("titan::eager_sqrt", mutates_args=())
-def _eager_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """``torch.sqrt`` as the eager path runs it, kept out of the compiled graph: on this CPU build the eager
-    kernel (ATen's vml sqrt) is not correctly rounded (it differs from the IEEE sqrt inductor emits in the last
-    bit for ~15% of values), and the compiled step is to store what the eager one stores, bit for bit."""
-    return torch.sqrt(x)
-
-
-@_eager_sqrt.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
 def _fused_chunk(w: torch.Tensor, g: torch.Tensor, m_raw: tuple, v_raw: tuple, bc1: torch.Tensor,
                  inv_bc2: torch.Tensor, hp: torch.Tensor, m_tables: Optional[tuple], v_tables: Optional[tuple],
                  m_kind: Optional[str], v_kind: Optional[str], importance: str, clip: bool, out_dtype: torch.dtype):
@@ -301,7 +287,7 @@ def _fused_chunk(w: torch.Tensor, g: torch.Tensor, m_raw: tuple, v_raw: tuple, b
     gf, wf = g.float(), w.float()
     m = _decode(m_raw, m_tables, m_kind) * hp[0] + gf * hp[1]
     v = _decode(v_raw, v_tables, v_kind) * hp[2] + (gf * gf) * hp[3]
-    c = m / ((_eager_sqrt(v * inv_bc2) + hp[4]) * bc1)
+    c = m / ((torch.sqrt(v * inv_bc2) + hp[4]) * bc1)  # inductor emits the IEEE sqrt (asdt_math.ieee_sqrt)
     if clip:
         c = c.clamp(-hp[7], hp[7])
     mask = (c.abs() if importance == "momentum" else (gf * wf).abs()) > 0
@@ -486,7 +472,7 @@ def direction(s: Slice, g: torch.Tensor, momentum: StateBuffer, betas: tuple[flo
     else:
         v = variance.read(s).mul_(b2).add_((g * g).mul_(1 - b2))
         variance.write(s, v)
-        den = v.mul_(_per_element(inv_bc2, s)).sqrt_().add_(eps).mul_(_per_element(bc1, s))
+        den = ieee_sqrt(v.mul_(_per_element(inv_bc2, s)), out=v).add_(eps).mul_(_per_element(bc1, s))
         c = torch.div(m, den, out=den)
     if update_clip is not None:
         c.clamp_(-update_clip, update_clip)

@@ -1,7 +1,8 @@
 """The CPU kernel of :mod:`~titan_ds.optim.core`'s adaptive chunk (``csrc/core_cpu.cpp``): the same arithmetic as
-the eager loop, op for op in fp32, in two passes over the chunk with ATen's square root between them, so it
-stores the same weights and state bit for bit (``tests/optim/test_core_cpu.py``), at ~5x the eager loop's
-elements/s with fp32 weights (212 vs 44 M/s for titan_balanced at 2^24, one thread; results/optim_step_kernel).
+the eager loop, op for op in fp32 (the square root the correctly rounded one on both:
+:func:`~titan_ds.optim.asdt_math.ieee_sqrt`), in two passes over the chunk, so it stores the same weights and state
+bit for bit (``tests/optim/test_core_cpu.py``), at several times the eager loop's elements/s with fp32 weights
+(results/optim_step_ieee).
 
 The eager loop makes ~20 whole-chunk passes through ATen (decode, update, encode each a few kernels, each
 reading and writing the chunk); the kernel makes two, each element's work done while it is in cache. It is a

@@ -2,12 +2,11 @@
 // core.py's eager loop, op for op in fp32, so the two store the same bits: tests/optim/test_core_cpu.py).
 //
 // A chunk is a run of units (each restarting its quantization blocks) of `lengths`. It is stepped 16K values at a
-// time (RANGE work items), each in two passes with the square root between them done by ATen (its CPU sqrt, MKL's, is not correctly rounded, and the eager
-// loop uses it):
+// time (RANGE work items), each in two passes:
 //   pass A: decode the momentum (and the per-coordinate second moment), m = m*b1 + g*(1-b1) -> M;
 //           v = v*b2 + (g*g)*(1-b2), stored (encoded) at once, and D = v * inv_bc2
-//   (ATen: D = sqrt(D))
-//   pass B: den = (D + eps) * bc1 (per coordinate) or the unit's denominator; c = M / den, clamped;
+//   pass B: den = (sqrt(D) + eps) * bc1 (per coordinate; the correctly rounded sqrt, as asdt_math.ieee_sqrt) or
+//           the unit's denominator; c = M / den, clamped;
 //           w = w - (c + wd*w) * lr where the score is > 0; M encoded into the momentum.
 // Work items are 256 elements of one unit (every block size, 256 and 128, divides 256), spread over ATen's
 // intra-op threads; a 4-bit state's codes go through a byte-per-code buffer and are packed after the pass (two
@@ -83,12 +82,14 @@ inline void decode4(float* out, const uint8_t* bytes, int64_t p0, int64_t n, con
 // exactly when key(x) >= key(midpoint) (core_cpu._tables builds the entries; equal for every finite x).
 inline uint32_t key(uint32_t bits) { return (bits & 0x80000000u) ? 0xFFFFu - (bits & 0xFFFFu) : (bits & 0xFFFFu); }
 
-inline void encode(uint8_t* dst, const float* x, int64_t n, const uint32_t* entry) {
+// The nearest code of each value x[k] / scale (the division done here, in register: the same IEEE quotient).
+inline void encode(uint8_t* dst, const float* x, float scale, int64_t n, const uint32_t* entry) {
   int64_t k = 0;
 #if defined(__AVX2__)
   const __m256i byte = _mm256_set1_epi32(0xFF), low16 = _mm256_set1_epi32(0xFFFF);
+  const __m256 s = _mm256_set1_ps(scale);
   for (; k + 8 <= n; k += 8) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
+    const __m256i bits = _mm256_castps_si256(_mm256_div_ps(_mm256_loadu_ps(x + k), s));
     const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(entry), _mm256_srli_epi32(bits, 16), 4);
     const __m256i neg = _mm256_srai_epi32(bits, 31);  // all ones where the sign is set
     const __m256i kx = _mm256_xor_si256(_mm256_and_si256(bits, low16), _mm256_and_si256(neg, low16));
@@ -100,8 +101,9 @@ inline void encode(uint8_t* dst, const float* x, int64_t n, const uint32_t* entr
   }
 #endif
   for (; k < n; ++k) {
+    const float q = x[k] / scale;
     uint32_t bits;
-    std::memcpy(&bits, x + k, 4);
+    std::memcpy(&bits, &q, 4);
     const uint32_t e = entry[bits >> 16];
     dst[k] = static_cast<uint8_t>((e & 0xFF) + (key(bits) >= (e >> 8) ? 1 : 0));
   }
@@ -165,9 +167,7 @@ struct State {
       std::memcpy(&amax, &top_bits, 4);
       const float scale = amax < 1e-12f ? 1e-12f : amax;
       absmax[unit_block0[unit] + (off + b) / block] = scale;
-      float scaled[256];
-      for (int64_t k = 0; k < len; ++k) scaled[k] = x[k] / scale;
-      encode(kind == Q8 ? bytes + pos0 + i0 + b : codes4 + i0 + b, scaled, len, entry);
+      encode(kind == Q8 ? bytes + pos0 + i0 + b : codes4 + i0 + b, x, scale, len, entry);
     }
   }
 
@@ -247,7 +247,54 @@ inline const float* as_f32(float* buf, bool bf16, const void* base, int64_t i0, 
   return buf;
 }
 
-// Items per sub-range: pass A, the square roots and pass B run over 64 work items (16K values) at a time, so M
+// Pass B's arithmetic for the n values of one work item: the new weights into nb (which may be wb itself: each
+// value is read before it is written), the count of changed values returned. Eight values at a time with AVX2
+// where the build targets it, the rest one at a time; the same IEEE operations in the same order either way
+// (division, comparisons that are false for NaN as the scalar ternaries are, a blend for each select).
+inline int64_t update(float* nb, const float* wb, const float* Mi, const float* Di, const float* gb, int64_t n,
+                      bool coord, float pun, float feps, bool clip, float lo_clip, float hi_clip, float fwd, float flr,
+                      bool grad_weight) {
+  int64_t k = 0, changed = 0;
+#if defined(__AVX2__)
+  const __m256 vp = _mm256_set1_ps(pun), ve = _mm256_set1_ps(feps), vlo = _mm256_set1_ps(lo_clip),
+               vhi = _mm256_set1_ps(hi_clip), vwd = _mm256_set1_ps(fwd), vlr = _mm256_set1_ps(flr),
+               zero = _mm256_setzero_ps(), absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (; k + 8 <= n; k += 8) {
+    const __m256 den = coord ? _mm256_mul_ps(_mm256_add_ps(_mm256_sqrt_ps(_mm256_loadu_ps(Di + k)), ve), vp) : vp;
+    __m256 c = _mm256_div_ps(_mm256_loadu_ps(Mi + k), den);
+    if (clip) {
+      c = _mm256_blendv_ps(c, vlo, _mm256_cmp_ps(c, vlo, _CMP_LT_OQ));
+      c = _mm256_blendv_ps(c, vhi, _mm256_cmp_ps(c, vhi, _CMP_GT_OQ));
+    }
+    const __m256 wi = _mm256_loadu_ps(wb + k);
+    const __m256 score = grad_weight ? _mm256_and_ps(_mm256_mul_ps(_mm256_loadu_ps(gb + k), wi), absmask)
+                                     : _mm256_and_ps(c, absmask);
+    const __m256 changes = _mm256_cmp_ps(score, zero, _CMP_GT_OQ);
+    const __m256 d = _mm256_mul_ps(_mm256_add_ps(c, _mm256_mul_ps(vwd, wi)), vlr);
+    _mm256_storeu_ps(nb + k, _mm256_blendv_ps(wi, _mm256_sub_ps(wi, d), changes));
+    changed += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(changes)));
+  }
+#endif
+  for (; k < n; ++k) {
+    const float den = coord ? (std::sqrt(Di[k]) + feps) * pun : pun;
+    float c = Mi[k] / den;
+    if (clip) {  // torch.clamp: NaN stays NaN
+      c = c < lo_clip ? lo_clip : c;
+      c = c > hi_clip ? hi_clip : c;
+    }
+    const float wi = wb[k];
+    const float score = grad_weight ? std::fabs(gb[k] * wi) : std::fabs(c);
+    const bool changes = score > 0.0f;
+    float d = fwd * wi;
+    d = c + d;
+    d = d * flr;
+    nb[k] = changes ? wi - d : wi;
+    changed += changes;
+  }
+  return changed;
+}
+
+// Items per sub-range: pass A and pass B run over 64 work items (16K values) at a time, so M
 // and D (fp32, 128 KiB together) stay in the core's cache between the passes.
 constexpr int64_t RANGE = 64;
 
@@ -312,10 +359,7 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
         }
       }
     });
-    if (coord) {
-      v.pack(c4, base, len);
-      torch::from_blob(Dp, {len}, torch::kFloat32).sqrt_();  // ATen's sqrt, the eager loop's
-    }
+    if (coord) v.pack(c4, base, len);
     at::parallel_for(r, e, 16, [&](int64_t lo, int64_t hi) {  // pass B
       float gbuf[256], wbuf[256], nbuf[256];
       for (int64_t it = lo; it < hi; ++it) {
@@ -326,24 +370,8 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
         float* nb = out ? out + t.i0 : (w_bf16 ? nbuf : wf32 + t.i0);
         const float* Mi = Mp + (t.i0 - base);
         const float* Di = Dp + (t.i0 - base);
-        const float pun = pu[t.unit];
-        int64_t changed = 0;
-        for (int64_t k = 0; k < t.n; ++k) {
-          const float den = coord ? (Di[k] + feps) * pun : pun;
-          float c = Mi[k] / den;
-          if (clip) {  // torch.clamp: NaN stays NaN
-            c = c < lo_clip ? lo_clip : c;
-            c = c > hi_clip ? hi_clip : c;
-          }
-          const float wi = wb[k];
-          const float score = grad_weight ? std::fabs(gb[k] * wi) : std::fabs(c);
-          const bool changes = score > 0.0f;
-          float d = fwd * wi;
-          d = c + d;
-          d = d * flr;
-          nb[k] = changes ? wi - d : wi;
-          changed += changes;
-        }
+        const int64_t changed = update(nb, wb, Mi, Di, gb, t.n, coord, pu[t.unit], feps, clip, lo_clip, hi_clip,
+                                       fwd, flr, grad_weight);
         if (!out && w_bf16) for (int64_t k = 0; k < t.n; ++k) wbf[t.i0 + k] = c10::BFloat16(nb[k]);
         m.write(Mi, t.i0, t.n, t.unit, t.off, c4);
         counts[it] = changed;
