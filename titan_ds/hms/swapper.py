@@ -344,6 +344,9 @@ class HMSOptimizerSwapper:
         self._numel: dict[str, int] = {}
         self._state_names: dict[str, list[str]] = {}
         self._grads: dict[str, list[tuple[int, int]]] = {}
+        # the sub-group's fp32 gradient during its step, one buffer for every sub-group of a step (grown to the
+        # largest), dropped at the step's end (flush): _gradient_into
+        self._grad_scratch: Optional[torch.Tensor] = None
         self.stall_s = 0.0
 
     # ------------------------------------------------------------------ interface used by stage3.py
@@ -370,7 +373,9 @@ class HMSOptimizerSwapper:
         self.flush()
 
     def flush(self) -> None:
-        """Wait for every background write of optimizer state; raise the first failure (naming its key)."""
+        """Wait for every background write of optimizer state; raise the first failure (naming its key). Called
+        at the end of every step: the gradient scratch is not held through forward and backward."""
+        self._grad_scratch = None
         if not self._writing and not any(k.startswith("opt/") for k in self.store.pending_writes()):
             self.store.flush("opt/")  # a failure already done but not yet raised
             return
@@ -456,8 +461,7 @@ class HMSOptimizerSwapper:
             spans = sorted([*(pieces or ()), *((off, v.numel()) for off, v in views or ())])
             whole = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0 and \
                 spans[-1][0] + spans[-1][1] == self._numel[pid]
-            # pieces that tile the sub-group overwrite every element: no zero-fill (a 40 MB memset per sub-group)
-            g = (torch.empty if whole else torch.zeros)(self._numel[pid], dtype=self.dtype)
+            g = self._gradient_into(self._numel[pid], whole)
             for off, n in pieces or ():
                 self.store.get(f"opt/{pid}/grad/{off}", out=g.narrow(0, off, n))
             for off, v in views or ():
@@ -468,6 +472,18 @@ class HMSOptimizerSwapper:
             tl.add("opt read", t0, time.perf_counter())
         if async_parameter is not None and async_parameter.ds_id in self._numel:
             self._prefetch_subgroup(async_parameter.ds_id)
+
+    def _gradient_into(self, numel: int, whole: bool) -> torch.Tensor:
+        """A sub-group's fp32 gradient buffer: a view of one scratch tensor that every sub-group of the step reuses
+        (ZeRO-3 steps them one at a time, and ``_release`` drops ``parameter.grad`` before the next swap-in). A
+        fresh tensor per sub-group was fresh pages every time: with HMS's glibc mmap threshold (1 MiB) each
+        40 MB gradient was mapped, faulted in 4 KiB at a time, zeroed by the kernel and unmapped again. Zero-filled
+        unless the pieces tile the sub-group (``whole``: they overwrite every element)."""
+        if self._grad_scratch is None or self._grad_scratch.numel() < numel:
+            self._grad_scratch = None  # the old one goes before the larger one comes
+            self._grad_scratch = torch.empty(numel, dtype=self.dtype)
+        g = self._grad_scratch[:numel]
+        return g if whole else g.zero_()
 
     def _write_state(self, parameter, behind: bool = False) -> list:
         """Write the sub-group's master and swapped state; ``behind``: on the writer thread (returns the futures;

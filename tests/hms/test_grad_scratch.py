@@ -1,0 +1,49 @@
+"""The optimizer swapper's gradient scratch: every sub-group of a step reads its gradient into one reused buffer
+(not a fresh tensor each, which under HMS's 1 MiB mmap threshold is fresh pages every time), with the same values
+as before: a gradient whose pieces tile the sub-group, one that covers only part of it (the rest zero), a larger
+sub-group after a smaller one; dropped at the step's end. The engine-level parity (HMS against DeepSpeed's own
+offload, bit for bit) is tests/hms/test_swapper.py's."""
+import torch
+
+from tests.hms.test_pipeline import _swapper
+from titan_ds.hms.store import TensorStore, Tier
+
+
+def test_sub_groups_share_one_gradient_buffer_with_their_own_values(tmp_path):
+    store = TensorStore([Tier(str(tmp_path / "s"))], durable=False)
+    sw, opt, ps = _swapper(tmp_path, store, depth=0, n=3000, groups=3)
+    ptrs = []
+    for step in range(2):
+        grads = [torch.randn(3000) for _ in ps]  # backward hands each sub-group's gradient over
+        sw.swap_out_gradients(ps[0], [0, 1000], [grads[0][:1000], grads[0][1000:]])  # tiles the sub-group
+        sw.swap_out_gradients(ps[1], [500], [grads[1][500:2000]])  # covers a part: the rest must read as zeros
+        sw.swap_out_gradients(ps[2], [0], [grads[2]])
+        want = [grads[0], torch.cat([torch.zeros(500), grads[1][500:2000], torch.zeros(1000)]), grads[2]]
+        for i, p in enumerate(ps):
+            sw.swap_in_optimizer_state(p)
+            assert torch.equal(p.grad, want[i]), (step, i)
+            ptrs.append(p.grad.untyped_storage().data_ptr())
+            p.grad.fill_(float("nan"))  # what the step leaves in it must not reach the next sub-group
+            sw.swap_out_optimizer_state(p)
+            assert p.grad is None
+        assert sw._grad_scratch is not None
+        sw.log_timers()  # ZeRO-3's end of step
+        assert sw._grad_scratch is None  # not held through forward and backward
+    assert len(set(ptrs[:3])) == 1 and len(set(ptrs[3:])) == 1  # one buffer a step
+    store.close()
+
+
+def test_a_larger_sub_group_grows_the_scratch(tmp_path):
+    store = TensorStore([Tier(str(tmp_path / "s"))], durable=False)
+    sw, opt, ps = _swapper(tmp_path, store, depth=0, n=2000, groups=1)
+    big = torch.nn.Parameter(torch.zeros(5000))
+    big.ds_id = 9
+    sw.initialize_parameters([big], [big.data.clone()])
+    g_small, g_big = torch.randn(2000), torch.randn(5000)
+    for p, g in ((ps[0], g_small), (big, g_big), (ps[0], g_small)):
+        sw.swap_out_gradients(p, [0], [g])
+        sw.swap_in_optimizer_state(p)
+        assert torch.equal(p.grad, g)
+        sw.swap_out_optimizer_state(p)
+    assert sw._grad_scratch.numel() == 5000
+    store.close()
