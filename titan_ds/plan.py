@@ -49,10 +49,11 @@ CALIBRATION_FILE = Path(__file__).with_name("plan_calibration.json")
 # candidates, fastest first (the order in which the best fitting one is chosen)
 # sub-groups whose optimizer-state writes may be in flight during the step (HMSConfig's pipeline_depth default)
 PIPELINE_DEPTH = 1
-# zero_inf sits by its measured s/step: 19.934 against zero3_cpu's 20.521 and HMS + AdamW's 34.119 in one run of the
-# three (results/hms_scale_zinf.speed.md), 5.077 against pipelined HMS + AdamW's 12.391 over 2 alternated runs
-# (results/hms_scale_zinf_pipelined.speed.md); tests/test_plan_zinf.py checks this order against those files
-MODES = ("zero2", "zero3", "zero_inf", "zero3_cpu", "hms_dram", "hms", "hms_asdt", "hms_asdt_bf16")
+# the offload modes sit by their measured s/step at 12x768 under 4 GiB on a quiet machine, 3 alternated runs of each
+# (results/hms_speed_rank.speed.md): zero3_cpu 2.532, hms_dram 4.050, zero_inf 4.473, hms 4.689; the run before it
+# (results/hms_speed_onerank.speed.md) had the same order of hms_dram, zero_inf and hms; tests/test_plan_zinf.py
+# checks the order against those files
+MODES = ("zero2", "zero3", "zero3_cpu", "hms_dram", "zero_inf", "hms", "hms_asdt", "hms_asdt_bf16")
 # modes whose element-proportional bytes (partitions, masters, optimizer state) live on disk, and whose DRAM the
 # structure already sizes by what grows (the gradient partition where it is in DRAM, one sub-group, activations):
 # their calibration fits the process baseline only. A slope fitted on 0.01-0.2B-parameter shapes was noise
