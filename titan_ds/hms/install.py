@@ -508,6 +508,8 @@ class _HMSRuntime:
         if not isinstance(self.opt_swapper, HMSOptimizerSwapper):
             raise RuntimeError("titan hms: DeepSpeed did not build the HMS optimizer swapper; is "
                                "zero_optimization.offload_optimizer.device \"nvme\"?")
+        # from here on the masters are read into reused buffers; the partitions' writes may read from them
+        self.opt_swapper.reuse_master_buffers(self.param_swapper)
         if self.grad_file is None:  # gradient_buffer "dram": the step reads ZeRO-3's CPU gradient partitions
             buf = dsc.z3_gradient_partitions(engine.optimizer)
             if torch.is_tensor(buf) and buf.device.type == "cpu":

@@ -37,6 +37,7 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import wait as futures_wait
 from typing import Any, Optional
 
 import torch
@@ -108,6 +109,9 @@ class HMSParamSwapper:
         # "param" writer lane; at most this many swap_out_partitioned_params calls (sub-groups) in flight
         self.write_behind_depth = int(write_behind_depth)
         self._writing: deque[list] = deque()  # per sub-group handed to the writer: its writes' futures
+        # storage address -> the writes in flight whose bytes are a view of that storage (an fp32 master's slice
+        # handed over as is): wait_for_storage, before the optimizer swapper reuses a master buffer
+        self._reads_from: dict[int, list] = {}
         self.buffer_count = int(buffer_count)
         self.device_budget_bytes = device_budget_bytes
         self.predictor = predictor
@@ -234,11 +238,14 @@ class HMSParamSwapper:
     def _swap_out_behind(self, dst_fp16_params, src_fp32_params, soon: set) -> None:
         """The partitions' writes on the store's ``"param"`` lane, after waiting until fewer than
         ``write_behind_depth`` earlier calls' writes are in flight. A value in the master's dtype is a view of
-        ZeRO-3's fp32 master, handed over as is: ZeRO-3 drops that tensor after the step (HMS's optimizer swapper
-        replaces each master with a fresh tensor at every swap-in), so nothing changes it while it is written; one
+        ZeRO-3's fp32 master, handed over as is: the optimizer swapper reads a later sub-group's master into that
+        buffer only after :meth:`wait_for_storage` (``HMSOptimizerSwapper._master_buffer``), so nothing changes it
+        while it is written; one
         the next forward reads first (``soon``) is copied, since that copy becomes the partition ZeRO-3 gets."""
         while len(self._writing) >= self.write_behind_depth:
             self._wait_oldest()
+        for ptr in [k for k, fs in self._reads_from.items() if all(f.done() for f in fs)]:
+            del self._reads_from[ptr]
         tl = _timeline()
         done = None if tl is None else (lambda a, b: tl.add("param write (bg)", a, b, lane="param writer"))
         futs = []
@@ -247,18 +254,28 @@ class HMSParamSwapper:
             keep = key in soon
             if value is src:  # the file gets the master's bytes (a copy of them if staged, the same bytes)
                 _note_view(self.store, key, src)
+            view = value is src and not keep
             if keep and value is src:
                 value = value.clone()
             futs.append(self.store.put_behind(key, value.detach(), durable=False, on_done=done, lane="param",
                                               stage=keep))
+            if view:
+                self._reads_from.setdefault(src.untyped_storage().data_ptr(), []).append(futs[-1])
             p.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
         self._writing.append(futs)
+
+    def wait_for_storage(self, ptr: int) -> None:
+        """Wait until no parameter write in flight reads from the storage at address ``ptr`` (a master buffer the
+        optimizer swapper is about to read the next sub-group into). A failed write is raised by :meth:`flush` or
+        :meth:`check`, as before."""
+        futures_wait(self._reads_from.pop(ptr, []))
 
     def _wait_oldest(self) -> None:
         _wait_all(self._writing.popleft())
 
     def flush(self) -> None:
         """Wait for every parameter write in flight; raise the first failure (naming its key)."""
+        self._reads_from.clear()  # every write is waited for below
         if self._writing:
             _drain(self._writing, "param write")
 
@@ -347,6 +364,12 @@ class HMSOptimizerSwapper:
         # the sub-group's fp32 gradient during its step, one buffer for every sub-group of a step (grown to the
         # largest), dropped at the step's end (flush): _gradient_into
         self._grad_scratch: Optional[torch.Tensor] = None
+        # the sub-groups' fp32 masters read from their partitions, alternately into two buffers kept for the step
+        # (_master_buffer), once reuse_master_buffers was called
+        self._masters: list[Optional[torch.Tensor]] = [None, None]
+        self._master_turn = 0
+        self._master_reuse = False
+        self.param_swapper: Optional[HMSParamSwapper] = None
         self.stall_s = 0.0
 
     # ------------------------------------------------------------------ interface used by stage3.py
@@ -374,8 +397,10 @@ class HMSOptimizerSwapper:
 
     def flush(self) -> None:
         """Wait for every background write of optimizer state; raise the first failure (naming its key). Called
-        at the end of every step: the gradient scratch is not held through forward and backward."""
+        at the end of every step: the gradient scratch and the master buffers are not held through forward and
+        backward (a write still reading a master keeps its buffer alive until it lands)."""
         self._grad_scratch = None
+        self._masters = [None, None]
         if not self._writing and not any(k.startswith("opt/") for k in self.store.pending_writes()):
             self.store.flush("opt/")  # a failure already done but not yet raised
             return
@@ -397,12 +422,13 @@ class HMSOptimizerSwapper:
         parts = self._master_parts.get(pid)
         return [f"opt/{pid}/fp32"] if parts is None else [k for k, _, _ in parts]
 
-    def _read_master(self, pid) -> torch.Tensor:
-        """Sub-group ``pid``'s fp32 master: its file, or the parameter partitions it was stored as."""
+    def _read_master(self, pid, reuse: bool = False) -> torch.Tensor:
+        """Sub-group ``pid``'s fp32 master: its file, or the parameter partitions it was stored as (``reuse``: read
+        into one of the step's two master buffers, :meth:`_master_buffer`, else a fresh tensor)."""
         parts = self._master_parts.get(pid)
         if parts is None:
             return self.store.get(f"opt/{pid}/fp32")
-        master = torch.empty(self._numel[pid], dtype=self.dtype)
+        master = self._master_buffer(self._numel[pid]) if reuse else torch.empty(self._numel[pid], dtype=self.dtype)
         for key, off, n in parts:
             self.store.get(key, out=master.narrow(0, off, n))
         return master
@@ -446,7 +472,7 @@ class HMSOptimizerSwapper:
         if pid not in self._numel:
             return
         t0 = time.perf_counter()
-        parameter.data = self._read_master(pid)
+        parameter.data = self._read_master(pid, reuse=self._master_reuse)
         # a record left at this address by a freed tensor is not about this master
         self.store.written_views.pop(parameter.data.untyped_storage().data_ptr(), None)
         state = self.optimizer.state[parameter]
@@ -473,6 +499,27 @@ class HMSOptimizerSwapper:
         if async_parameter is not None and async_parameter.ds_id in self._numel:
             self._prefetch_subgroup(async_parameter.ds_id)
 
+    def reuse_master_buffers(self, param_swapper: Optional[HMSParamSwapper]) -> None:
+        """From now on (install's attach, after DeepSpeed's initialize) read each sub-group's master into the
+        step's two buffers; ``param_swapper``: the one whose write-behind may read from them (None: the partitions
+        live in RAM, ``param_tier: "dram"``, and DeepSpeed copies into them)."""
+        self.param_swapper, self._master_reuse = param_swapper, True
+
+    def _master_buffer(self, numel: int) -> torch.Tensor:
+        """A buffer for the next sub-group's master, the two of the step taken in turn (as :meth:`_gradient_into`:
+        a fresh 40 MB tensor is fresh pages under HMS's 1 MiB mmap threshold). The buffer the sub-group before last
+        used may still be read by that sub-group's partition writes (handed to the writer as views of the master,
+        ``HMSParamSwapper._swap_out_behind``): those are waited for first, which two buffers make rare. A master
+        written behind whole (``_write_state``) leaves its buffer to that write."""
+        i, self._master_turn = self._master_turn, self._master_turn ^ 1
+        buf = self._masters[i]
+        if buf is None or buf.numel() < numel:
+            self._masters[i] = None  # the old one goes before the larger one comes
+            buf = self._masters[i] = torch.empty(numel, dtype=self.dtype)
+        elif self.param_swapper is not None:
+            self.param_swapper.wait_for_storage(buf.untyped_storage().data_ptr())
+        return buf[:numel]
+
     def _gradient_into(self, numel: int, whole: bool) -> torch.Tensor:
         """A sub-group's fp32 gradient buffer: a view of one scratch tensor that every sub-group of the step reuses
         (ZeRO-3 steps them one at a time, and ``_release`` drops ``parameter.grad`` before the next swap-in). A
@@ -494,6 +541,10 @@ class HMSOptimizerSwapper:
         if parts is None:
             items = [(f"opt/{pid}/fp32", parameter.data)]
             self._master_parts.pop(pid, None)
+            if behind:  # the writer holds the master until its write lands: its buffer is not reused
+                ptr = parameter.data.untyped_storage().data_ptr()
+                self._masters = [b if b is None or b.untyped_storage().data_ptr() != ptr else None
+                                 for b in self._masters]
         else:  # the master's bytes are on disk already, as its partitions: its own file is stale from now on
             items = []
             self._master_parts[pid] = parts
