@@ -197,7 +197,8 @@ INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
                                "real_dp_process_group", "partition_size", "round_robin_bit16_groups",
                                "round_robin_bit16_offsets", "dp_process_group", "gradient_average"),
     "DeepSpeedZeroOptimizer_Stage3": ("fp32_partitioned_groups_flat", "fp16_groups",
-                                      "fp16_partitioned_groups_flat_numel", "sub_group_process_groups",
+                                      "fp16_partitioned_groups_flat_numel", "fp16_partitioned_groups_flat",
+                                      "sub_group_process_groups",
                                       "dp_process_group", "optimizer_swapper", "grad_partitions_flat_buffer",
                                       _Z3_GRAD_PARTITIONS),
 }
@@ -459,6 +460,13 @@ def zero_partitions(opt: Any) -> Optional[list[FlatPartition]]:
 def z3_fp32_masters(opt: Any) -> list[torch.Tensor]:
     """ZeRO-3's flat fp32 master partitions, one per sub-group."""
     return opt.fp32_partitioned_groups_flat
+
+
+def z3_partition_flats(opt: Any) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """ZeRO-3's (flat fp32 master, flat parameter partitions) of each sub-group; the second is None where the
+    partitions are swapped (parameters on NVMe). After each sub-group's optimizer step ZeRO-3 copies the master
+    into the partitions (``_reassign_or_swap_out_partitioned_parameters``, stage3.py:2854)."""
+    return list(zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat))
 
 
 def z3_optimizer_swapper(opt: Any) -> Any:

@@ -281,6 +281,7 @@ def main():
         res["grad_buffer_mapped"] = gb.untyped_storage().filename is not None
         res["grad_keys"] = sum("/grad/" in k for k in engine.titan.reports["hms"].store.keys())
         res["store_bytes_written"] = engine.titan.reports["hms"].store.stats.bytes_written
+        res["store_bytes_read"] = engine.titan.reports["hms"].store.stats.bytes_read
         res["master_files"] = sum(k.endswith("/fp32") for k in engine.titan.reports["hms"].store.keys())
         res["subgroups"] = len(engine.optimizer.fp32_partitioned_groups_flat)
         res["numel"] = sum(engine.optimizer.fp16_partitioned_groups_flat_numel)

@@ -510,6 +510,8 @@ class _HMSRuntime:
                                "zero_optimization.offload_optimizer.device \"nvme\"?")
         # from here on the masters are read into reused buffers; the partitions' writes may read from them
         self.opt_swapper.reuse_master_buffers(self.param_swapper)
+        if self.param_swapper is None:  # param_tier "dram": a master whose bits sit in the partitions is not written
+            self.opt_swapper.use_partition_masters(dsc.z3_partition_flats(engine.optimizer))
         if self.grad_file is None:  # gradient_buffer "dram": the step reads ZeRO-3's CPU gradient partitions
             buf = dsc.z3_gradient_partitions(engine.optimizer)
             if torch.is_tensor(buf) and buf.device.type == "cpu":

@@ -82,6 +82,19 @@ def _note_view(store: TensorStore, key: str, src: torch.Tensor) -> None:
         (key, src.storage_offset() * esize, src.numel() * esize))
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same bytes (NaNs and signed zeros included), compared as integers in place."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    as_int = _INT_OF_SIZE.get(a.element_size())
+    if as_int is None or not a.is_floating_point():
+        return torch.equal(a, b)
+    return torch.equal(a.reshape(-1).view(as_int), b.reshape(-1).view(as_int))
+
+
 def _drain(writing: deque, phase: str, then=None) -> None:
     """Wait for every sub-group's writes in ``writing`` (oldest first), then call ``then``; the wait is a timeline
     span of ``phase``. The first failure is raised after all (``writing`` is empty either way)."""
@@ -336,6 +349,10 @@ class HMSOptimizerSwapper:
         # master in the master's dtype keeps the master as those files: pid -> [(key, element offset, numel)]
         self.master_from_partitions = bool(master_from_partitions)
         self._master_parts: dict[str, list[tuple[str, int, int]]] = {}
+        # param_tier "dram": the sub-groups' flat parameter partitions in CPU memory in the master's dtype
+        # (use_partition_masters), and the sub-groups whose master is, since their last write, those bytes
+        self._partition_flats: dict[str, torch.Tensor] = {}
+        self._master_in_partitions: set[str] = set()
         if pipeline_depth < 0:
             raise ValueError(f"pipeline_depth must be >= 0 (0: synchronous writes), got {pipeline_depth}")
         self.pipeline_depth = int(pipeline_depth)
@@ -381,6 +398,7 @@ class HMSOptimizerSwapper:
     def initialize_parameters(self, parameters, src_tensors) -> None:
         for p, src in zip(parameters, src_tensors):
             self._numel[p.ds_id] = src.numel()
+            self._master_in_partitions.discard(p.ds_id)
             self.store.put(f"opt/{p.ds_id}/fp32", src.reshape(-1).to(self.dtype), durable=False)
             self._state_names.setdefault(p.ds_id, [])
 
@@ -419,6 +437,8 @@ class HMSOptimizerSwapper:
             self._prefetch_subgroup(next(iter(self._numel)))
 
     def _master_keys(self, pid) -> list[str]:
+        if pid in self._master_in_partitions:
+            return []
         parts = self._master_parts.get(pid)
         return [f"opt/{pid}/fp32"] if parts is None else [k for k, _, _ in parts]
 
@@ -426,9 +446,12 @@ class HMSOptimizerSwapper:
         """Sub-group ``pid``'s fp32 master: its file, or the parameter partitions it was stored as (``reuse``: read
         into one of the step's two master buffers, :meth:`_master_buffer`, else a fresh tensor)."""
         parts = self._master_parts.get(pid)
-        if parts is None:
+        in_ram = pid in self._master_in_partitions
+        if parts is None and not in_ram:
             return self.store.get(f"opt/{pid}/fp32")
         master = self._master_buffer(self._numel[pid]) if reuse else torch.empty(self._numel[pid], dtype=self.dtype)
+        if in_ram:  # param_tier "dram": the partitions ZeRO-3 keeps in CPU memory hold the master's bits
+            return master.copy_(self._partition_flats[pid])
         for key, off, n in parts:
             self.store.get(key, out=master.narrow(0, off, n))
         return master
@@ -505,6 +528,23 @@ class HMSOptimizerSwapper:
         live in RAM, ``param_tier: "dram"``, and DeepSpeed copies into them)."""
         self.param_swapper, self._master_reuse = param_swapper, True
 
+    def use_partition_masters(self, pairs) -> int:
+        """``param_tier: "dram"`` with ``master_from_partitions``: ``pairs`` are ZeRO-3's (flat fp32 master, flat
+        parameter partitions) per sub-group (``deepspeed_compat.z3_partition_flats``). After each sub-group's step
+        ZeRO-3 copies the master into its partitions, which stay in CPU memory; where they are in the master's
+        dtype they then hold the master's bits, so the master is not written to disk (and not read back): at the
+        write it is compared bit for bit with them (a sub-group that differs, e.g. after a restore or an
+        overflow, writes its master as before) and read from them at the next swap-in. Returns how many
+        sub-groups qualify (every one for an fp32 model, none for bf16/fp16 parameters)."""
+        if not self.master_from_partitions:
+            return 0
+        for master, flat in pairs:
+            pid = getattr(master, "ds_id", None)
+            if pid in self._numel and flat is not None and flat.dtype == self.dtype and \
+                    flat.device.type == "cpu" and flat.is_contiguous() and flat.numel() == self._numel[pid]:
+                self._partition_flats[pid] = flat
+        return len(self._partition_flats)
+
     def _master_buffer(self, numel: int) -> torch.Tensor:
         """A buffer for the next sub-group's master, the two of the step taken in turn (as :meth:`_gradient_into`:
         a fresh 40 MB tensor is fresh pages under HMS's 1 MiB mmap threshold). The buffer the sub-group before last
@@ -537,8 +577,17 @@ class HMSOptimizerSwapper:
         the tensors are detached here, so ``_release`` emptying ``parameter.data`` and the state tensors' ``.data``
         leaves the bytes being written alone)."""
         pid = parameter.ds_id
-        parts = self._stored_as_partitions(parameter)
-        if parts is None:
+        flat = self._partition_flats.get(pid)
+        in_ram = flat is not None and _same_bits(parameter.data, flat)
+        parts = None if in_ram else self._stored_as_partitions(parameter)
+        if in_ram:  # param_tier "dram": ZeRO-3 copied the master into the partitions it keeps in CPU memory
+            items = []
+            self._master_in_partitions.add(pid)
+            self._master_parts.pop(pid, None)
+            if f"opt/{pid}/fp32" in self.store:
+                self.store.delete(f"opt/{pid}/fp32")
+        elif parts is None:
+            self._master_in_partitions.discard(pid)
             items = [(f"opt/{pid}/fp32", parameter.data)]
             self._master_parts.pop(pid, None)
             if behind:  # the writer holds the master until its write lands: its buffer is not reused
@@ -547,6 +596,7 @@ class HMSOptimizerSwapper:
                                  for b in self._masters]
         else:  # the master's bytes are on disk already, as its partitions: its own file is stale from now on
             items = []
+            self._master_in_partitions.discard(pid)
             self._master_parts[pid] = parts
             if f"opt/{pid}/fp32" in self.store:
                 self.store.delete(f"opt/{pid}/fp32")
@@ -707,6 +757,7 @@ class HMSOptimizerSwapper:
                                    f"resume with the same model, world size and sub_group_size")
             self.store.put(f"opt/{pid}/fp32", snap.get(f"opt/{pid}/fp32"), durable=False)
             self._master_parts.pop(pid, None)  # the restored master is its file until its partitions are written
+            self._master_in_partitions.discard(pid)
             if not load_optimizer_states:
                 continue
             for name in sg["state_names"]:
