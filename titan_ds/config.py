@@ -86,6 +86,13 @@ class HMSConfig(_Strict):
     ZeRO-3 copies the master into them after each sub-group's step: there the master is neither written nor read
     back (8 bytes/param less disk traffic per step; checked bit for bit against the partitions at each write).
 
+    ``optimizer_dram_mb`` (default 0): a DRAM budget for optimizer sub-groups that are never written to disk.
+    Each sub-group is admitted at its first swap-out while its state (and its fp32 master, unless the parameter
+    partitions in RAM hold the master's bits) fits what is left; admitted ones keep their tensors in memory, so
+    the step reads and writes only the others (ZeRO-3 visits every sub-group each step in the same order, so a
+    fixed set saves what any cache of that size could). Checkpoints and resume hold them like the others.
+    ``titan-ds plan`` does not set it: give it what the memory cap leaves beside HMS's peak.
+
     ``param_tier``: where the parameter partitions live between uses. ``"nvme"`` (default): in the store, streamed
     in by trace prefetch (models whose parameters do not fit in RAM). ``"dram"``: in CPU memory, as DeepSpeed's
     ``offload_param: {"device": "cpu"}`` keeps them (ZeRO-Infinity's form), and HMS keeps only the optimizer
@@ -121,6 +128,9 @@ class HMSConfig(_Strict):
     # fp32 partitions: each sub-group's fp32 master is kept as the parameter partitions ZeRO-3 writes from it (the
     # same bytes) instead of a second file (opt/<id>/fp32): 4 bytes/param less written per step
     master_from_partitions: bool = True
+    # MiB of DRAM for optimizer sub-groups that stay in memory between steps instead of going to disk (their state,
+    # and their fp32 master unless the partitions in RAM hold it): no reads or writes for them. 0: all on disk
+    optimizer_dram_mb: int = Field(default=0, ge=0)
 
     @field_validator("nvme_path")
     @classmethod

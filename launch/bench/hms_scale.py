@@ -25,6 +25,9 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
 - ``hms_dram`` / ``hms_dram_cpuadam``: ``hms`` / ``hms_cpuadam`` with ``titan.hms.param_tier: "dram"``: the
   parameter partitions in CPU memory as ZeRO-Infinity keeps them here, HMS only for the optimizer state
   (ZeRO-Infinity's form, like for like with ``zero_inf``);
+- ``hms_dram_cpuadam_res``: ``hms_dram_cpuadam`` with ``titan.hms.optimizer_dram_mb`` 512: the optimizer
+  sub-groups that fit 512 MiB of the cap's DRAM stay in memory between steps (no I/O for them), the rest on disk
+  (ZeRO-Infinity has no such setting: its optimizer offload is to NVMe or to CPU memory as a whole);
 - ``hms_balanced``: HMS with titan's quality-tested optimizer, the ``optimizer`` section of
   ``ds_configs/titan_balanced.json`` (ASDT, adaptive update, density 1, 8-bit state), fp32 parameters, and
   ``gradient_buffer: "disk"`` as in ``hms_asdt``; never the sign mode;
@@ -81,11 +84,12 @@ from titan_ds.plan import candidate_config, model_spec  # noqa: E402
 from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
-MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_balanced", "hms_asdt",
-         "hms_asdt_bf16")
+MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
+         "hms_balanced", "hms_asdt", "hms_asdt_bf16")
 BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_cpuadam": "hms", "hms_dram": "hms",
-             "hms_dram_cpuadam": "hms"}
-CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam")  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
+             "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
+CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res")
+RESIDENT_MB = 512  # hms_dram_cpuadam_res: titan.hms.optimizer_dram_mb  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
 GiB = 1 << 30
 # ZeRO-Infinity's parameter placement: "cpu". With "nvme", DeepSpeed 0.19.8 fails at the second step here ("param 3
 # already assigned swap buffer id 10"; with fewer buffers "Not enough buffers"), so the parameters stay in CPU memory
@@ -190,9 +194,11 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
         cfg["zero_force_ds_cpu_optimizer"] = True  # DeepSpeed builds DeepSpeedCPUAdam from "optimizer"
         cfg.pop("zero_allow_untested_optimizer")
-    if mode in ("hms_dram", "hms_dram_cpuadam"):
+    if mode in ("hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res"):
         cfg["titan"]["hms"]["param_tier"] = "dram"
-    if mode in ("hms_cpuadam", "hms_dram_cpuadam"):
+    if mode == "hms_dram_cpuadam_res":
+        cfg["titan"]["hms"]["optimizer_dram_mb"] = RESIDENT_MB
+    if mode in ("hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res"):
         cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
         cfg["zero_force_ds_cpu_optimizer"] = True  # HMS offloads the optimizer to "nvme": DeepSpeedCPUAdam
         cfg.pop("zero_allow_untested_optimizer")

@@ -60,9 +60,9 @@ def dump_state(engine, mode):
     for i, p in enumerate(opt.fp32_partitioned_groups_flat):
         if mode == "hms":
             sw = opt.optimizer_swapper
-            st = {"fp32": sw._read_master(p.ds_id)}  # its file, or the partitions it is kept as
+            st = {"fp32": sw._read_master(p.ds_id).clone()}  # its file, the partitions it is kept as, or in DRAM
             for n in sw._state_names.get(p.ds_id, []):
-                st[n] = sw.store.get(f"opt/{p.ds_id}/state/{n}")
+                st[n] = sw._read_state(p.ds_id, n).clone()
             for k, v in opt.optimizer.state.get(p, {}).items():
                 if k not in st:
                     st[k] = v.clone() if torch.is_tensor(v) else v
@@ -177,6 +177,7 @@ def main():
     ap.add_argument("--no-param-behind", action="store_true", help="titan.hms.param_write_behind: false")
     ap.add_argument("--param-tier", choices=("nvme", "dram"), default="nvme", help="titan.hms.param_tier")
     ap.add_argument("--no-master-from-parts", action="store_true", help="titan.hms.master_from_partitions: false")
+    ap.add_argument("--opt-dram-mb", type=int, default=0, help="titan.hms.optimizer_dram_mb")
     ap.add_argument("--cpu-adam", action="store_true",
                     help="DeepSpeedCPUAdam from the config's optimizer section instead of the client torch AdamW")
     ap.add_argument("--slow-writes", type=float, default=0.0,
@@ -204,6 +205,7 @@ def main():
         cfg["titan"]["hms"]["param_write_behind"] = not a.no_param_behind
         cfg["titan"]["hms"]["master_from_partitions"] = not a.no_master_from_parts
         cfg["titan"]["hms"]["param_tier"] = a.param_tier
+        cfg["titan"]["hms"]["optimizer_dram_mb"] = a.opt_dram_mb
     if a.bf16:
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -285,6 +287,8 @@ def main():
         res["master_files"] = sum(k.endswith("/fp32") for k in engine.titan.reports["hms"].store.keys())
         res["subgroups"] = len(engine.optimizer.fp32_partitioned_groups_flat)
         res["numel"] = sum(engine.optimizer.fp16_partitioned_groups_flat_numel)
+        res["resident"] = sorted(engine.titan.reports["hms"].opt_swapper._resident)
+        res["opt_state_files"] = sum("/state/" in k for k in engine.titan.reports["hms"].store.keys())
         res["store_ops"] = ops
         if a.record_trace:
             import json

@@ -425,7 +425,8 @@ class HMSPillar(Pillar):
         grad_file = _DiskGradientBuffer(store.tiers[0].path) if hms.gradient_buffer == "disk" else None
         factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank, grad_file=grad_file,
                                     pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0,
-                                    master_from_partitions=hms.master_from_partitions)
+                                    master_from_partitions=hms.master_from_partitions,
+                                    resident_bytes=hms.optimizer_dram_mb * _MB)
         # only for the duration of deepspeed.initialize: attach undoes them
         self.patches = [ctx.patch(p) for p in dsc.route_optimizer_swapper(factory)]
         if grad_file is not None:
@@ -485,7 +486,8 @@ class _HMSRuntime:
                         "staged_writes": st.staged_writes, "prefetch_dropped": st.prefetch_dropped, "reads": st.reads,
                         "disk_bytes": sum(t.used_bytes for t in self.store.tiers) +
                         (self.grad_file.bytes if self.grad_file else 0),
-                        "dram_cache_bytes": self.store.cache_bytes}}
+                        "dram_cache_bytes": self.store.cache_bytes,
+                        "optimizer_dram_bytes": getattr(getattr(self, "opt_swapper", None), "resident_bytes", 0)}}
 
     def state(self) -> dict[str, Any]:
         # called by titan_ds.engine just before engine.save_checkpoint: name the snapshot about to be written

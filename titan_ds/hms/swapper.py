@@ -343,8 +343,15 @@ class HMSOptimizerSwapper:
 
     def __init__(self, swap_config, aio_config, base_folder, optimizer, largest_numel, device, dtype, timers,
                  *, store: TensorStore, rank: int = 0, grad_file: Any = None, pipeline_depth: int = 0,
-                 master_from_partitions: bool = True):
+                 master_from_partitions: bool = True, resident_bytes: int = 0):
         self.store = store
+        # titan.hms.optimizer_dram_mb: sub-groups whose state (and master, unless the partitions in RAM hold it)
+        # stays in DRAM between steps, admitted at their first swap-out while it fits: pid -> {name: tensor}
+        if resident_bytes < 0:
+            raise ValueError(f"resident_bytes must be >= 0, got {resident_bytes}")
+        self.resident_budget = int(resident_bytes)
+        self.resident_bytes = 0
+        self._resident: dict[str, dict[str, torch.Tensor]] = {}
         # titan.hms.master_from_partitions: a sub-group whose parameter partitions were all written from its fp32
         # master in the master's dtype keeps the master as those files: pid -> [(key, element offset, numel)]
         self.master_from_partitions = bool(master_from_partitions)
@@ -445,6 +452,9 @@ class HMSOptimizerSwapper:
     def _read_master(self, pid, reuse: bool = False) -> torch.Tensor:
         """Sub-group ``pid``'s fp32 master: its file, or the parameter partitions it was stored as (``reuse``: read
         into one of the step's two master buffers, :meth:`_master_buffer`, else a fresh tensor)."""
+        kept = self._resident.get(pid)
+        if kept is not None and "fp32" in kept:  # optimizer_dram_mb: the master stays in memory
+            return kept["fp32"]
         parts = self._master_parts.get(pid)
         in_ram = pid in self._master_in_partitions
         if parts is None and not in_ram:
@@ -455,6 +465,11 @@ class HMSOptimizerSwapper:
         for key, off, n in parts:
             self.store.get(key, out=master.narrow(0, off, n))
         return master
+
+    def _read_state(self, pid, name: str) -> torch.Tensor:
+        """Sub-group ``pid``'s swapped state tensor ``name``: kept in memory (``optimizer_dram_mb``) or its file."""
+        kept = self._resident.get(pid)
+        return kept[name] if kept is not None else self.store.get(f"opt/{pid}/state/{name}")
 
     def _stored_as_partitions(self, parameter) -> Optional[list[tuple[str, int, int]]]:
         """The partitions written from ``parameter``'s master since it was read (its whole range, in the master's
@@ -473,7 +488,9 @@ class HMSOptimizerSwapper:
         return parts if pos == n else None
 
     def _prefetch_subgroup(self, pid) -> None:
-        keys = [*self._master_keys(pid), *(f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, [])),
+        kept = self._resident.get(pid)
+        keys = [*([] if kept is not None and "fp32" in kept else self._master_keys(pid)),
+                *([] if kept is not None else (f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, []))),
                 *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
         for key in keys:
             self.store.prefetch(key)
@@ -500,7 +517,7 @@ class HMSOptimizerSwapper:
         self.store.written_views.pop(parameter.data.untyped_storage().data_ptr(), None)
         state = self.optimizer.state[parameter]
         for name in self._state_names.get(pid, []):
-            t = self.store.get(f"opt/{pid}/state/{name}")
+            t = self._read_state(pid, name)
             if torch.is_tensor(state.get(name)):
                 state[name].data = t
             else:
@@ -626,7 +643,9 @@ class HMSOptimizerSwapper:
         if parameter.ds_id not in self._numel:
             return
         t0 = time.perf_counter()
-        if self.pipeline_depth:
+        if self._keep_resident(parameter):
+            pass
+        elif self.pipeline_depth:
             while len(self._writing) >= self.pipeline_depth:  # bounded: at most pipeline_depth sub-groups in flight
                 self._wait_oldest()
             self._writing.append(self._write_state(parameter, behind=True))
@@ -636,6 +655,51 @@ class HMSOptimizerSwapper:
             tl.add("opt write", t0, time.perf_counter())
         self._release(parameter)
         self._forget_grads(parameter.ds_id)
+
+    def _keep_resident(self, parameter) -> bool:
+        """``titan.hms.optimizer_dram_mb``: keep the sub-group's master (unless the partitions in RAM hold its
+        bits) and swapped state in DRAM instead of writing them, if it is resident already or its bytes still fit
+        the budget (admitted at its first swap-out, in the order ZeRO-3 steps them; never evicted, since the
+        sub-groups are visited in the same cycle every step, where evicting one for another saves no I/O)."""
+        pid = parameter.ds_id
+        if not self.resident_budget:
+            return False
+        state = self.optimizer.state.get(parameter, {})
+        names = [n for n, v in state.items() if self._swapped(parameter, n, v)]
+        flat = self._partition_flats.get(pid)
+        in_ram = flat is not None and _same_bits(parameter.data, flat)
+        if pid not in self._resident:
+            need = sum(state[n].numel() * state[n].element_size() for n in names) + \
+                (0 if in_ram else parameter.data.numel() * parameter.data.element_size())
+            if self.resident_bytes + need > self.resident_budget:
+                return False
+            self.resident_bytes += need
+        kept = {n: state[n].data for n in names}
+        if in_ram:
+            self._master_in_partitions.add(pid)
+        else:
+            self._master_in_partitions.discard(pid)
+            master = parameter.data
+            if any(b is not None and b.untyped_storage().data_ptr() == master.untyped_storage().data_ptr()
+                   for b in self._masters):  # one of the step's reused master buffers: the next sub-group's
+                master = master.clone()
+            kept["fp32"] = master
+        self._resident[pid] = kept
+        self._state_names[pid] = names
+        self._master_parts.pop(pid, None)
+        for key in [f"opt/{pid}/fp32", *(f"opt/{pid}/state/{n}" for n in names)]:  # stale from now on
+            if key in self.store:
+                self.store.delete(key)
+        return True
+
+    def _drop_resident(self, keep_masters: bool = False) -> None:
+        """Forget the resident state (a restore puts every value in the store; admitted again after);
+        ``keep_masters``: write the resident masters to the store first (a purge forgets the state only)."""
+        for pid, kept in self._resident.items():
+            if keep_masters and "fp32" in kept:
+                self.store.put(f"opt/{pid}/fp32", kept["fp32"], durable=False)
+        self._resident.clear()
+        self.resident_bytes = 0
 
     def _forget_grads(self, pid) -> None:
         self._grads[pid] = []  # their store entries stay until overwritten (a mapped view replaces them)
@@ -680,7 +744,7 @@ class HMSOptimizerSwapper:
         if pid not in self._numel:
             return
         self.flush()
-        if write_opt_state:
+        if write_opt_state and not self._keep_resident(parameter):
             self._write_state(parameter)
         if write_gradients and parameter.grad is not None:
             for off, n in self._grads.get(pid, []):
@@ -692,9 +756,11 @@ class HMSOptimizerSwapper:
     def purge_state(self) -> None:
         """Forget swapped optimizer state (ZeRO-3 calls this before loading a non-NVMe checkpoint)."""
         self.flush()
+        self._drop_resident(keep_masters=True)
         for pid, names in self._state_names.items():
             for name in names:
-                self.store.delete(f"opt/{pid}/state/{name}")
+                if f"opt/{pid}/state/{name}" in self.store:  # a resident sub-group's state had no file
+                    self.store.delete(f"opt/{pid}/state/{name}")
             names.clear()
 
     # ------------------------------------------------------------------ checkpoint
@@ -719,7 +785,7 @@ class HMSOptimizerSwapper:
                 raise RuntimeError(f"titan hms: sub-group {pid} is not managed by the HMS optimizer swapper")
             snap.put(f"opt/{pid}/fp32", self._read_master(pid))
             for name in self._state_names.get(pid, []):
-                snap.put(f"opt/{pid}/state/{name}", self.store.get(f"opt/{pid}/state/{name}"))
+                snap.put(f"opt/{pid}/state/{name}", self._read_state(pid, name))
             other = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state.get(p, {}).items()
                      if k not in self._state_names.get(pid, [])}
             meta["subgroups"][pid] = {"numel": self._numel[pid], "state_names": list(self._state_names.get(pid, [])),
@@ -743,6 +809,7 @@ class HMSOptimizerSwapper:
     def _restore(self, snap: TensorStore, meta: dict, folder: str, fp32_params: list,
                  load_optimizer_states: bool) -> None:
         snap.scan()
+        self._drop_resident()
         if len(meta["param_groups"]) != len(self.optimizer.param_groups):
             raise RuntimeError(f"titan hms: checkpoint {folder!r} has {len(meta['param_groups'])} optimizer param "
                                f"groups, this optimizer has {len(self.optimizer.param_groups)}")
