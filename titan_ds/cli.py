@@ -112,7 +112,8 @@ def _plan(a) -> int:
     """``titan-ds plan``: the candidates' table (titan_ds.plan), and the best fitting config written."""
     from pathlib import Path
 
-    from .plan import aio_buildable, candidate_config, format_table, model_spec, parse_size, plan
+    from .plan import (aio_buildable, candidate_config, format_table, model_spec, optimizer_dram_budget, parse_size,
+                       plan)
     m = model_spec(a.model, a.seq)
     aio = aio_buildable() if a.aio == "auto" else a.aio == "yes"
     cands, best = plan(m, seq=a.seq, micro=a.micro_batch, cpu_mem=parse_size(a.cpu_mem), disk=parse_size(a.disk),
@@ -126,8 +127,13 @@ def _plan(a) -> int:
         print("\nnothing fits: more DRAM or disk, a smaller model, or a shorter sequence")
         return 1
     print(f"\nbest fitting: {best.mode} ({best.description})")
+    resident = optimizer_dram_budget(best, parse_size(a.cpu_mem), a.ranks)
+    if resident:
+        print(f"titan.hms.optimizer_dram_mb {resident}: optimizer sub-groups kept in DRAM between steps, half of "
+              f"what the cap leaves beside the predicted peak ({best.dram_peak / 2**30:.2f} GiB per rank)")
     if a.out:
-        cfg = candidate_config(best.mode, nvme_path=a.nvme_path, micro_batch=a.micro_batch)
+        cfg = candidate_config(best.mode, nvme_path=a.nvme_path, micro_batch=a.micro_batch,
+                               optimizer_dram_mb=resident)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(cfg, indent=1) + "\n")
         extra = f" (launch/train.py {' '.join(m.gpt_args)})" if m.gpt_args else ""

@@ -170,6 +170,12 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_scale_zinf.speed.md", _f(
         "12x768 under 4 GiB: HMS + AdamW at {x_zero_inf}x ZeRO-Infinity's s/step (one run, shared machine)",
         "mode", "hms")),
+    Result("hms-scale", "results/hms_speed_ram.speed.md", _f(
+        "12x768 under 4 GiB, 3 alternated runs: HMS dram + DeepSpeedCPUAdam at {x_zero_inf}x ZeRO-Infinity's s/step "
+        "(master read from the partitions in RAM)", "mode", "hms_dram_cpuadam")),
+    Result("hms-scale", "results/hms_speed_res.speed.md", _f(
+        "12x768 under 4 GiB: HMS dram + optimizer_dram_mb 512 at {x_zero_inf}x ZeRO-Infinity's s/step, peak "
+        "{peak_anon_GiB} GiB", "mode", "hms_dram_cpuadam_res")),
     Result("hms-scale", "results/hms_scale_cap2.md", _f(
         "2 GiB cap: HMS+ASDT trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload", "mode", "hms_asdt")),
     Result("hms-scale", "results/hms_scale_cap8.md", _f(
