@@ -25,7 +25,8 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
 - ``hms_dram`` / ``hms_dram_cpuadam``: ``hms`` / ``hms_cpuadam`` with ``titan.hms.param_tier: "dram"``: the
   parameter partitions in CPU memory as ZeRO-Infinity keeps them here, HMS only for the optimizer state
   (ZeRO-Infinity's form, like for like with ``zero_inf``);
-- ``hms_dram_cpuadam_res``: ``hms_dram_cpuadam`` with ``titan.hms.optimizer_dram_mb`` 512: the optimizer
+- ``hms_dram_cpuadam_res`` / ``hms_balanced_res``: ``hms_dram_cpuadam`` / ``hms_balanced`` with
+  ``titan.hms.optimizer_dram_mb`` 512 (``--optimizer-dram-mb``): the optimizer
   sub-groups that fit 512 MiB of the cap's DRAM stay in memory between steps (no I/O for them), the rest on disk
   (ZeRO-Infinity has no such setting: its optimizer offload is to NVMe or to CPU memory as a whole);
 - ``hms_balanced``: HMS with titan's quality-tested optimizer, the ``optimizer`` section of
@@ -85,11 +86,11 @@ from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
 MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
-         "hms_balanced", "hms_asdt", "hms_asdt_bf16")
-BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_cpuadam": "hms", "hms_dram": "hms",
-             "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
+         "hms_balanced", "hms_balanced_res", "hms_asdt", "hms_asdt_bf16")
+BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_balanced_res": "hms", "hms_cpuadam": "hms",
+             "hms_dram": "hms", "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
 CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res")
-RESIDENT_MB = 512  # hms_dram_cpuadam_res: titan.hms.optimizer_dram_mb  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
+RESIDENT_MB = 512  # the *_res modes' titan.hms.optimizer_dram_mb (--optimizer-dram-mb)  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
 GiB = 1 << 30
 # ZeRO-Infinity's parameter placement: "cpu". With "nvme", DeepSpeed 0.19.8 fails at the second step here ("param 3
 # already assigned swap buffer id 10"; with fewer buffers "Not enough buffers"), so the parameters stay in CPU memory
@@ -196,17 +197,22 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg.pop("zero_allow_untested_optimizer")
     if mode in ("hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res"):
         cfg["titan"]["hms"]["param_tier"] = "dram"
-    if mode == "hms_dram_cpuadam_res":
+    if mode.endswith("_res"):
         cfg["titan"]["hms"]["optimizer_dram_mb"] = RESIDENT_MB
     if mode in ("hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res"):
         cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
         cfg["zero_force_ds_cpu_optimizer"] = True  # HMS offloads the optimizer to "nvme": DeepSpeedCPUAdam
         cfg.pop("zero_allow_untested_optimizer")
-    if mode == "hms_balanced":
+    if mode in ("hms_balanced", "hms_balanced_res"):
         balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
         cfg["titan"]["optimizer"] = balanced
         cfg["titan"]["hms"]["gradient_buffer"] = "disk"
     return cfg
+
+
+def _set_resident_mb(mb: int) -> None:
+    global RESIDENT_MB
+    RESIDENT_MB = int(mb)
 
 
 def build_ops(env: dict) -> None:
@@ -485,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-layers", type=int, default=512)
     ap.add_argument("--rel", type=float, default=0.1, help="stop bisecting at this relative bracket width")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds per trial")
+    ap.add_argument("--optimizer-dram-mb", type=int, default=RESIDENT_MB,
+                    help="titan.hms.optimizer_dram_mb of the *_res modes")
     ap.add_argument("--speed-shape", default="", help="LAYERSxWIDTH: s/step of every mode at this shape")
     ap.add_argument("--speed-cap", type=float, default=4.0, help="GiB cap of the speed runs")
     ap.add_argument("--speed-steps", type=int, default=3, help="timed steps per speed run, after the warm-up")
@@ -498,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
     add_store_args(ap)
     a = ap.parse_args(argv)
+    _set_resident_mb(a.optimizer_dram_mb)
     a.cmdline = " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_capped's cleanup then removes the cgroup

@@ -29,6 +29,9 @@ def test_resident_subgroups_train_bit_exact_and_skip_their_io(tmp):
     # (the small sub-group's reads were DRAM-cache hits already, --dram-mb 1: residency saves its writes only)
     assert min(off["store_bytes_read"], part["store_bytes_read"]) > full["store_bytes_read"]
     assert full["hms"]["optimizer_dram_bytes"] > part["hms"]["optimizer_dram_bytes"] > 0
+    # partition writes still in flight when the next step reads a resident master (it waits for them)
+    slow, = run(tmp, "full_slow", "--mode", "hms", "--clip", 1.0, "--opt-dram-mb", 100, "--slow-writes", 0.02)
+    assert_same(off, slow)
     # the parameters in RAM too: with every sub-group resident nothing but initialize's masters is written
     ram, = run(tmp, "ram_full", "--mode", "hms", "--clip", 1.0, "--opt-dram-mb", 100, "--param-tier", "dram")
     assert_same(off, ram)

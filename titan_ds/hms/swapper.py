@@ -454,6 +454,8 @@ class HMSOptimizerSwapper:
         into one of the step's two master buffers, :meth:`_master_buffer`, else a fresh tensor)."""
         kept = self._resident.get(pid)
         if kept is not None and "fp32" in kept:  # optimizer_dram_mb: the master stays in memory
+            if reuse and self.param_swapper is not None:  # partition writes behind may still read it (as below)
+                self.param_swapper.wait_for_storage(kept["fp32"].untyped_storage().data_ptr())
             return kept["fp32"]
         parts = self._master_parts.get(pid)
         in_ram = pid in self._master_in_partitions
