@@ -220,9 +220,9 @@ def measure_temp(row: str, dtype: str, numel: int) -> dict[str, Any]:
     opt.step()
     m.w.grad = (torch.randn(m.w.shape) * 1e-3).to(m.w.dtype)
     gc.collect()
-    before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := the current RSS
+    before = _status("VmHWM")  # read after the reset: an RSS read before it could be above it (pages freed between)
     opt.step()
     return {"temp_bytes_per_element": (_status("VmHWM") - before) / numel,
             "state_bytes_per_element": state_bytes(opt) / numel}
