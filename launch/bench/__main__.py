@@ -214,6 +214,9 @@ RESULTS: list[Result] = [
     Result("optimizer-step", "results/optim_step_ieee/step.md", _f(
         "C++ kernel, titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24, {x_DS_2^24}x DeepSpeedCPUAdam (AVX2 "
         "machine)", "optimizer", "titan_balanced")),
+    Result("optimizer-step", "results/optim_step_linear4/step.md", _f(
+        "C++ kernel, 4-bit second moment encoded without a lookup, titan_balanced, fp32: {M_s_2^24} M elements/s at "
+        "2^24, {x_DS_2^24}x DeepSpeedCPUAdam (AVX2 machine)", "optimizer", "titan_balanced")),
     Result("optimizer-step", "results/optim_step_compiled/README.md", _f(
         "compiled core (TITAN_CORE_COMPILE=1): titan_balanced {compiled_M_s} M/s, {compiled___eager} the eager loop",
         "optimizer", "titan_balanced"), "TITAN_CORE_COMPILE=1 python launch/bench/optim_step.py --what speed --sizes "

@@ -67,3 +67,36 @@ def test_no_kernel_off_the_cpu(monkeypatch):
     w = torch.empty(512, device="meta")
     assert not core_cpu.supports(w, w, None)
     assert core_cpu.supports(torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), None)
+
+
+def _floats_around(points: torch.Tensor, ulps: int) -> torch.Tensor:
+    """Every float32 within ``ulps`` steps of each of ``points`` (same sign)."""
+    bits = points.float().view(torch.int32).unsqueeze(1) + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    return bits.reshape(-1).view(torch.float32)
+
+
+@pytest.mark.parametrize("kind,signed", [("4bit", False), ("4bit", True), ("8bit", True), ("8bit", False)])
+def test_kernel_codes_are_the_tables(kind, signed):
+    """The kernel's encoding (the lookup, and the arithmetic one of the linear unsigned 4-bit map) gives qstate's
+    codes: near every midpoint and code, at the ends, for NaNs, subnormals and random bit patterns. Not for an
+    infinite x / scale, which a block scaled by its absmax never holds (an inf in the block makes the scale inf
+    and the quotient NaN; qstate's table then gives 16 for +inf, the kernel 15)."""
+    from titan_ds.optim import qstate
+    q = qstate.qmap(kind, signed)
+    mids = qstate._midpoints(kind, signed)
+    edges = torch.cat([mids, q, torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, 16.0, 1e-12, 3e38])])
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([_floats_around(edges, 300), _floats_around(-edges, 300),
+                   torch.randint(-2**31, 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32),
+                   torch.rand(1 << 18, generator=g) * 2 - 1,
+                   torch.tensor([float("nan"), -float("nan"), 1e-45, -1e-45])])
+    _, table = core_cpu._tables(kind, signed)
+    for scale in (1.0, 0.37, 1e-12):
+        xs = x * scale
+        quotient = xs / scale
+        finite_or_nan = ~torch.isinf(quotient)
+        got = core_cpu._module().encode_codes(xs[finite_or_nan], scale, q, table)
+        want = qstate._encode(quotient[finite_or_nan], kind, signed).view(-1)
+        x = x[finite_or_nan]
+        bad = torch.nonzero(got != want).view(-1)
+        assert bad.numel() == 0, (scale, x[bad[:5]].tolist(), got[bad[:5]].tolist(), want[bad[:5]].tolist())

@@ -82,6 +82,17 @@ inline void decode4(float* out, const uint8_t* bytes, int64_t p0, int64_t n, con
 // exactly when key(x) >= key(midpoint) (core_cpu._tables builds the entries; equal for every finite x).
 inline uint32_t key(uint32_t bits) { return (bits & 0x80000000u) ? 0xFFFFu - (bits & 0xFFFFu) : (bits & 0xFFFFu); }
 
+inline uint8_t code_of_bits(uint32_t bits, const uint32_t* entry) {
+  const uint32_t e = entry[bits >> 16];
+  return static_cast<uint8_t>((e & 0xFF) + (key(bits) >= (e >> 8) ? 1 : 0));
+}
+
+inline uint8_t code_of(float q, const uint32_t* entry) {
+  uint32_t bits;
+  std::memcpy(&bits, &q, 4);
+  return code_of_bits(bits, entry);
+}
+
 // The nearest code of each value x[k] / scale (the division done here, in register: the same IEEE quotient).
 inline void encode(uint8_t* dst, const float* x, float scale, int64_t n, const uint32_t* entry) {
   int64_t k = 0;
@@ -100,13 +111,41 @@ inline void encode(uint8_t* dst, const float* x, float scale, int64_t n, const u
     _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + k), _mm_packus_epi16(w16, w16));
   }
 #endif
-  for (; k < n; ++k) {
-    const float q = x[k] / scale;
-    uint32_t bits;
-    std::memcpy(&bits, &q, 4);
-    const uint32_t e = entry[bits >> 16];
-    dst[k] = static_cast<uint8_t>((e & 0xFF) + (key(bits) >= (e >> 8) ? 1 : 0));
+  for (; k < n; ++k) dst[k] = code_of(x[k] / scale, entry);
+}
+
+// The unsigned 4-bit map is linear (code k is (k+1)/16): its nearest code needs no lookup. y = x*16 (exact:
+// a power of two), c = trunc(y), code c - 1, one up where y >= c + 0.5 (the midpoint (2c+1)/32, exact, ties up as
+// the table rounds them), clamped to 0..15; y first clamped to [-1, 16] (the codes at the ends, and no integer
+// overflow). An inf or a NaN among the 8 takes the table. The same codes as qstate's table: checked once for
+// every non-negative float up to 2 (1,073,741,825 floats, none differ); tests/optim/test_core_cpu.py checks 300
+// floats either side of every midpoint and code, and random bit patterns.
+inline void encode_linear16(uint8_t* dst, const float* x, float scale, int64_t n, const uint32_t* entry) {
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(scale), sixteen = _mm256_set1_ps(16.0f), minus1 = _mm256_set1_ps(-1.0f),
+               half = _mm256_set1_ps(0.5f);
+  const __m256i one = _mm256_set1_epi32(1), fifteen = _mm256_set1_epi32(15), zero = _mm256_setzero_si256(),
+                low15 = _mm256_set1_epi32(0x7FFF), special = _mm256_set1_epi32(0x7F7F);
+  for (; k + 8 <= n; k += 8) {
+    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(x + k), s);
+    const __m256i bits = _mm256_castps_si256(q);
+    if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), low15), special))) {
+      alignas(32) uint32_t b[8];  // an inf or a NaN: one at a time, from the table
+      _mm256_store_si256(reinterpret_cast<__m256i*>(b), bits);
+      for (int j = 0; j < 8; ++j) dst[k + j] = code_of_bits(b[j], entry);
+      continue;
+    }
+    const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(q, sixteen), minus1), sixteen);
+    const __m256i c = _mm256_cvttps_epi32(y);
+    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(y, _mm256_add_ps(_mm256_cvtepi32_ps(c), half), _CMP_GE_OQ));
+    __m256i code = _mm256_sub_epi32(_mm256_sub_epi32(c, one), up);  // up is -1 where it rounds up
+    code = _mm256_min_epi32(_mm256_max_epi32(code, zero), fifteen);
+    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + k), _mm_packus_epi16(w16, w16));
   }
+#endif
+  for (; k < n; ++k) dst[k] = code_of(x[k] / scale, entry);
 }
 
 struct State {
@@ -119,6 +158,7 @@ struct State {
   const float* qmap = nullptr;
   const uint32_t* entry = nullptr;  // encode()'s entry of each top-16-bit pattern
   int64_t block = 256;
+  bool linear16 = false;      // the unsigned 4-bit map, (k+1)/16: encode_linear16
   std::vector<int64_t> unit_block0;  // each unit's first block scale, relative to absmax
 
   // Values i0..i0+n of the chunk (`off` into unit `unit`; n <= 256, starting on a block of the unit) as fp32.
@@ -167,7 +207,8 @@ struct State {
       std::memcpy(&amax, &top_bits, 4);
       const float scale = amax < 1e-12f ? 1e-12f : amax;
       absmax[unit_block0[unit] + (off + b) / block] = scale;
-      encode(kind == Q8 ? bytes + pos0 + i0 + b : codes4 + i0 + b, x, scale, len, entry);
+      if (linear16) encode_linear16(codes4 + i0 + b, x, scale, len, entry);
+      else encode(kind == Q8 ? bytes + pos0 + i0 + b : codes4 + i0 + b, x, scale, len, entry);
     }
   }
 
@@ -214,6 +255,8 @@ State make_state(int64_t kind, const torch::Tensor& data, int64_t pos0, const to
   TORCH_CHECK(table.scalar_type() == torch::kInt32 && table.numel() == 65536, "core_cpu: 65536 int32 entries expected");
   s.entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
   s.block = kind == Q8 ? 256 : 128;
+  s.linear16 = kind == Q4 && qmap.numel() == 16;
+  for (int64_t k = 0; s.linear16 && k < 16; ++k) s.linear16 = s.qmap[k] == static_cast<float>(k + 1) / 16.0f;
   s.unit_block0.resize(lengths.size());
   int64_t at = 0;
   for (size_t u = 0; u < lengths.size(); ++u) {
@@ -418,9 +461,25 @@ void unit_sumsq(const torch::Tensor& g, std::vector<int64_t> lengths, torch::Ten
   });
 }
 
+// The codes encode() or encode_linear16() gives each value of x / scale (a byte each), as State::write picks
+// them for the code map qmap (the tests compare them with qstate's table over many floats).
+torch::Tensor encode_codes(const torch::Tensor& x, double scale, const torch::Tensor& qmap, const torch::Tensor& table) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && table.numel() == 65536,
+              "core_cpu: encode_codes arguments");
+  auto out = torch::empty({x.numel()}, torch::kUInt8);
+  const float* q = qmap.data_ptr<float>();
+  bool linear16 = qmap.numel() == 16;
+  for (int64_t k = 0; linear16 && k < 16; ++k) linear16 = q[k] == static_cast<float>(k + 1) / 16.0f;
+  const auto* entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
+  if (linear16) encode_linear16(out.data_ptr<uint8_t>(), x.data_ptr<float>(), static_cast<float>(scale), x.numel(), entry);
+  else encode(out.data_ptr<uint8_t>(), x.data_ptr<float>(), static_cast<float>(scale), x.numel(), entry);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("unit_sumsq", &unit_sumsq, "each unit's sum of squared gradients, fp64, in order");
+  mod.def("encode_codes", &encode_codes, "the kernel's codes of x / scale (tests)");
   mod.def("step", &step, "ASDT's adaptive step of one chunk (titan_ds/optim/core.py's eager loop, bit for bit)");
 }
