@@ -55,6 +55,12 @@ def test_hms_balanced_trains_titan_balanceds_optimizer_not_the_sign_mode(tmp_pat
     assert cfg["titan"]["hms"]["nvme_path"] == str(tmp_path) and "offload_optimizer" not in cfg["zero_optimization"]
 
 
+
+def test_hms_balanced_wb_is_hms_balanced_writing_its_partitions_behind(tmp_path):
+    base, wb = (bench.ds_config(m, str(tmp_path)) for m in ("hms_balanced", "hms_balanced_wb"))
+    assert base["titan"]["hms"].get("param_write_behind", False) is False
+    assert wb["titan"]["hms"].pop("param_write_behind") is True and wb == base
+
 def test_aio_settings_take_the_fastest_swept_setting_and_reuse_the_sweep(tmp_path):
     rows = [dict(bench.AIO_RECOMMENDED, block_size=b, read_GBps=r, write_GBps=w)
             for b, r, w in ((262144, 1.0, 1.0), (1048576, 1.5, 0.9), (4194304, 0.2, 0.1))]

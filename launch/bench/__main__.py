@@ -176,6 +176,9 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_speed_res.speed.md", _f(
         "12x768 under 4 GiB: HMS dram + optimizer_dram_mb 512 at {x_zero_inf}x ZeRO-Infinity's s/step, peak "
         "{peak_anon_GiB} GiB", "mode", "hms_dram_cpuadam_res")),
+    Result("hms-scale", "results/hms_900m_wb.speed.md", _f(
+        "907.7M under 4 GiB, titan_balanced's optimizer, param_write_behind: {step_s} s/step (1 run)", "mode",
+        "hms_balanced_wb")),
     Result("hms-scale", "results/hms_scale_cap2.md", _f(
         "2 GiB cap: HMS+ASDT trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload", "mode", "hms_asdt")),
     Result("hms-scale", "results/hms_scale_cap8.md", _f(
