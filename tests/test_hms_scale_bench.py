@@ -129,3 +129,25 @@ def test_bounds_price_reads_and_writes_at_the_disks_own_speeds(monkeypatch):
     GiB = 1 << 30
     assert abs(io - (2 * GiB / (disk["raw_read_GBps"] * 1e9) + GiB / (disk["raw_write_GBps"] * 1e9))) < 1e-9
     assert abs(compute - 6 * 1e9 * 128 / 100e9) < 1e-9
+
+
+def test_bounds_price_io_at_this_invocations_disk_probe_kept_beside_the_table(tmp_path, monkeypatch):
+    """The I/O bound uses the disk measured by this invocation (saved as OUT.disk.json and reused by a rerun),
+    not an earlier day's results/hms_timeline/disk.json; --no-run without a record falls back to that one."""
+    calls = []
+
+    def fake_measure(path, mb, threads, block_mb):
+        calls.append(path)
+        return {"raw_read_GBps": 2.0, "raw_write_GBps": 0.5}
+    monkeypatch.setattr("titan_ds.hms.diskprobe.measure_disk", fake_measure)
+    monkeypatch.setattr(bench, "_speeds", lambda: (100.0, 1.0))
+    monkeypatch.setattr(bench, "_DISK", {})
+    record = tmp_path / "t.disk.json"
+    assert bench.disk_speeds(str(tmp_path), record)["raw_write_GBps"] == 0.5 and len(calls) == 1
+    io, _ = bench.bounds({"GiB_read_per_step": 2.0, "GiB_written_per_step": 1.0, "params": 1e6})
+    assert io == pytest.approx((2 * bench.GiB / 2e9) + (bench.GiB / 0.5e9))
+    monkeypatch.setattr(bench, "_DISK", {})
+    assert bench.disk_speeds(str(tmp_path), record)["source"] == "t.disk.json" and len(calls) == 1  # reused
+    monkeypatch.setattr(bench, "_DISK", {})
+    stale = bench.disk_speeds(str(tmp_path), tmp_path / "none.disk.json", no_run=True)
+    assert stale["source"] == "results/hms_timeline/disk.json" and len(calls) == 1

@@ -447,13 +447,37 @@ def _largest(trials: Trials, mode: str, cap: float, width: int, start: int, max_
 _SPEEDS: list = []
 
 
+# this invocation's disk speeds (:func:`disk_speeds`): the I/O bounds' prices
+_DISK: dict = {}
+STALE_DISK = ROOT / "results" / "hms_timeline" / "disk.json"  # an earlier day's probe: the fallback
+
+
+def disk_speeds(path: str, record: Path, no_run: bool = False) -> dict:
+    """This disk's O_DIRECT read and write GB/s under ``path`` (``titan_ds.hms.diskprobe.measure_disk``: 256 MiB,
+    4 MiB blocks, 4 threads, best of 2), measured once per invocation and kept in ``record`` (OUT.disk.json),
+    which a rerun of the same table reuses; with ``no_run`` and no record, the earlier day's
+    results/hms_timeline/disk.json (named in the table's notes)."""
+    if not _DISK:
+        if record.exists():
+            _DISK.update(json.loads(record.read_text()), source=record.name)
+        elif no_run:
+            _DISK.update(json.loads(STALE_DISK.read_text()), source=str(STALE_DISK.relative_to(ROOT)))
+        else:
+            from titan_ds.hms.diskprobe import measure_disk
+            d = measure_disk(os.path.join(path, ".disk_probe"), mb=256, threads=4, block_mb=4)
+            d["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            record.write_text(json.dumps(d, indent=1))
+            _DISK.update(d, source=record.name)
+    return _DISK
+
+
 def bounds(r: dict) -> tuple[float, float]:
     """(I/O bound, compute bound) seconds of one step of trial ``r``: its bytes read and written per step at this
-    disk's O_DIRECT read and write speeds (``titan_ds/hms/diskprobe.py``, 4 MiB blocks, as recorded in
-    results/hms_timeline/disk.json), and 6 x params x 128 tokens at the fp32 matmul rate measured here (the
-    trials train fp32 unless the mode says bf16; bf16 is not priced differently)."""
+    disk's O_DIRECT read and write speeds (:func:`disk_speeds`, measured by this invocation; an earlier day's
+    results/hms_timeline/disk.json where it has not run), and 6 x params x 128 tokens at the fp32 matmul rate
+    measured here (the trials train fp32 unless the mode says bf16; bf16 is not priced differently)."""
     gflops, _ = _speeds()
-    disk = json.loads((ROOT / "results" / "hms_timeline" / "disk.json").read_text())
+    disk = _DISK or json.loads(STALE_DISK.read_text())
     io = (r["GiB_read_per_step"] * GiB / (disk["raw_read_GBps"] * 1e9)
           + r["GiB_written_per_step"] * GiB / (disk["raw_write_GBps"] * 1e9))
     return io, 6 * r["params"] * 128 / (gflops * 1e9)
@@ -540,6 +564,8 @@ def main(argv: list[str] | None = None) -> None:
             logging.info("zero_inf: aio %s (the best of the sweep in %s)", aio, out.with_suffix(".aio_sweep.json"))
     kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / out.name, aio=aio, lock=a.lock, lr=a.lr)
     if speed is not None:
+        with timed_lock(a.lock):
+            disk_speeds(a.path, out.with_suffix(".disk.json"), a.no_run)
         st = SpeedTrials(out.with_suffix(".speed.jsonl"), a.reuse_stale)
         st.no_run = a.no_run
         srows = speed_rows(st, modes, a.speed_cap, *speed, a.speed_warmup, a.speed_steps, a.speed_repeats, skip,
@@ -639,8 +665,10 @@ def write_speed(rows: list[dict], out: Path, a) -> None:
              f"basic_optimizer. Modes and configs: launch/bench/hms_scale.py's docstring. Shared 2-core machine: "
              f"indicative only.", _zero_inf_note(out)]
     if any("x_bound" in r for r in rows):
+        disk = _DISK or {**json.loads(STALE_DISK.read_text()), "source": str(STALE_DISK.relative_to(ROOT))}
         notes.append("io_bound_s: the first run's bytes read and written per timed step at this disk's O_DIRECT read "
-                     "and write speeds (results/hms_timeline/disk.json); compute_bound_s: 6 x params x 128 tokens at "
+                     f"and write speeds ({disk['raw_read_GBps']:.3f} / {disk['raw_write_GBps']:.3f} GB/s, "
+                     f"{disk['source']}, {disk.get('date', '')}); compute_bound_s: 6 x params x 128 tokens at "
                      "the fp32 matmul GFLOP/s measured by this process; x_bound: step_s / the larger. losses: the "
                      "first run's train loss at each step, warm-up included; lr: set by --lr (else the mode's own).")
     _write_table(out.parent / f"{out.name}.speed", "HMS vs DeepSpeed's offload: s/step at one shape", rows, keys,
