@@ -70,8 +70,8 @@ class HMSConfig(_Strict):
     key. Off: every sub-group's state is on disk before the next one steps. The results are bit-identical.
 
     ``param_write_behind`` (off by default: measured slower on this 2-core machine, 15.8 vs 13.0 s/step at
-    12x768, its background writes competing with the optimizer state's for the CPU; at 907.7M 0.92x, 44.07 vs
-    47.72 s/step, one run each: results/hms_900m_wb) writes the parameter partitions the optimizer step updates in the
+    12x768, its background writes competing with the optimizer state's for the CPU; at 907.7M no different, 0.92x
+    and 1.03x in two invocations: results/hms_900m_wb, hms_900m_wb2) writes the parameter partitions the optimizer step updates in the
     background too (the store's parameter writer thread), at most ``pipeline_depth`` sub-groups' partitions in
     flight; they go on into the next forward, whose read of a partition waits for its write. They are flushed
     before a checkpoint is saved or loaded and on close; a failed write is raised by the next read of that

@@ -179,6 +179,9 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_900m_wb.speed.md", _f(
         "907.7M under 4 GiB, titan_balanced's optimizer, param_write_behind: {step_s} s/step (1 run)", "mode",
         "hms_balanced_wb")),
+    Result("hms-scale", "results/hms_900m_wb2.speed.md", _f(
+        "907.7M under 4 GiB, the order reversed: param_write_behind {step_s} s/step, {x_bound}x the larger bound at "
+        "the disk probed that day", "mode", "hms_balanced_wb")),
     Result("hms-scale", "results/hms_scale_cap2.md", _f(
         "2 GiB cap: HMS+ASDT trains {params_M}M params, {x_zero3_cpu}x ZeRO-3 CPU offload", "mode", "hms_asdt")),
     Result("hms-scale", "results/hms_scale_cap8.md", _f(
