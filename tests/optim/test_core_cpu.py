@@ -100,3 +100,23 @@ def test_kernel_codes_are_the_tables(kind, signed):
         x = x[finite_or_nan]
         bad = torch.nonzero(got != want).view(-1)
         assert bad.numel() == 0, (scale, x[bad[:5]].tolist(), got[bad[:5]].tolist(), want[bad[:5]].tolist())
+
+
+@pytest.mark.parametrize("kind,signed", [("4bit", False), ("4bit", True), ("8bit", True)])
+def test_quantize_takes_the_kernels_encoding_with_the_same_codes(monkeypatch, kind, signed):
+    """qstate.quantize of a large CPU buffer (a fresh state's first packing) encodes with the kernel: the same codes
+    and scales as the eager lookup, NaNs and uneven records included."""
+    from titan_ds.optim import qstate
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1 << 17, generator=g) * torch.logspace(-8, 0, 1 << 17)
+    x[::9973] = float("nan")
+    x[5000:9000] = 0.0
+    lens = [1000, 77, (1 << 17) - 1077]
+    calls = []
+    encode = core_cpu._module().encode_codes
+    monkeypatch.setattr(core_cpu._module(), "encode_codes", lambda *a: calls.append(1) or encode(*a), raising=False)
+    fast = qstate.quantize(x, lens, kind, signed)
+    assert calls, "the kernel's encoding was not used"
+    monkeypatch.setattr(qstate, "_KERNEL_MIN", 1 << 40)
+    eager = qstate.quantize(x, lens, kind, signed)
+    assert torch.equal(fast[0], eager[0]) and torch.equal(fast[1].view(torch.int32), eager[1].view(torch.int32))
