@@ -122,3 +122,15 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, u
     if sr:
         w.copy_(round_to(w.dtype, wout, generator))
     return torch.tensor(count)
+
+
+def _encode_cpu(x: torch.Tensor, kind: str, signed: bool) -> Optional[torch.Tensor]:
+    """:func:`qstate._encode` of the 1-D fp32 CPU tensor ``x`` by the kernel's encoding (None where it is off or
+    did not build): the same codes, several times faster than the lookup (a fresh state's first packing)."""
+    if not available():
+        return None
+    q, entries = _tables(kind, signed)
+    return _module().encode_codes(x, 1.0, q, entries)
+
+
+qstate._CPU_ENCODER = _encode_cpu

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from functools import lru_cache
+from typing import Callable, Optional
 
 import torch
 
@@ -98,17 +99,20 @@ def _on(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor, to
 # quantization took ~59 s of the 907.7M HMS run's first step with the eager lookup; quantize() of 2^24 values takes
 # 0.14 s with it against 0.45 s (1 thread; the block scales stay torchao's scale_tensor)
 _KERNEL_MIN = 1 << 16
+# fn(x, kind, signed) -> the codes of the 1-D fp32 CPU tensor x, or None where it cannot: the C++ kernel's
+# encoding, which titan_ds.optim.core_cpu registers when it is imported (the same codes as encode_with:
+# tests/optim/test_core_cpu.py); None here means the lookup below
+_CPU_ENCODER: Optional[Callable[[torch.Tensor, str, bool], Optional[torch.Tensor]]] = None
 
 
 def _encode(scaled: torch.Tensor, kind: str, signed: bool) -> torch.Tensor:
     """The nearest code of each value of ``scaled`` (in [-1, 1]): ``bucketize(scaled, midpoints, right=True)``
     (a midpoint rounds up, as in torchao), by the table of :func:`_table`."""
     x = scaled.contiguous().float()
-    if x.device.type == "cpu" and x.numel() >= _KERNEL_MIN:
-        from . import core_cpu  # the C++ kernel's encoding: the same codes (tests/optim/test_core_cpu.py)
-        if core_cpu.available():
-            q, entries = core_cpu._tables(kind, signed)
-            return core_cpu._module().encode_codes(x.view(-1), 1.0, q, entries).view(x.shape)
+    if x.device.type == "cpu" and x.numel() >= _KERNEL_MIN and _CPU_ENCODER is not None:
+        out = _CPU_ENCODER(x.view(-1), kind, signed)
+        if out is not None:
+            return out.view(x.shape)
     _, codes, nxt = _on(kind, signed, x.device)
     return encode_with(x, codes, nxt)
 
