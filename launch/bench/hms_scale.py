@@ -461,7 +461,7 @@ def disk_speeds(path: str, record: Path, no_run: bool = False) -> dict:
         if record.exists():
             _DISK.update(json.loads(record.read_text()), source=record.name)
         elif no_run:
-            _DISK.update(json.loads(STALE_DISK.read_text()), source=str(STALE_DISK.relative_to(ROOT)))
+            _DISK.update(_disk())
         else:
             from titan_ds.hms.diskprobe import measure_disk
             d = measure_disk(os.path.join(path, ".disk_probe"), mb=256, threads=4, block_mb=4)
@@ -471,13 +471,18 @@ def disk_speeds(path: str, record: Path, no_run: bool = False) -> dict:
     return _DISK
 
 
+def _disk() -> dict:
+    """The disk speeds the bounds use: this invocation's probe, else the earlier day's file (with its source)."""
+    return _DISK or {**json.loads(STALE_DISK.read_text()), "source": str(STALE_DISK.relative_to(ROOT))}
+
+
 def bounds(r: dict) -> tuple[float, float]:
     """(I/O bound, compute bound) seconds of one step of trial ``r``: its bytes read and written per step at this
     disk's O_DIRECT read and write speeds (:func:`disk_speeds`, measured by this invocation; an earlier day's
     results/hms_timeline/disk.json where it has not run), and 6 x params x 128 tokens at the fp32 matmul rate
     measured here (the trials train fp32 unless the mode says bf16; bf16 is not priced differently)."""
     gflops, _ = _speeds()
-    disk = _DISK or json.loads(STALE_DISK.read_text())
+    disk = _disk()
     io = (r["GiB_read_per_step"] * GiB / (disk["raw_read_GBps"] * 1e9)
           + r["GiB_written_per_step"] * GiB / (disk["raw_write_GBps"] * 1e9))
     return io, 6 * r["params"] * 128 / (gflops * 1e9)
@@ -665,7 +670,7 @@ def write_speed(rows: list[dict], out: Path, a) -> None:
              f"basic_optimizer. Modes and configs: launch/bench/hms_scale.py's docstring. Shared 2-core machine: "
              f"indicative only.", _zero_inf_note(out)]
     if any("x_bound" in r for r in rows):
-        disk = _DISK or {**json.loads(STALE_DISK.read_text()), "source": str(STALE_DISK.relative_to(ROOT))}
+        disk = _disk()
         notes.append("io_bound_s: the first run's bytes read and written per timed step at this disk's O_DIRECT read "
                      f"and write speeds ({disk['raw_read_GBps']:.3f} / {disk['raw_write_GBps']:.3f} GB/s, "
                      f"{disk['source']}, {disk.get('date', '')}); compute_bound_s: 6 x params x 128 tokens at "

@@ -120,6 +120,13 @@ inline void encode(uint8_t* dst, const float* x, float scale, int64_t n, const u
 // overflow). An inf or a NaN among the 8 takes the table. The same codes as qstate's table: checked once for
 // every non-negative float up to 2 (1,073,741,825 floats, none differ); tests/optim/test_core_cpu.py checks 300
 // floats either side of every midpoint and code, and random bit patterns.
+// Whether the 16-entry code map q is the linear one encode_linear16 computes.
+inline bool is_linear16(const float* q, int64_t n) {
+  bool linear = n == 16;
+  for (int64_t k = 0; linear && k < 16; ++k) linear = q[k] == static_cast<float>(k + 1) / 16.0f;
+  return linear;
+}
+
 inline void encode_linear16(uint8_t* dst, const float* x, float scale, int64_t n, const uint32_t* entry) {
   int64_t k = 0;
 #if defined(__AVX2__)
@@ -255,8 +262,7 @@ State make_state(int64_t kind, const torch::Tensor& data, int64_t pos0, const to
   TORCH_CHECK(table.scalar_type() == torch::kInt32 && table.numel() == 65536, "core_cpu: 65536 int32 entries expected");
   s.entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
   s.block = kind == Q8 ? 256 : 128;
-  s.linear16 = kind == Q4 && qmap.numel() == 16;
-  for (int64_t k = 0; s.linear16 && k < 16; ++k) s.linear16 = s.qmap[k] == static_cast<float>(k + 1) / 16.0f;
+  s.linear16 = kind == Q4 && is_linear16(s.qmap, qmap.numel());
   s.unit_block0.resize(lengths.size());
   int64_t at = 0;
   for (size_t u = 0; u < lengths.size(); ++u) {
@@ -467,9 +473,7 @@ torch::Tensor encode_codes(const torch::Tensor& x, double scale, const torch::Te
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && table.numel() == 65536,
               "core_cpu: encode_codes arguments");
   auto out = torch::empty({x.numel()}, torch::kUInt8);
-  const float* q = qmap.data_ptr<float>();
-  bool linear16 = qmap.numel() == 16;
-  for (int64_t k = 0; linear16 && k < 16; ++k) linear16 = q[k] == static_cast<float>(k + 1) / 16.0f;
+  const bool linear16 = is_linear16(qmap.data_ptr<float>(), qmap.numel());
   const auto* entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
   if (linear16) encode_linear16(out.data_ptr<uint8_t>(), x.data_ptr<float>(), static_cast<float>(scale), x.numel(), entry);
   else encode(out.data_ptr<uint8_t>(), x.data_ptr<float>(), static_cast<float>(scale), x.numel(), entry);
