@@ -72,7 +72,10 @@ TABLES: dict[str, tuple[str, list[str]]] = {
     "compression-scale": ("launch.bench.compress_scale", ["results/compress_w2_300", "results/compress_w2_1000",
                                                            "results/compress_scale_w", "results/compress_cltk_w8_200",
                                                            "results/compress_cltk_w32_200",
-                                                           "results/compress_cltk_w8_1000"]),
+                                                           "results/compress_cltk_w8_1000",
+                                                           "results/compress_qtopk_w8_grid",
+                                                           "results/compress_rms_ratio1_w8",
+                                                           "results/compress_qtopk_w32_1000"]),
     "local-updates": ("launch.bench.bench_diloco", ["results/diloco", "results/diloco_long", "results/diloco_cltk"]),
     "many-workers": ("launch.bench.many_workers", ["results/many_workers"]),
     "plan-accuracy": ("launch.bench.plan_accuracy", ["results/plan_accuracy"]),
@@ -154,6 +157,9 @@ RESULTS: list[Result] = [
         "config", "rms_100x")),
     Result("compression-scale", "results/compress_w2_1000.md", _f(
         "W=2, 1000 steps: dense AdamW {val_loss} (the other rows are deltas to it)", "method", "none")),
+    Result("compression-scale", "results/compress_qtopk_w8_grid.md", _f(
+        "W=8, 1000 steps, {wire_x_recv}x received: qtopk + rms {delta_vs_dense} nats vs dense (spread {spread}: "
+        "{verdict}) at lr {best_lr}", "method", "rms_qtopk4c4096")),
     Result("local-updates", "results/diloco/table.md", _f(
         "W={W}, {x_recv}x received: DiLoCo + top-k outer {delta_vs_dense} nats vs dense (target 0.05: missed)", "method",
         "diloco+topk H=20"), "python launch/bench/bench_diloco.py --workers 8,32 --steps 200 --lrs 1e-3 --seeds 1 "
