@@ -76,7 +76,8 @@ TABLES: dict[str, tuple[str, list[str]]] = {
                                                            "results/compress_qtopk_w8_grid",
                                                            "results/compress_rms_ratio1_w8",
                                                            "results/compress_qtopk_w32_1000",
-                                                           "results/compress_qtopk_sharded_w8_lr"]),
+                                                           "results/compress_qtopk_sharded_w8_lr",
+                                                           "results/compress_qtopk_w32_ag"]),
     "local-updates": ("launch.bench.bench_diloco", ["results/diloco", "results/diloco_long", "results/diloco_cltk"]),
     "many-workers": ("launch.bench.many_workers", ["results/many_workers"]),
     "plan-accuracy": ("launch.bench.plan_accuracy", ["results/plan_accuracy"]),
@@ -161,6 +162,9 @@ RESULTS: list[Result] = [
     Result("compression-scale", "results/compress_qtopk_w8_grid.md", _f(
         "W=8, 1000 steps, {wire_x_recv}x received: qtopk + rms {delta_vs_dense} nats vs dense (spread {spread}: "
         "{verdict}) at lr {best_lr}", "method", "rms_qtopk4c4096")),
+    Result("compression-scale", "results/compress_qtopk_w32_ag.md", _f(
+        "W=32, 1000 steps, {wire_x_recv}x received: qtopk + rms {delta_vs_dense} nats vs dense at lr {best_lr} "
+        "(seed 0; target 0.05: missed)", "ratio", "1600")),
     Result("local-updates", "results/diloco/table.md", _f(
         "W={W}, {x_recv}x received: DiLoCo + top-k outer {delta_vs_dense} nats vs dense (target 0.05: missed)", "method",
         "diloco+topk H=20"), "python launch/bench/bench_diloco.py --workers 8,32 --steps 200 --lrs 1e-3 --seeds 1 "

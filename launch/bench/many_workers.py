@@ -30,7 +30,7 @@ SCALE = ["results/compress_w2_1000.jsonl", "results/compress_scale_w.jsonl", "re
          "results/compress_qtopk_sweep.jsonl", "results/compress_qtopk_w8_1000.jsonl",
          "results/compress_qtopk_sharded.jsonl", "results/compress_qtopk_sharded_1000.jsonl",
          "results/compress_qtopk_w8_grid.jsonl", "results/compress_qtopk_w32_1000.jsonl",
-         "results/compress_qtopk_sharded_w8_lr.jsonl"]  # compress_scale stores
+         "results/compress_qtopk_sharded_w8_lr.jsonl", "results/compress_qtopk_w32_ag.jsonl"]  # compress_scale stores
 DILOCO = ["results/diloco/rows.jsonl", "results/diloco_long/rows.jsonl", "results/diloco_cltk/rows.jsonl"]  # bench_diloco stores
 NAMES = {"none": "dense", "rms": "top-k + rms", "topk": "top-k", "hge": "HGE", "tgss": "TGSS",
          "rms_randk": "rand-k + rms", "rms_cltk": "cltk + rms"}
@@ -116,7 +116,8 @@ def best(rows: list[dict], min_x: float) -> list[dict]:
             uncompressed = r["family"] in ("DiLoCo (uncompressed outer)", "top-k + rms")
             if not uncompressed and r["x_recv"] < min_x:
                 continue
-            key = r["family"] + ("" if not uncompressed else f" @{r['x_recv']:.0f}x")
+            key = r["family"] + ("" if not uncompressed else f" @{r['x_recv']:.0f}x" if r["x_recv"] >= 1
+                                 else f" @{r['x_recv']:.2g}x")  # uncompressed top-k: 8 bytes a coordinate
             if key not in fams or r["val_loss"] < fams[key]["val_loss"]:
                 fams[key] = r
         out.append({**dense, "delta": 0.0, "label": "dense"})
