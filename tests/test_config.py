@@ -116,7 +116,7 @@ def test_compression_methods_come_from_the_registry():
     # the preconditioner's keys are every compressing method's (checked in tests/comm/test_precondition.py), the
     # local-update keys every method's (tests/comm/test_diloco.py)
     assert set(valid) | {"method", "warmup_steps", "momentum_masking", "ratio_warmup_start", "gather_share",
-                         "precondition", "precondition_beta2", "precondition_eps", "sync_every", "outer_lr", "outer_momentum",
+                         "precondition", "precondition_beta1", "precondition_beta2", "precondition_eps", "sync_every", "outer_lr", "outer_momentum",
                          "outer_nesterov"} == \
         set(CompressionConfig.model_fields), "a new titan.compression key: add a valid value here"
     assert typing.get_args(CompressionConfig.model_fields["method"].annotation) == tuple(REGISTRY)

@@ -218,7 +218,7 @@ _CompressionMethod = Literal[tuple(_COMPRESSORS)]  # type: ignore[valid-type]
 # titan.compression keys every method takes; each method lists the others it uses in its class's config_keys
 _EVERY_METHOD = {"method", "warmup_steps"}
 # the local RMS preconditioner (titan_ds/comm/precondition.py) runs before any codec: every method but "none"
-_PRECONDITION_KEYS = {"precondition", "precondition_beta2", "precondition_eps"}
+_PRECONDITION_KEYS = {"precondition", "precondition_beta1", "precondition_beta2", "precondition_eps"}
 # local updates (DiLoCo, titan_ds/comm/diloco.py): the compressor then acts on the outer gradient
 _LOCAL_KEYS = {"sync_every", "outer_lr", "outer_momentum", "outer_nesterov"}
 # per-step gradient options that mean nothing for an outer gradient exchanged every sync_every steps
@@ -251,6 +251,9 @@ class CompressionConfig(_Strict):
     ``precondition_beta2``/``precondition_eps``, kept per rank) before error feedback and the compressor, so the
     reduced sum is an Adam-scaled update that plain SGD applies: titan turns the ds_config's Adam/AdamW (or the
     Adam/AdamW passed to initialize) into SGD with the same lr and weight decay (titan_ds/comm/precondition.py).
+    ``precondition="rms_mean"`` (many ranks): each rank divides instead by its estimate of the RMS of the ranks'
+    *mean* gradient (from its own first moment, ``precondition_beta1``, and second moment), and the SGD gets
+    momentum and dampening ``beta1`` (the Adam's ``betas[0]`` unless ``precondition_beta1`` is set).
     A key that the chosen method does not use is an error, not ignored.
 
     ``sync_every=H > 1`` switches to **local updates** (DiLoCo; titan_ds/comm/diloco.py, docs/compress.md): every
@@ -276,7 +279,8 @@ class CompressionConfig(_Strict):
     chunk: int = Field(default=DEFAULT_CHUNK, ge=2, le=MAX_CHUNK)
     exchange: Literal["all_gather", "sharded"] = "all_gather"
     gather_share: float = Field(default=0.5, gt=0, lt=1)
-    precondition: Literal["none", "rms"] = "none"
+    precondition: Literal["none", "rms", "rms_mean"] = "none"
+    precondition_beta1: float = Field(default=0.9, gt=0, lt=1)
     precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
     precondition_eps: float = Field(default=1e-8, gt=0)
     sync_every: int = Field(default=1, ge=1)
@@ -346,11 +350,14 @@ class CompressionConfig(_Strict):
         if ({"precondition_beta2", "precondition_eps"} & self.model_fields_set) and self.precondition == "none":
             raise ValueError("has precondition_beta2/precondition_eps but precondition is 'none'; set "
                              "precondition='rms' or remove them")
-        if self.precondition == "rms" and self.momentum > 0:
-            raise ValueError(f"precondition='rms' with momentum={self.momentum:g}: error feedback already accumulates "
+        if "precondition_beta1" in self.model_fields_set and self.precondition != "rms_mean":
+            raise ValueError(f"has precondition_beta1 but precondition is {self.precondition!r} (only 'rms_mean' keeps "
+                             f"a first moment); set precondition='rms_mean' or remove precondition_beta1")
+        if self.precondition != "none" and self.momentum > 0:
+            raise ValueError(f"precondition={self.precondition!r} with momentum={self.momentum:g}: error feedback already accumulates "
                              f"the normalized gradients (DGC's momentum on top re-sends them); remove momentum")
-        if self.precondition == "rms" and self.warmup_steps > 0:
-            raise ValueError(f"precondition='rms' with warmup_steps={self.warmup_steps}: dense warm-up steps would "
+        if self.precondition != "none" and self.warmup_steps > 0:
+            raise ValueError(f"precondition={self.precondition!r} with warmup_steps={self.warmup_steps}: dense warm-up steps would "
                              f"hand raw gradients to the SGD that applies the normalized sums; ramp the ratio with "
                              f"ratio_warmup_steps instead")
         if "momentum_masking" in self.model_fields_set and self.momentum == 0:

@@ -135,7 +135,8 @@ def _local_updates(v: View) -> list[str]:
 
 def _precondition(v: View) -> list[str]:
     ds, out = v.ds_config, []
-    head = "titan.compression.precondition='rms'"
+    pre = v.titan.compression.precondition
+    head = f"titan.compression.precondition={pre!r}"
     if v.titan.optimizer is not None:
         out.append(f"{head} hands the optimizer Adam-scaled updates to apply with plain SGD; it cannot run with "
                    f"titan.optimizer (ASDT); remove one of them")
@@ -153,6 +154,9 @@ def _precondition(v: View) -> list[str]:
         if kind == "adam" and params.get("adam_w_mode") is False:
             out.append(f"the ds_config's Adam has adam_w_mode=false (L2 in the gradient); {head} applies "
                        f"decoupled weight decay: use AdamW")
+        elif kind == "sgd" and pre == "rms_mean":
+            out.append(f"{head} needs the ds_config's optimizer to be Adam/AdamW: titan builds the SGD (with "
+                       f"momentum beta1 from the Adam's betas) itself; replace the SGD section by AdamW")
         elif kind == "sgd" and float(params.get("momentum", 0) or 0) != 0:
             out.append(f"the ds_config's SGD has momentum={params['momentum']}: under {head} error feedback is the "
                        f"accumulation; set momentum to 0")
@@ -161,7 +165,10 @@ def _precondition(v: View) -> list[str]:
                        f"momentum, not {section.get('type')!r}")
     passed = v.optimizer
     if passed is not None and v.titan.optimizer is None:
-        if isinstance(passed, torch.optim.SGD):
+        if isinstance(passed, torch.optim.SGD) and pre == "rms_mean":
+            out.append(f"{head} needs Adam/AdamW passed to initialize (titan builds the SGD with momentum beta1 from "
+                       f"it); initialize() was given an SGD")
+        elif isinstance(passed, torch.optim.SGD):
             if any(g.get("momentum", 0) for g in passed.param_groups):
                 out.append(f"the SGD passed to initialize has momentum: under {head} error feedback is the "
                            f"accumulation; use momentum=0")
@@ -185,7 +192,7 @@ def required_ds_flags(v: View) -> list[tuple[str, Any, str]]:
     """``(key, value, why)`` for each top-level DeepSpeed key the switched-on pillars need."""
     out: list[tuple[str, Any, str]] = []
     stage, t = v.zero_stage(), v.titan
-    rms = t.compression is not None and t.compression.precondition == "rms"
+    rms = t.compression is not None and t.compression.precondition != "none"
     if t.hms is not None and v.client_optimizer():
         out += [("zero_force_ds_cpu_optimizer", False, "titan.hms with a client optimizer (offloaded state on the "
                  "CPU)"), ("zero_allow_untested_optimizer", True, "titan.hms with a client optimizer")]
@@ -196,7 +203,8 @@ def required_ds_flags(v: View) -> list[tuple[str, Any, str]]:
                     "titan.optimizer with offload_optimizer (titan's optimizer steps the CPU partitions itself)"))
     if rms and stage >= 1:  # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS has Adam/AdamW/Adagrad/Lion, not SGD
         out.append(("zero_allow_untested_optimizer", True,
-                    "titan.compression.precondition='rms' (plain SGD applies the normalized sums)"))
+                    f"titan.compression.precondition={t.compression.precondition!r} (SGD applies the normalized "
+                    f"sums)"))
     return out
 
 
@@ -215,7 +223,7 @@ _RULES: tuple[tuple[Callable[[View], bool], Callable[[View], list[str]]], ...] =
     (lambda v: v.titan.optimizer is not None and v.titan.optimizer.step_in_backward, _step_in_backward),
     (lambda v: v.titan.optimizer is not None and v.titan.optimizer.weight_dtype == "bf16", _bf16_weights),
     (lambda v: v.titan.compression is not None, _compression),
-    (lambda v: v.titan.compression is not None and v.titan.compression.precondition == "rms", _precondition),
+    (lambda v: v.titan.compression is not None and v.titan.compression.precondition != "none", _precondition),
     (lambda v: v.titan.compression is not None and v.titan.compression.local_updates, _local_updates),
     (lambda v: v.titan.hms is not None, _hms),
     (lambda v: True, _flag_conflicts),

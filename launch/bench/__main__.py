@@ -33,6 +33,8 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "seed-table": ("launch/bench/seed_table.py", "the seed's figures (35x / 100x / 1/10) with quality, 2 ranks"),
     "compression": ("launch/bench/bench_compress.py", "gradient compression on DeepSpeed's reduce path, 2 ranks"),
     "compression-scale": ("launch/bench/compress_scale.py", "gradient compression at W simulated workers"),
+    "rms-variants": ("launch/bench/rms_variants.py", "per-worker RMS preconditioning at W workers, uncompressed: "
+                     "which denominator and momentum match dense AdamW"),
     "local-updates": ("launch/bench/bench_diloco.py", "local updates (DiLoCo) with a compressed outer step at W workers"),
     "many-workers": ("launch/bench/many_workers.py", "loss vs bytes received per worker, W = 2..128, every method "
                      "(reads the compression-scale and local-updates stores; runs nothing)"),
@@ -77,7 +79,9 @@ TABLES: dict[str, tuple[str, list[str]]] = {
                                                            "results/compress_rms_ratio1_w8",
                                                            "results/compress_qtopk_w32_1000",
                                                            "results/compress_qtopk_sharded_w8_lr",
-                                                           "results/compress_qtopk_w32_ag"]),
+                                                           "results/compress_qtopk_w32_ag",
+                                                           "results/compress_rms_mean_w32"]),
+    "rms-variants": ("launch.bench.rms_variants", ["results/rms_variants_w32"]),
     "local-updates": ("launch.bench.bench_diloco", ["results/diloco", "results/diloco_long", "results/diloco_cltk"]),
     "many-workers": ("launch.bench.many_workers", ["results/many_workers"]),
     "plan-accuracy": ("launch.bench.plan_accuracy", ["results/plan_accuracy"]),
@@ -165,6 +169,12 @@ RESULTS: list[Result] = [
     Result("compression-scale", "results/compress_qtopk_w32_ag.md", _f(
         "W=32, 1000 steps, {wire_x_recv}x received: qtopk + rms {delta_vs_dense} nats vs dense at lr {best_lr} "
         "(seed 0; target 0.05: missed)", "ratio", "1600")),
+    Result("compression-scale", "results/compress_rms_mean_w32.md", _f(
+        "W=32, 1000 steps, {wire_x_recv}x received: qtopk + rms_mean {delta_vs_dense} nats vs dense at lr {best_lr} "
+        "(target 0.05: missed)", "method", "rms_mean_qtopk4c4096")),
+    Result("rms-variants", "results/rms_variants_w32.md", _f(
+        "W=32, uncompressed, 1000 steps: rms_mean's formula (ncd) {delta_vs_dense} nats vs dense AdamW (seed 0)",
+        "variant", "ncd")),
     Result("local-updates", "results/diloco/table.md", _f(
         "W={W}, {x_recv}x received: DiLoCo + top-k outer {delta_vs_dense} nats vs dense (target 0.05: missed)", "method",
         "diloco+topk H=20"), "python launch/bench/bench_diloco.py --workers 8,32 --steps 200 --lrs 1e-3 --seeds 1 "

@@ -20,7 +20,12 @@ exact data parallelism), divided by ``W`` and applied once with AdamW. ``none`` 
 through the same path, the row each method is compared with at the same ``W``. ``dgc`` is ``topk`` with DGC's
 options (``--dgc-*``; with momentum correction its AdamW runs at ``beta1 = --dgc-beta1``, default 0, since the
 compressor's velocity is the momentum); ``powersgd`` runs at each of ``--ranks`` instead of ``--ratios`` (two
-all-reduces, of ``P`` with the dense tensors and of ``Q``).
+all-reduces, of ``P`` with the dense tensors and of ``Q``). ``rms*`` methods apply the sum with SGD (the update is
+already Adam-scaled): ``rms_mean*`` is ``precondition: "rms_mean"`` (SGD with momentum 0.9, dampening 0.9), and
+``rms_rho*`` (issue 30, a probe of this simulator only, not in the package) is ``rms*``'s message with the mean
+update rescaled after the reduction by ``1 / sqrt(r^2 + (1 - r^2) / W)``, ``r`` the clamped bias-corrected EMA
+(0.99) of the mean update itself (the same on every worker), then SGD with momentum 0.9: Adam's denominator of the
+*mean* gradient expressed through the rms update's signal-to-noise ratio.
 
 Bytes per worker come from the collective each call uses (:class:`titan_ds.comm.wire.SimCollective`, the same
 costs :func:`titan_ds.comm.wire.count_collectives` counts on real ranks), both rounds of
@@ -90,11 +95,11 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
         opts = DGCOptions(momentum=dgc["momentum"], momentum_masking=dgc["masking"], local_clip=dgc["clip"])
         return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, dgc=opts,
                                ratio_warmup_steps=dgc["ramp_steps"], ratio_warmup_start=dgc["ramp_start"])
-    elif method in ("rms", "rms_randk", "rms_cltk"):  # topk / randk / cltk of each worker's RMS-normalized gradient
-        return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk"}[method], ratio, warmup_steps=warmup, seed=seed,
-                               precondition=RMSOptions())
-    elif (q := qtopk_options(method)) is not None:  # rms_qtopk<bits>[c<chunk>]: chunked low-bit top-k of the same
-        return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=RMSOptions(), **q)
+    elif method in ("rms", "rms_randk", "rms_cltk", "rms_mean"):  # topk / randk / cltk of each worker's normalized gradient
+        return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk", "rms_mean": "topk"}[method],
+                               ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method))
+    elif (q := qtopk_options(method)) is not None:  # rms[_mean]_qtopk<bits>[c<chunk>]: chunked low-bit top-k of the same
+        return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method), **q)
     elif method == "powersgd":
         if rank is None:
             raise ValueError("method 'powersgd' needs a rank")
@@ -103,11 +108,17 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
         return GradientReducer(method, ratio, warmup_steps=warmup, seed=seed)
 
 
+def _rms_options(method: str) -> RMSOptions:
+    """``rms_mean...``: ``precondition: "rms_mean"`` (the ranks' mean gradient's RMS; SGD with momentum 0.9 applies
+    the sum); else ``"rms"``."""
+    return RMSOptions(kind="rms_mean") if method.startswith("rms_mean") else RMSOptions()
+
+
 def qtopk_options(method: str) -> Optional[dict]:
-    """``rms_qtopk<bits>[c<chunk>][_sharded[_g<share>]]`` (``titan.compression`` with ``method: "qtopk"``, ``bits``,
+    """``rms[_mean]_qtopk<bits>[c<chunk>][_sharded[_g<share>]]`` (``titan.compression`` with ``method: "qtopk"``, ``bits``,
     ``chunk``, ``precondition: "rms"`` and, with ``_sharded``, ``exchange: "sharded"`` and ``gather_share``; chunk
     4096 unless given): ``{bits, chunk, exchange[, gather_share]}``; ``None`` for other methods."""
-    m = re.fullmatch(r"rms_qtopk(\d)(?:c(\d+))?(_sharded(?:_g([0-9.]+))?)?", method)
+    m = re.fullmatch(r"rms(?:_mean)?_qtopk(\d)(?:c(\d+))?(_sharded(?:_g([0-9.]+))?)?", method)
     if m is None:
         return None
     out = {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096),
@@ -127,12 +138,18 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     layout, params = _layout(model)
     n = sum(p.numel() for p in params)
     beta1 = dgc["beta1"] if dgc is not None and dgc["momentum"] > 0 else 0.9
-    if method.startswith("rms"):  # the reduced sum is already an Adam-scaled update (titan_ds/comm/precondition.py)
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, weight_decay=0.0)
+    rho, method_reducer = None, method
+    if method.startswith("rms_rho"):  # the workers' reducers are rms's; the rescale is applied to their sum below
+        rho = torch.zeros(n)
+        method_reducer = method.replace("rms_rho", "rms", 1)
+    if method.startswith("rms_mean") or method.startswith("rms_rho"):  # rms_mean: Adam's first moment after the reduction (precondition.py)
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, weight_decay=0.0, momentum=0.9, dampening=0.9)
+    elif method.startswith("rms"):  # the reduced sum is already an Adam-scaled update (titan_ds/comm/precondition.py)
+        opt = torch.optim.SGD(params, lr=lr, weight_decay=0.0)
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(beta1, 0.999))
     batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
-    reducers = [make_reducer(method, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc) for _ in range(world)]
+    reducers = [make_reducer(method_reducer, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc) for _ in range(world)]
     sim = SimCollective(world)
     t0 = time.perf_counter()
     for step in range(steps):
@@ -148,6 +165,10 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
                 raise RuntimeError(f"worker {w} decoded a different sum than worker 0 at step {step}: "
                                    f"one model copy would not be data parallelism")
         grad = outs[0] / world
+        if rho is not None:  # rms_rho (module docstring): the mean rms update rescaled by its SNR estimate
+            rho.mul_(0.99).add_(grad, alpha=0.01)
+            rh = (rho / (1 - 0.99 ** (step + 1))).clamp(-1, 1)
+            grad = grad / (rh * rh + (1 - rh * rh) / world).sqrt()
         for p, seg in zip(params, layout):
             p.grad = grad[seg.flat_offset:seg.flat_offset + seg.numel].view_as(p).clone()
         opt.step()

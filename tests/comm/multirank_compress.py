@@ -88,6 +88,8 @@ def config(method: str) -> dict:
         comp = {"method": "qtopk", "ratio": args.ratio, "warmup_steps": 2, "exchange": "sharded"}
     elif method == "rms":  # topk of each rank's RMS-normalized gradient; titan turns the client Adam into SGD
         comp = {"method": "topk", "ratio": args.ratio, "precondition": "rms"}
+    elif method == "rms_mean":  # qtopk of each rank's estimate of the mean gradient's RMS; SGD with momentum 0.9
+        comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_mean"}
     else:
         comp = {"method": method, "ratio": args.ratio, "warmup_steps": 2}
     return {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -129,6 +131,7 @@ def train(method: str, rank: int) -> dict:
         losses.append(float(lt) / dist.get_world_size())
     out = {"losses": losses, "seam_calls": dict(hooks.seam_calls), "steps": metrics,
            "optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
+           "momentum": getattr(engine, "basic_optimizer").param_groups[0].get("momentum"),
            "dense_total": dense_total, "wire_total": wire_total}
     # checkpoint round trip: residuals and every other store (DGC's momentum, PowerSGD's Q) of every rank come back
     if method != "none":

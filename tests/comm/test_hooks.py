@@ -115,7 +115,7 @@ MIN_RATIO = {"powersgd": 8.0, "qtopk_sharded": 10.0}  # sharded: W pieces + one 
 @pytest.mark.parametrize("stage,reduce_scatter,methods", [
     (0, 1, "none,topk,hge,qtopk,cltk,qtopk_sharded"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge,cltk"), (2, 0, "hge,topk"),
     (3, 1, "tgss,hge,topk,qtopk,qtopk_sharded"),
-    (0, 1, "powersgd,dgc,rms"), (2, 1, "powersgd,dgc,rms"), (3, 1, "powersgd,dgc,rms"),
+    (0, 1, "powersgd,dgc,rms"), (2, 1, "powersgd,dgc,rms,rms_mean"), (3, 1, "powersgd,dgc,rms,rms_mean"),
 ], ids=["zero0", "zero1", "zero2", "zero2-allreduce", "zero3", "zero0-peers", "zero2-peers", "zero3-peers"])
 def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, reduce_scatter, methods):
     ratio = 20.0
@@ -126,7 +126,9 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
         seam = SEAM[stage] if reduce_scatter else "zero.gradient_reduction_w_predivide"
         assert r["seam_calls"].get(seam, 0) >= 30, (method, r["seam_calls"])
         losses = r["losses"]
-        assert r["optimizer"] == ("SGD" if method == "rms" else "Adam"), (method, r["optimizer"])
+        assert r["optimizer"] == ("SGD" if method.startswith("rms") else "Adam"), (method, r["optimizer"])
+        if method.startswith("rms"):  # rms_mean: Adam's first moment after the reduction (the Adam's beta1)
+            assert r["momentum"] == (0.9 if method == "rms_mean" else 0.0), (method, r["momentum"])
         assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:3]) / 3, (method, losses)  # it trains
         for s, step in enumerate(r["steps"]):
             grad_bytes = sum(step["backend"][op] for op in GRAD_OPS)

@@ -74,6 +74,7 @@ CASES = {
     "hge": dict(method="hge"),
     "powersgd": dict(method="powersgd", rank=2, min_compression=1.0),
     "precondition": dict(method="randk", precondition=RMSOptions()),
+    "precondition_mean": dict(method="qtopk", chunk=16, precondition=RMSOptions(kind="rms_mean")),
     "ramp": dict(method="topk", ratio_warmup_steps=2, warmup_steps=1),
     "no_error_feedback": dict(method="tgss", error_feedback=False),
     "qtopk": dict(method="qtopk", chunk=16),

@@ -215,15 +215,19 @@ class ResidualStore:
                 self._journal[s.key] = r.clone()
             r[s.param_offset:s.param_offset + s.numel] = piece
 
+    def slice_(self, seg: Segment, device: torch.device) -> torch.Tensor:
+        """The stored slice of ``seg``, journaled like :meth:`write`, for the caller to change in place."""
+        r = self._get(seg, device)
+        if seg.key not in self._journal:
+            self._journal[seg.key] = r.clone()
+        return r[seg.param_offset:seg.param_offset + seg.numel]
+
     def update_(self, flat: torch.Tensor, layout: list[Segment],
                 fn: "Callable[[torch.Tensor, torch.Tensor], None]") -> None:
         """``fn(stored, piece)`` for each segment: the stored slice (journaled like :meth:`write`, then changed in
         place by ``fn``) beside the segment's piece of ``flat``, so a running state needs no full-size copy."""
         for s in layout:
-            r = self._get(s, flat.device)
-            if s.key not in self._journal:
-                self._journal[s.key] = r.clone()
-            fn(r[s.param_offset:s.param_offset + s.numel], flat[s.flat_offset:s.flat_offset + s.numel])
+            fn(self.slice_(s, flat.device), flat[s.flat_offset:s.flat_offset + s.numel])
 
     def get(self, key: str) -> Optional[torch.Tensor]:
         """The tensor kept under ``key`` (``None`` if there is none yet); do not modify it in place."""

@@ -7,7 +7,8 @@ compressor with the pieces every method shares:
 1. ``acc = flat + residual``: residuals are kept **per parameter and offset** (``Segment.key`` /
    ``Segment.param_offset``), never per bucket, because DeepSpeed's bucket composition depends on hook
    order and ``reduce_bucket_size``. With ``precondition`` (``precondition.py``) ``flat`` is first divided by
-   the RMS of this rank's own gradients (a local Adam second moment). With DGC's options (``topk`` only,
+   the RMS of this rank's own gradients (``rms``: a local Adam second moment) or by this rank's estimate of the
+   RMS of the ranks' mean gradient (``rms_mean``). With DGC's options (``topk`` only,
    ``dgc.py``) ``flat`` is first clipped per parameter and turned into velocity, ``acc = residual + (m u + flat)``.
 2. ``summed, sent = compressor.reduce(acc, comm, seed, layout=, ratio=)``: ``summed`` is the sum over ranks
    of what each rank sent, identical on all ranks; ``sent`` is this rank's own contribution (dense, mostly
@@ -37,7 +38,7 @@ import torch
 
 from .base import CountingCollective, ResidualStore, Segment, check_layout, nonfinite, subtract_sent_, zero_where_sent_
 from .dgc import DGCOptions, clip_segments_, ratio_at
-from .precondition import RMSOptions, rms_normalize_
+from .precondition import RMSOptions, rms_mean_normalize_, rms_normalize_
 from .qtopk import DEFAULT_BITS, DEFAULT_CHUNK
 from .registry import build_compressor
 
@@ -96,7 +97,11 @@ class GradientReducer:
         if self.momentum is not None:
             self.stores["momentum"] = self.momentum
         self.second = ResidualStore() if precondition is not None else None
-        if self.second is not None:
+        self.first = ResidualStore() if precondition is not None and precondition.kind == "rms_mean" else None
+        if self.first is not None:  # rms_mean's d is not rms's v: a distinct name, so a checkpoint of one is refused
+            self.stores["first_moment"] = self.first
+            self.stores["mean_second_moment"] = self.second  # type: ignore[assignment]
+        elif self.second is not None:
             self.stores["second_moment"] = self.second
         for name, store in getattr(self.compressor, "stores", {}).items():
             if name in self.stores:
@@ -175,7 +180,12 @@ class GradientReducer:
         if self.second is not None:  # local RMS preconditioning (precondition.py): acc <- g / sqrt(v_hat) * prescale
             t, opts = step - self.warmup_steps + 1, self.precondition
             # in place on the stored moments (journaled: a skipped step rolls them back with the residuals)
-            self.second.update_(acc, layout, lambda v, a: rms_normalize_(a, v, t, opts, prescale))  # type: ignore[arg-type]
+            if self.first is None:
+                self.second.update_(acc, layout, lambda v, a: rms_normalize_(a, v, t, opts, prescale))  # type: ignore[arg-type]
+            else:  # rms_mean: the ranks' mean gradient's RMS, estimated from this rank's two moments
+                for s in layout:
+                    rms_mean_normalize_(acc[s.flat_offset:s.flat_offset + s.numel], self.first.slice_(s, acc.device),
+                                        self.second.slice_(s, acc.device), t, opts, comm.world_size, prescale)  # type: ignore[arg-type]
         velocity = None
         if self.momentum is not None:  # DGC momentum correction: u <- m u + g; the residual accumulates u
             velocity = torch.zeros_like(acc)

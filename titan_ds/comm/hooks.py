@@ -328,37 +328,51 @@ class CompressionHooks:
 
 # ------------------------------------------------------------------------------- the pillar
 def rms_options(ctx: Any) -> RMSOptions:
-    """``precondition='rms'``: the reduced sum is an Adam-scaled update, so the optimizer must be plain SGD.
+    """``precondition='rms'``/``'rms_mean'``: the reduced sum is an Adam-scaled update, so the optimizer becomes SGD.
 
-    The ds_config's ``Adam``/``AdamW`` section becomes SGD without momentum (same lr and weight decay; SGD's
-    decay on an update is AdamW's decoupled one), and so does an Adam/AdamW instance passed to initialize (the HF
-    ``Trainer``'s), over the same group dicts, through the one replacement path
-    (:mod:`titan_ds.replace_optimizer`). An SGD without momentum is kept; anything else was refused by
-    :mod:`titan_ds.rules`. Returns the preconditioner's options: ``precondition_beta2``/``eps`` where the section
-    sets them, else the Adam's ``betas[1]``/``eps``, else Adam's defaults."""
+    The ds_config's ``Adam``/``AdamW`` section becomes SGD (same lr and weight decay; SGD's decay on an update is
+    AdamW's decoupled one), and so does an Adam/AdamW instance passed to initialize (the HF ``Trainer``'s), over
+    the same group dicts, through the one replacement path (:mod:`titan_ds.replace_optimizer`). Under ``rms`` the
+    SGD has no momentum (error feedback is the accumulation); under ``rms_mean`` it has momentum and dampening
+    ``beta1`` (Adam's first moment, taken after the reduction). An SGD without momentum is kept under ``rms``;
+    anything else was refused by :mod:`titan_ds.rules`. Returns the preconditioner's options:
+    ``precondition_beta1``/``beta2``/``eps`` where the section sets them, else the Adam's ``betas``/``eps``, else
+    Adam's defaults."""
     cfg, ds = ctx.titan.compression, ctx.ds_config
-    beta2 = eps = None
+    beta1 = beta2 = eps = None
     section = ds.get("optimizer")
-    why = "titan.compression.precondition='rms': the Adam's beta2/eps drive the per-rank second moment"
+    mean = cfg.precondition == "rms_mean"
+    why = (f"titan.compression.precondition={cfg.precondition!r}: the Adam's betas/eps drive the per-rank moments"
+           + (" and its beta1 the SGD's momentum" if mean else ""))
+    fields = cfg.model_fields_set
+
+    def pick_beta1(found: Optional[float]) -> float:
+        return cfg.precondition_beta1 if "precondition_beta1" in fields or found is None else found
+
     if section is not None and str(section.get("type", "")).lower() in ("adam", "adamw"):
         params = dict(section.get("params", {}) or {})
         betas = params.get("betas")
-        beta2 = float(betas[1]) if isinstance(betas, (list, tuple)) and len(betas) == 2 else None
+        pair = isinstance(betas, (list, tuple)) and len(betas) == 2
+        beta1 = float(betas[0]) if pair else None
+        beta2 = float(betas[1]) if pair else None
         eps = float(params["eps"]) if "eps" in params else None
-        replace_ds_optimizer_section(ds, {"type": "SGD", "params": {"lr": params.get("lr", 1e-3),
-                                                                    "weight_decay": params.get("weight_decay", 0.0)}},
-                                     why)
+        sgd = {"lr": params.get("lr", 1e-3), "weight_decay": params.get("weight_decay", 0.0)}
+        if mean:
+            sgd.update(momentum=pick_beta1(beta1), dampening=pick_beta1(beta1))
+        replace_ds_optimizer_section(ds, {"type": "SGD", "params": sgd}, why)
     passed = ctx.optimizer
     if isinstance(passed, (torch.optim.Adam, torch.optim.AdamW)):
         g0 = passed.param_groups[0]
+        beta1 = beta1 if beta1 is not None else float(g0["betas"][0])
         beta2 = beta2 if beta2 is not None else float(g0["betas"][1])
         eps = eps if eps is not None else float(g0["eps"])
+        momentum = pick_beta1(beta1) if mean else 0.0
         # the same group dicts: a scheduler built over ``passed`` keeps setting the lr SGD reads
         replace_passed_optimizer(ctx, lambda p: torch.optim.SGD(p.param_groups, lr=p.param_groups[0]["lr"],
-                                                                momentum=0.0), why)
-    fields = cfg.model_fields_set
+                                                                momentum=momentum, dampening=momentum), why)
     return RMSOptions(beta2=cfg.precondition_beta2 if "precondition_beta2" in fields or beta2 is None else beta2,
-                      eps=cfg.precondition_eps if "precondition_eps" in fields or eps is None else eps)
+                      eps=cfg.precondition_eps if "precondition_eps" in fields or eps is None else eps,
+                      kind=cfg.precondition, beta1=pick_beta1(beta1))
 
 
 class CompressionPillar(Pillar):
@@ -374,7 +388,7 @@ class CompressionPillar(Pillar):
                                            min_compression=cfg.min_compression, bits=cfg.bits, chunk=cfg.chunk,
                                            exchange=cfg.exchange, gather_share=cfg.gather_share)
             return
-        precondition = rms_options(ctx) if cfg.precondition == "rms" else None
+        precondition = rms_options(ctx) if cfg.precondition != "none" else None
         self.reducer = GradientReducer(
             cfg.method, cfg.ratio, error_feedback=cfg.error_feedback, warmup_steps=cfg.warmup_steps,
             rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank, min_compression=cfg.min_compression,

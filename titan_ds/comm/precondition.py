@@ -21,6 +21,23 @@ There is no first moment: error feedback already accumulates what was not sent (
 re-sends old gradients; measured worse). ``v`` is a journaled per-parameter store like DGC's momentum: rolled
 back with the residuals when a step is skipped, saved in checkpoints. Cost: 4 bytes per element per rank, the
 optimizer then holds none (SGD without momentum).
+
+**``precondition="rms_mean"``: the RMS of the ranks' mean gradient, estimated on each rank** (issue 30, many
+workers). Dense AdamW divides by the RMS of the *mean* of the ``W`` ranks' gradients, ``E[G^2] = mu^2 + s^2 / W``
+(``mu`` the expected gradient, ``s^2`` one rank's noise variance); ``rms`` divides by the RMS of one rank's own,
+``mu^2 + s^2``. Where noise dominates, ``rms`` therefore steps up to ``sqrt(W)`` times less than Adam, and measured
+at W = 32 (uncompressed, 1000 steps) it is +0.26 nats behind dense AdamW whatever its lr. ``rms_mean`` estimates
+``mu^2`` on each rank from its own first moment ``m`` (an EMA of its gradients, ``beta1``) and keeps::
+
+    m <- beta1 m + (1 - beta1) g ;  m_hat = m / (1 - beta1^t)
+    d <- beta2 d + (1 - beta2) ((1 - 1/W) m_hat^2 + g^2 / W)      # ~ mu^2 + s^2 / W, smoothed like Adam's v
+    u  = g / (sqrt(d / (1 - beta2^t)) + eps)
+
+(``W`` = the number of ranks the reduction sums over; with ``W = 1`` it is ``rms``). The sum of the ranks' ``u``
+is then ``W`` times Adam's normalized gradient, and the optimizer becomes **SGD with momentum ``beta1``** (and
+dampening ``beta1``: an EMA of the reduced updates, Adam's first moment taken after the reduction, where error
+feedback's bursts are smoothed rather than re-sent). ``m`` shapes only the denominator; what is sent is ``g``
+normalized. Cost: 8 bytes per element per rank (``m``, ``d``) plus the optimizer's momentum (4).
 """
 from __future__ import annotations
 
@@ -28,23 +45,33 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RMSOptions", "rms_normalize_"]
+__all__ = ["RMSOptions", "rms_normalize_", "rms_mean_normalize_", "PRECONDITIONS"]
+
+# the values of titan.compression.precondition besides "none"
+PRECONDITIONS = ("rms", "rms_mean")
 
 _CHUNK = 1 << 20  # elements per chunk of rms_normalize_ (elementwise: the result does not depend on it)
 
 
 @dataclass(frozen=True)
 class RMSOptions:
-    """``beta2`` and ``eps`` of the local second moment (Adam's meanings and defaults)."""
+    """``beta2`` and ``eps`` of the local second moment (Adam's meanings and defaults); ``kind`` is ``"rms"`` (this
+    rank's own RMS) or ``"rms_mean"`` (the ranks' mean gradient's, estimated with a first moment of ``beta1``)."""
 
     beta2: float = 0.999
     eps: float = 1e-8
+    kind: str = "rms"
+    beta1: float = 0.9
 
     def __post_init__(self) -> None:
         if not 0.0 < self.beta2 < 1.0:
             raise ValueError(f"precondition beta2 must be in (0, 1), got {self.beta2}")
         if not self.eps > 0:
             raise ValueError(f"precondition eps must be > 0, got {self.eps}")
+        if self.kind not in PRECONDITIONS:
+            raise ValueError(f"precondition must be one of {PRECONDITIONS}, got {self.kind!r}")
+        if not 0.0 < self.beta1 < 1.0:
+            raise ValueError(f"precondition beta1 must be in (0, 1), got {self.beta1}")
 
 
 def rms_normalize_(acc: torch.Tensor, second: torch.Tensor, t: int, opts: RMSOptions, prescale: float = 1.0) -> None:
@@ -61,3 +88,22 @@ def rms_normalize_(acc: torch.Tensor, second: torch.Tensor, t: int, opts: RMSOpt
         g = a / prescale if prescale != 1.0 else a
         v.mul_(opts.beta2).addcmul_(g, g, value=1.0 - opts.beta2)
         a.div_((v / correction).sqrt_().add_(opts.eps))
+
+
+def rms_mean_normalize_(acc: torch.Tensor, first: torch.Tensor, second: torch.Tensor, t: int, opts: RMSOptions,
+                        world: int, prescale: float = 1.0) -> None:
+    """``precondition="rms_mean"``, in place: ``first`` (``m``) and ``second`` (``d``) take the step, ``acc`` becomes
+    ``u * prescale`` (the module's formulas; ``world`` ranks are summed)."""
+    if t < 1:
+        raise ValueError(f"the preconditioner's step count starts at 1, got {t}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    b1, b2 = opts.beta1, opts.beta2
+    c1, c2, keep = 1.0 - b1 ** t, 1.0 - b2 ** t, 1.0 - 1.0 / world
+    for lo in range(0, acc.numel(), _CHUNK):
+        a, m, d = acc[lo:lo + _CHUNK], first[lo:lo + _CHUNK], second[lo:lo + _CHUNK]
+        g = a / prescale if prescale != 1.0 else a
+        m.mul_(b1).add_(g, alpha=1.0 - b1)
+        q = (m * m).mul_(keep / (c1 * c1)).addcmul_(g, g, value=1.0 / world)
+        d.mul_(b2).add_(q, alpha=1.0 - b2)
+        a.div_(torch.div(d, c2, out=q).sqrt_().add_(opts.eps))
