@@ -144,5 +144,6 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
             assert r["residual_norm"] > 0
             want = {"powersgd": {"residuals", "q"}, "dgc": {"residuals", "momentum"},
                     "rms": {"residuals", "second_moment"},
+                    "rms_mean": {"residuals", "first_moment", "mean_second_moment"},
                     "qtopk_sharded": {"residuals", "shard_residuals"}}.get(method, {"residuals"})
             assert set(r["stores"]) == want and all(r["stores"].values()), (method, r["stores"])
