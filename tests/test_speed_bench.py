@@ -24,8 +24,9 @@ TINY = "--layers 2 --width 64 --heads 4 --context 32 --val-batches 1"
 
 def test_rows_are_the_profiles_and_the_fair_peers():
     by = {r.name: r for r in speed.build_rows()}
-    assert list(by) == ["plain", "titan_exact", "titan_exact_no_recompute", "titan_exact_pre",
-                        "titan_exact_no_recompute_pre", "titan_balanced", "titan_memory",
+    assert list(by) == ["plain", "titan_exact", "titan_exact_replay", "titan_exact_no_recompute", "titan_exact_pre",
+                        "titan_exact_no_recompute_pre", "titan_balanced", "titan_balanced_replay", "titan_memory",
+                        "titan_memory_replay",
                         "adamw+memory_mlme", "adamw4bit_bf16+memory_mlme", "adamw8bit+balanced_mlme"]
     memory = json.loads((ROOT / "ds_configs" / "titan_memory.json").read_text())
     peer = by["adamw4bit_bf16+memory_mlme"].cfg
@@ -37,7 +38,11 @@ def test_rows_are_the_profiles_and_the_fair_peers():
         mlme = by[name].cfg["titan"]["mlme"]
         assert (mlme["stripe_ffn_saves"], mlme["recompute_blocks"]) == ("pre_activation", rec)
     assert "stripe_ffn_saves" not in by["titan_exact"].cfg["titan"]["mlme"]
-    assert [r.name for r in speed.build_rows() if r.bf16_weights] == ["titan_memory", "adamw4bit_bf16+memory_mlme"]
+    for name in ("titan_exact", "titan_balanced", "titan_memory"):  # the shipped default, and the previous replay
+        assert "recompute_ffn" not in by[name].cfg["titan"]["mlme"]
+        assert by[name + "_replay"].cfg["titan"]["mlme"] == {**by[name].cfg["titan"]["mlme"], "recompute_ffn": "replay"}
+    assert [r.name for r in speed.build_rows() if r.bf16_weights] == ["titan_memory", "titan_memory_replay",
+                                                                       "adamw4bit_bf16+memory_mlme"]
     with pytest.raises(SystemExit, match="'nope' matches no row"):
         speed._select(speed.build_rows(), "nope")
 

@@ -432,7 +432,11 @@ class MLMEConfig(_Strict):
     labels, titan_ds/inject/hf_loss.py; another HF family raises);
     loss_chunk: tokens per loss chunk; loss_vocab_chunk: classes per vocabulary chunk (null = whole vocabulary);
     recompute_blocks: keep only each transformer block's input for backward and recompute the block inside
-    backward (one block's activations live at a time; costs one extra forward).
+    backward (one block's activations live at a time; costs one extra forward);
+    recompute_ffn: "in_backward" (default): in that recomputation a StripeFFN whose output only enters the block's
+    residual sum returns zeros and its backward computes the MLP once (checked on the replay's graph; a block that
+    reads the MLP's output otherwise is replayed in full, with a warning); "replay": the MLP's forward runs in the
+    recomputation as in the first forward (titan_ds/inject/recompute.py). Needs recompute_blocks.
     """
 
     attention: Literal["tiled", "sdpa", "off"] = "tiled"
@@ -443,12 +447,16 @@ class MLMEConfig(_Strict):
     loss_chunk: int = Field(default=4096, ge=1)
     loss_vocab_chunk: Optional[int] = Field(default=None, ge=1)
     recompute_blocks: bool = False
+    recompute_ffn: Literal["in_backward", "replay"] = "in_backward"
 
     @model_validator(mode="after")
     def _something_on(self) -> "MLMEConfig":
         if self.attention == "off" and self.stripe_ffn is None and not self.chunked_loss and not self.recompute_blocks:
             raise ValueError("switches nothing on (attention \"off\", stripe_ffn null, chunked_loss "
                              "false, recompute_blocks false); remove the \"mlme\" section or switch one on")
+        if "recompute_ffn" in self.model_fields_set and not self.recompute_blocks:
+            raise ValueError(f"recompute_ffn {self.recompute_ffn!r} is set but recompute_blocks is false: it says how a "
+                             "recomputed block's MLP is replayed; set recompute_blocks true or remove recompute_ffn")
         return self
 
     @field_validator("stripe_ffn", mode="before")

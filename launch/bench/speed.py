@@ -25,6 +25,8 @@ Rows (``--rows``: comma-separated names or shell patterns):
 - ``plain``: ds_configs/baseline_adamw.json, torch AdamW at lr 1e-3 (16 sequences of 128 per step);
 - ``titan_exact``, ``titan_balanced``, ``titan_memory``: the shipped profiles (titan_exact trains with AdamW, lr 1e-3);
 - ``titan_exact_no_recompute``: titan_exact with ``mlme.recompute_blocks`` false;
+- ``titan_exact_replay``, ``titan_balanced_replay``, ``titan_memory_replay``: the profile with ``mlme.recompute_ffn``
+  ``"replay"`` (a recomputed block's replay runs StripeFFN's forward again; the shipped ``"in_backward"`` skips it);
 - ``titan_exact_pre``, ``titan_exact_no_recompute_pre``: the same two with ``mlme.stripe_ffn_saves``
   ``"pre_activation"`` (StripeFFN keeps its input projections' outputs and recomputes no matmul in backward);
 - the fair peers, what the exact pillars give any optimizer: ``adamw+memory_mlme`` (plain AdamW with titan_memory's
@@ -100,13 +102,20 @@ def build_rows() -> list[Row]:
     pre["titan"]["mlme"]["stripe_ffn_saves"] = "pre_activation"
     no_rec_pre = copy.deepcopy(no_rec)
     no_rec_pre["titan"]["mlme"]["stripe_ffn_saves"] = "pre_activation"
+    def replay(name: str) -> dict[str, Any]:
+        cfg = _profile(name)
+        cfg["titan"]["mlme"]["recompute_ffn"] = "replay"
+        return cfg
     return [Row("plain", baseline_config(0), adamw),
             Row("titan_exact", _profile("titan_exact"), adamw),
+            Row("titan_exact_replay", replay("titan_exact"), adamw),
             Row("titan_exact_no_recompute", no_rec, adamw),
             Row("titan_exact_pre", pre, adamw),
             Row("titan_exact_no_recompute_pre", no_rec_pre, adamw),
             Row("titan_balanced", _profile("titan_balanced")),
+            Row("titan_balanced_replay", replay("titan_balanced")),
             Row("titan_memory", _profile("titan_memory")),
+            Row("titan_memory_replay", replay("titan_memory")),
             Row("adamw+memory_mlme", _with_mlme_of("titan_memory"), adamw),
             Row("adamw4bit_bf16+memory_mlme", _with_mlme_of("titan_memory"),
                 ["--optimizer", "adamw4bit_bf16", "--lr", "1e-3"]),

@@ -97,3 +97,32 @@ def test_hf_chunked_loss_is_applied_not_skipped():
     model = _gpt2()
     report = apply_mlme(model, MLMEConfig(attention="off", stripe_ffn=None, chunked_loss=True))
     assert [(e.name, e.policy) for e in report.entries] == [("lm_head", "mlme.chunked_loss")]
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_hf_recompute_ffn_in_backward(build, monkeypatch):
+    """recompute_ffn "in_backward" on HF decoder layers (GPT-2: Conv1D and a dropout module; Llama: gated): the
+    replay's graph check passes (no fallback), the MLP's forward is skipped there, and the gradients are the bits of
+    the full replay."""
+    import importlib
+    from titan_ds.inject import recompute
+    sf = importlib.import_module("titan_ds.kernels.stripe_ffn")
+    model = build()
+    models = {}
+    for mode in ("replay", "in_backward"):
+        models[mode] = copy.deepcopy(model)
+        apply_mlme(models[mode], MLMEConfig(tile=16, stripe_ffn=7, chunked_loss=False, recompute_blocks=True,
+                                            recompute_ffn=mode))
+        models[mode].train()
+    skipped = []
+    lazy_forward = sf._StripeLazyFn.forward
+    monkeypatch.setattr(sf._StripeLazyFn, "forward", staticmethod(lambda ctx, *a: skipped.append(1) or lazy_forward(ctx, *a)))
+    ids = torch.randint(0, 97, (2, 37))
+    _, g_replay = _loss_and_grads(models["replay"], ids)
+    assert skipped == []
+    _, g_lazy = _loss_and_grads(models["in_backward"], ids)
+    assert len(skipped) == 2  # one per layer, in the replay
+    assert not {c for c in recompute._VALUES_READ if c.__module__.startswith("transformers")}
+    assert g_replay.keys() == g_lazy.keys()
+    for n in g_replay:
+        assert torch.equal(g_replay[n], g_lazy[n]), n

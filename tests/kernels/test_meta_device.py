@@ -67,3 +67,22 @@ def test_tiled_attention_reference_on_meta(masks, dtype):
     with NoHostCopies():
         tiled_attention(q, k, v, **kw).sum().backward()
     assert q.grad.device == k.grad.device == v.grad.device == META
+
+
+@pytest.mark.parametrize("kind", ["plain", "gated"])
+def test_stripe_ffn_lazy_replay_on_meta(kind):
+    """recompute_ffn "in_backward": the replay's zeros and the backward that computes the MLP, on meta."""
+    from titan_ds.kernels.stripe_ffn import lazy_replay
+    if kind == "plain":
+        ffn = StripeFFN.plain(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), stripe=4)
+    else:
+        ffn = StripeFFN.gated(nn.Linear(16, 64, bias=False), nn.Linear(16, 64, bias=False),
+                              nn.Linear(64, 16, bias=False), nn.SiLU(), stripe=4)
+    ffn = ffn.to(META)
+    x = _leaf(2, 7, 16)
+    with NoHostCopies():
+        with lazy_replay() as skipped:
+            y = x + ffn(x)
+        assert len(skipped) == 1 and y.device == META
+        y.sum().backward()
+    assert x.grad.device == META and all(p.grad.device == META for p in ffn.parameters())

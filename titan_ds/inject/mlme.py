@@ -394,7 +394,7 @@ def apply_mlme(model: nn.Module, cfg: Any) -> ReplacementReport:
     if getattr(cfg, "recompute_blocks", False):
         # a second pass: the first one already swapped the blocks' children (a replaced module's children are
         # not visited, so blocks must come after them)
-        rec = apply_policies(model, [BlockRecomputePolicy()])
+        rec = apply_policies(model, [BlockRecomputePolicy(getattr(cfg, "recompute_ffn", "in_backward"))])
         if not any(getattr(m, "_titan_recompute", False) for m in model.modules()):
             raise ValueError(_no_block(model))
         report.entries.extend(rec.entries)

@@ -22,18 +22,22 @@ step 2 also saves the input projections' outputs p_s = x_s W_in^T + b_in (the fc
 and backward recomputes only the activation a_s = act(p_s) (act(g_s) * u_s, gated) from them, then
 dW_out += dy_s^T a_s;  dp_s = autograd.grad(a_s, p_s, dy_s W_out);  dW_in += dp_s^T x_s;  dx_s = sum dp_s W_in.
 No matmul is recomputed. Saved per token: d + 4d (plain GELU MLP; eager keeps d + 8d: fc's output and the GELU's).
-Inside a ``recompute_blocks`` block it also removes the second recompute of the input projections (the block's
-replay already computed them), at the cost of one block's pre-activations alive during that block's backward.
+Inside a ``recompute_blocks`` block with ``recompute_ffn: "replay"`` it also removes the second recompute of the
+input projections (the block's replay already computed them), at the cost of one block's pre-activations alive
+during that block's backward. With ``recompute_ffn: "in_backward"`` (the default) the replay computes no MLP at all
+(:func:`lazy_replay`): the input is saved and the backward above (steps 3-5) computes the MLP once.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+import contextlib
+import contextvars
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["StripeFFN", "stripe_ffn", "stripe_ffn_pre", "linear_parts", "budget_stripe", "STRIPE_BUDGET_BYTES",
-           "SAVES"]
+           "SAVES", "replay_sink", "lazy_replay"]
 
 # ``stripe="budget"``: the largest stripe whose transient hidden activations stay within this many bytes. Every
 # stripe size saves the same bytes for backward (the input only); the size bounds only the transient, and fewer
@@ -118,6 +122,50 @@ class _StripeFn(torch.autograd.Function):
         return (dx, None if dw_out is None else dw_out.to(w_out.dtype), db_out, None, None, *dh_params)
 
 
+class _StripeLazyFn(_StripeFn):
+    """The replay of a recomputed block (:func:`lazy_replay`): saves what :class:`_StripeFn` saves and returns zeros
+    of the output's shape and dtype without computing anything; its backward (``_StripeFn``'s) computes the MLP from
+    the saved input. Right only where the output's value is never read in the replay (checked by the caller)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_out: Tensor, b_out: Optional[Tensor], stripe: int,
+                hidden: Callable[[Tensor], Tensor], *hparams: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w_out)
+        ctx.stripe, ctx.hidden, ctx.has_bias = stripe, hidden, b_out is not None
+        ctx.hparams = hparams
+        dev = x.device.type
+        try:
+            autocast = torch.is_autocast_enabled(dev)
+        except RuntimeError:  # a device type autocast does not know (meta): nothing is autocast there
+            autocast = False
+        dtype = torch.get_autocast_dtype(dev) if autocast else w_out.dtype
+        return x.new_zeros(x.shape[0], tuple(getattr(w_out, "ds_shape", w_out.shape))[0], dtype=dtype)
+
+
+# The replay of a block that titan.mlme.recompute_blocks recomputes, while titan_ds.inject.recompute runs it with
+# recompute_ffn "in_backward": a list that collects the autograd nodes of the StripeFFN outputs left uncomputed.
+_REPLAY: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("titan_stripe_replay", default=None)
+
+
+@contextlib.contextmanager
+def lazy_replay() -> Iterator[list]:
+    """Inside, a StripeFFN with a linear output projection, called with grad enabled, computes nothing in forward
+    (:class:`_StripeLazyFn`: zeros; the MLP is computed once, in its backward) and appends its output's autograd
+    node to the yielded list, which the caller must check (:func:`titan_ds.inject.recompute`): the replay is right
+    only if no op reads those outputs' values."""
+    sink: list = []
+    token = _REPLAY.set(sink)
+    try:
+        yield sink
+    finally:
+        _REPLAY.reset(token)
+
+
+def replay_sink() -> Optional[list]:
+    """The list of :func:`lazy_replay` when inside one, else None."""
+    return _REPLAY.get()
+
+
 class _StripePreFn(torch.autograd.Function):
     """``saves="pre_activation"``: the input projections' outputs are saved, only the activation is recomputed."""
 
@@ -183,11 +231,18 @@ def stripe_ffn(x: Tensor, hidden: Callable[[Tensor], Tensor], hidden_params: lis
 
     With ``w_out=None``, ``hidden`` is the whole map (output projection included, e.g. a tensor-ring layer)
     and is recomputed whole in backward; ``hidden_params`` must then hold every parameter it uses.
+    Inside :func:`lazy_replay` (grad enabled, ``w_out`` given) forward computes nothing: see there.
     """
     if stripe < 1:
         raise ValueError(f"stripe must be >= 1 tokens, got {stripe}")
     lead = x.shape[:-1]
-    y = _StripeFn.apply(x.reshape(-1, x.shape[-1]), w_out, b_out, stripe, hidden, *hidden_params)
+    sink = replay_sink() if w_out is not None and torch.is_grad_enabled() else None
+    if sink is not None and not any(t is not None and t.requires_grad for t in (x, w_out, b_out, *hidden_params)):
+        sink = None  # no graph to carry the computation into backward: compute it now
+    fn = _StripeFn if sink is None else _StripeLazyFn
+    y = fn.apply(x.reshape(-1, x.shape[-1]), w_out, b_out, stripe, hidden, *hidden_params)
+    if sink is not None:
+        sink.append(y.grad_fn)
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -319,6 +374,8 @@ class StripeFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         stripe = self.stripe_for(x.dtype)
         pre = self._pre_parts() if self.saves == "pre_activation" and torch.is_grad_enabled() else None
+        if pre is not None and replay_sink() is not None and self.out_is_linear:
+            pre = None  # a lazy replay computes the MLP once, in backward: cheaper than saving pre-activations
         if pre is not None:
             w_out, b_out = linear_parts(self._role("out"))
             y = stripe_ffn_pre(x, pre, self._combine, w_out, b_out, stripe)
