@@ -255,6 +255,14 @@ RESULTS: list[Result] = [
     Result("speed", "results/speed.md", _f(
         "titan_balanced {tokens_s} tokens/s, {vs_plain} plain's (100 steps, median of 3 alternated repeats)", "row",
         "titan_balanced")),
+    Result("speed", "results/speed_replay.md", _f(
+        "titan_exact {tokens_s} tokens/s, {vs_plain} plain's with a recomputed block's replay skipping the MLP's "
+        "forward (recompute_ffn in_backward)", "row", "titan_exact")),
+    Result("speed", "results/speed_replay_balanced.md", _f(
+        "titan_balanced {tokens_s} tokens/s, {vs_plain} plain's (recompute_ffn in_backward)", "row",
+        "titan_balanced")),
+    Result("profile", "results/profile_phases_replay.md", _f(
+        "titan_exact step {step_ms} ms, {vs_plain} plain's time (backward {backward_ms} ms)", "row", "titan_exact")),
     Result("local-updates", "results/diloco_w2/rows.md", lambda p: next(
         f"2 real ranks, 300 steps: DiLoCo + qtopk {r['x_recv']}x received, {r['delta_vs_dense']} nats vs dense, "
         f"peak RSS {r['rss_x']}x" for r in table_rows(ROOT / p) if r.get("config") == "diloco_qtopk" and "x_recv" in r),
