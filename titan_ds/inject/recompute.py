@@ -44,7 +44,11 @@ RECOMPUTE_FFN = ("in_backward", "replay")  # titan.mlme.recompute_ffn (module do
 # autograd nodes whose backward does not read their input's value: a skipped StripeFFN output may pass through them
 _VALUE_FREE = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "NativeDropoutBackward0", "ViewBackward0",
                          "ReshapeAliasBackward0", "UnsafeViewBackward0", "CloneBackward0", "ToCopyBackward0",
-                         "TransposeBackward0", "PermuteBackward0", "SqueezeBackward1", "UnsqueezeBackward0"})
+                         "TransposeBackward0", "PermuteBackward0", "SqueezeBackward1", "UnsqueezeBackward0",
+                         # DeepSpeed ZeRO-3's wrapper of a module's outputs (deepspeed/runtime/zero/
+                         # parameter_offload.py, 0.19.8): forward returns outputs.detach(), backward runs the
+                         # pre-backward hook and passes the gradients through
+                         "PreBackwardFunctionForModuleBackward"})
 _VALUES_READ: set[type] = set()  # block classes whose replay read a skipped StripeFFN output: replay them in full
 
 
