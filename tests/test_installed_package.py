@@ -125,10 +125,11 @@ def test_installed_package_plans_reports_and_trains_from_another_folder(tmp_path
     assert out["steps"] == 2 and losses[2] < losses[0] and losses[1] < losses[0], losses
 
     # plan: the installed CLI gives the same candidates as the checkout's titan_ds.plan (calibration included)
-    from titan_ds.plan import candidate_config, model_spec, parse_size, plan
+    from titan_ds.plan import aio_buildable, candidate_config, model_spec, parse_size, plan
     got = _json(run(cli, "plan", *PLAN, "--json"))
     cands, best = plan(model_spec("gpt:2x64", 32), seq=32, micro=1, cpu_mem=parse_size("8G"),
-                       disk=parse_size("1G"), gpu_mem=None, ranks=1)
+                       disk=parse_size("1G"), gpu_mem=None, ranks=1,
+                       aio=aio_buildable())  # the CLI's --aio auto checks this machine (libaio-dev or not) too
     want = [{"mode": c.mode, "fits": c.fits, "why": c.why, "device": c.device, "dram": c.dram, "disk": c.disk,
              "calibrated": c.calibrated} for c in cands]
     assert got == json.loads(json.dumps(want)) and any(c["calibrated"] for c in got)
