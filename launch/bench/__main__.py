@@ -261,6 +261,9 @@ RESULTS: list[Result] = [
     Result("speed", "results/speed_replay_balanced.md", _f(
         "titan_balanced {tokens_s} tokens/s, {vs_plain} plain's (recompute_ffn in_backward)", "row",
         "titan_balanced")),
+    Result("speed", "results/speed_norecompute.md", _f(
+        "titan_exact without recompute, pre_activation: {tokens_s} tokens/s, {vs_plain} plain's", "row",
+        "titan_exact_no_recompute_pre")),
     Result("profile", "results/profile_phases_replay.md", _f(
         "titan_exact step {step_ms} ms, {vs_plain} plain's time (backward {backward_ms} ms)", "row", "titan_exact")),
     Result("local-updates", "results/diloco_w2/rows.md", lambda p: next(
