@@ -5,7 +5,7 @@ before/after comparisons of the C++ kernel across two checkouts (run each from i
     ROOT=$PWD PYTHONPATH=$PWD python launch/experiments/optim_step_loop.py titan_balanced 30
 
 3 warm-up steps, then N timed ``opt.step()``; prints the fastest and the median step and M elements/s from the
-fastest. ``ROOT``: the checkout whose launch/bench/optim_step.py (and, through PYTHONPATH, titan_ds) is used."""
+fastest. ``DTYPE=bf16``: bf16 parameters (default fp32). ``ROOT``: the checkout whose launch/bench/optim_step.py (and, through PYTHONPATH, titan_ds) is used."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +23,9 @@ def main(row: str, steps: int) -> None:
     sys.modules["optim_step"] = bench  # its dataclasses look the module up
     spec.loader.exec_module(bench)
     numel = 1 << 24
-    model = bench._model(numel, "fp32")
-    opt = bench.ROWS[row].build(model, "fp32")
+    dtype = os.environ.get("DTYPE", "fp32")  # fp32 or bf16 parameters
+    model = bench._model(numel, dtype)
+    opt = bench.ROWS[row].build(model, dtype)
     for _ in range(3):
         opt.step()
     times = []
@@ -33,7 +34,7 @@ def main(row: str, steps: int) -> None:
         opt.step()
         times.append(time.perf_counter() - t)
     times.sort()
-    print(f"{row} min {times[0]:.5f} s median {times[len(times) // 2]:.5f} s M/s {numel / times[0] / 1e6:.1f}")
+    print(f"{row} {dtype} min {times[0]:.5f} s median {times[len(times) // 2]:.5f} s M/s {numel / times[0] / 1e6:.1f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 the eager loop, op for op in fp32 (the square root the correctly rounded one on both:
 :func:`~titan_ds.optim.asdt_math.ieee_sqrt`), in two passes over the chunk, so it stores the same weights and state
 bit for bit (``tests/optim/test_core_cpu.py``), at several times the eager loop's elements/s with fp32 weights
-(results/optim_step_ieee).
+(results/optim_step_ieee). bf16 weights without a master copy are rounded stochastically inside the kernel: it
+draws from the optimizer's CPU generator what ``torch.randint(0, 2**16, ...)`` draws (the generator's mt19937,
+one 32-bit output per value, kept mod 2^16) and leaves the generator in the state torch would, so the weights, the
+state and the generator match the eager loop's bit for bit. Where the kernel uses AVX-512 (a ``-march=native``
+build on a CPU that has it) it steps 16 values at a time, else 8 with AVX2; the same IEEE operations either way.
 
 The eager loop makes ~20 whole-chunk passes through ATen (decode, update, encode each a few kernels, each
 reading and writing the chunk); the kernel makes two, each element's work done while it is in cache. It is a
@@ -112,14 +116,18 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, u
     empty = torch.empty(0)
     v = _spec(variance, s) if variance is not None else (-1, empty, 0, empty, empty, empty)
     sr = generator is not None and w.dtype == torch.bfloat16
-    wout = torch.empty(s.n, dtype=torch.float32) if sr else empty
+    # bf16 weights are rounded stochastically in the kernel from a CPU generator (the same draws); another
+    # generator's draws come from torch: the kernel writes fp32 results and they are rounded here
+    in_kernel = sr and generator.device.type == "cpu"
+    wout = torch.empty(s.n, dtype=torch.float32) if sr and not in_kernel else empty
     count = mod.step(w, g, list(s.lengths), *_spec(momentum, s), *v,
                      inv_bc2[s.lo:s.hi] if variance is not None else empty,
                      bc1[s.lo:s.hi] if variance is not None else unit_denom[s.lo:s.hi],
                      torch.empty(s.n if four else 0, dtype=torch.uint8), wout,
                      b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay, update_clip is not None,
-                     0.0 if update_clip is None else update_clip, importance == "grad_weight")
-    if sr:
+                     0.0 if update_clip is None else update_clip, importance == "grad_weight",
+                     generator if in_kernel else None)
+    if sr and not in_kernel:
         w.copy_(round_to(w.dtype, wout, generator))
     return torch.tensor(count)
 

@@ -13,6 +13,7 @@
 // codes share a byte, and a unit may start on either half). Build with -ffp-contract=off: no fused multiply-add
 // may merge two of the eager loop's roundings.
 #include <torch/extension.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -20,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -36,6 +39,13 @@ enum Kind : int64_t { PLAIN_F32 = 0, PLAIN_BF16 = 1, Q8 = 8, Q4 = 4 };
 // out[k] = qmap[codes[k]] * scale
 inline void decode8(float* out, const uint8_t* codes, int64_t n, const float* qmap, float scale) {
   int64_t k = 0;
+#if defined(__AVX512F__)
+  const __m512 s16 = _mm512_set1_ps(scale);
+  for (; k + 16 <= n; k += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k)));
+    _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_i32gather_ps(idx, qmap, 4), s16));
+  }
+#endif
 #if defined(__AVX2__)
   const __m256 s = _mm256_set1_ps(scale);
   for (; k + 8 <= n; k += 8) {
@@ -96,6 +106,22 @@ inline uint8_t code_of(float q, const uint32_t* entry) {
 // The nearest code of each value x[k] / scale (the division done here, in register: the same IEEE quotient).
 inline void encode(uint8_t* dst, const float* x, float scale, int64_t n, const uint32_t* entry) {
   int64_t k = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512i byte = _mm512_set1_epi32(0xFF), low16 = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; k + 16 <= n; k += 16) {
+      const __m512i bits = _mm512_castps_si512(_mm512_div_ps(_mm512_loadu_ps(x + k), s));
+      const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, 16), reinterpret_cast<const int*>(entry), 4);
+      const __m512i neg = _mm512_srai_epi32(bits, 31);
+      const __m512i kx = _mm512_xor_si512(_mm512_and_si512(bits, low16), _mm512_and_si512(neg, low16));
+      // one up where key(x) >= threshold
+      const __mmask16 up = _mm512_cmpge_epi32_mask(kx, _mm512_srli_epi32(e, 8));
+      const __m512i c = _mm512_mask_add_epi32(_mm512_and_si512(e, byte), up, _mm512_and_si512(e, byte), one);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(c));
+    }
+  }
+#endif
 #if defined(__AVX2__)
   const __m256i byte = _mm256_set1_epi32(0xFF), low16 = _mm256_set1_epi32(0xFFFF);
   const __m256 s = _mm256_set1_ps(scale);
@@ -129,6 +155,30 @@ inline bool is_linear16(const float* q, int64_t n) {
 
 inline void encode_linear16(uint8_t* dst, const float* x, float scale, int64_t n, const uint32_t* entry) {
   int64_t k = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 s = _mm512_set1_ps(scale), sixteen = _mm512_set1_ps(16.0f), minus1 = _mm512_set1_ps(-1.0f),
+                 half = _mm512_set1_ps(0.5f);
+    const __m512i one = _mm512_set1_epi32(1), fifteen = _mm512_set1_epi32(15), zero = _mm512_setzero_si512(),
+                  low15 = _mm512_set1_epi32(0x7FFF), special = _mm512_set1_epi32(0x7F7F);
+    for (; k + 16 <= n; k += 16) {
+      const __m512 q = _mm512_div_ps(_mm512_loadu_ps(x + k), s);
+      const __m512i bits = _mm512_castps_si512(q);
+      if (_mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_srli_epi32(bits, 16), low15), special)) {
+        alignas(64) uint32_t b[16];  // an inf or a NaN: one at a time, from the table
+        _mm512_store_si512(reinterpret_cast<__m512i*>(b), bits);
+        for (int j = 0; j < 16; ++j) dst[k + j] = code_of_bits(b[j], entry);
+        continue;
+      }
+      const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(q, sixteen), minus1), sixteen);
+      const __m512i c = _mm512_cvttps_epi32(y);
+      const __mmask16 up = _mm512_cmp_ps_mask(y, _mm512_add_ps(_mm512_cvtepi32_ps(c), half), _CMP_GE_OQ);
+      __m512i code = _mm512_mask_add_epi32(_mm512_sub_epi32(c, one), up, _mm512_sub_epi32(c, one), one);
+      code = _mm512_min_epi32(_mm512_max_epi32(code, zero), fifteen);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(code));
+    }
+  }
+#endif
 #if defined(__AVX2__)
   const __m256 s = _mm256_set1_ps(scale), sixteen = _mm256_set1_ps(16.0f), minus1 = _mm256_set1_ps(-1.0f),
                half = _mm256_set1_ps(0.5f);
@@ -296,6 +346,56 @@ inline const float* as_f32(float* buf, bool bf16, const void* base, int64_t i0, 
   return buf;
 }
 
+// n draws of at::mt19937 (what CPUGeneratorImpl::random() returns), each kept mod 2^16, from the engine's state
+// `d`, which is advanced as n calls of the engine's operator() advance it: the engine's algorithm (MT19937: a
+// twist of the 624 words, then the tempering of each) with the tempering done for a run of words at a time.
+void draws16(at::mt19937_data_pod& d, uint16_t* out, int64_t n) {
+  constexpr int N = 624, M = 397;
+  constexpr uint32_t MATRIX_A = 0x9908b0dfu, UMASK = 0x80000000u, LMASK = 0x7fffffffu;
+  uint32_t* st = d.state_.data();
+  auto twist = [&](uint32_t u, uint32_t v) { return (((u & UMASK) | (v & LMASK)) >> 1) ^ ((v & 1u) ? MATRIX_A : 0u); };
+  while (n > 0) {
+    if (d.left_ == 1) {  // operator() would twist at its next call, then draw word 0
+      for (int i = 0; i < N - M; ++i) st[i] = st[i + M] ^ twist(st[i], st[i + 1]);
+      for (int i = N - M; i < N - 1; ++i) st[i] = st[i + M - N] ^ twist(st[i], st[i + 1]);
+      st[N - 1] = st[M - 1] ^ twist(st[N - 1], st[0]);
+      d.left_ = N + 1;
+      d.next_ = 0;
+    }
+    const int64_t take = std::min<int64_t>(n, d.left_ - 1);
+    const uint32_t* src = st + d.next_;
+    for (int64_t k = 0; k < take; ++k) {
+      uint32_t y = src[k];
+      y ^= (y >> 11);
+      y ^= (y << 7) & 0x9d2c5680u;
+      y ^= (y << 15) & 0xefc60000u;
+      y ^= (y >> 18);
+      out[k] = static_cast<uint16_t>(y & 0xFFFFu);
+    }
+    out += take;
+    n -= take;
+    d.next_ += static_cast<uint32_t>(take);
+    d.left_ -= static_cast<int>(take);
+  }
+}
+
+// fp32 values x[0:n) into bf16, as ATen's float -> bfloat16 conversion stores them (round to nearest even, a NaN
+// as 0xFFFF), or, where noise is given, stochastically rounded as asdt_math.stochastic_round: a finite value's bit
+// pattern plus its 16-bit draw, the low half cut off (infinities and NaNs not rounded).
+inline void to_bf16(c10::BFloat16* dst, const float* x, const uint16_t* noise, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t b;
+    std::memcpy(&b, x + k, 4);
+    const bool finite = (b & 0x7F800000u) != 0x7F800000u;
+    const bool nan = !finite && (b & 0x007FFFFFu) != 0;
+    uint32_t r;
+    if (noise) r = finite ? (b + noise[k]) >> 16 : b >> 16;
+    else r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;  // an infinity stays one: its low half is 0
+    out[k] = nan ? static_cast<uint16_t>(0xFFFF) : static_cast<uint16_t>(r);
+  }
+}
+
 // Pass B's arithmetic for the n values of one work item: the new weights into nb (which may be wb itself: each
 // value is read before it is written), the count of changed values returned. Eight values at a time with AVX2
 // where the build targets it, the rest one at a time; the same IEEE operations in the same order either way
@@ -304,6 +404,27 @@ inline int64_t update(float* nb, const float* wb, const float* Mi, const float* 
                       bool coord, float pun, float feps, bool clip, float lo_clip, float hi_clip, float fwd, float flr,
                       bool grad_weight) {
   int64_t k = 0, changed = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 vp = _mm512_set1_ps(pun), ve = _mm512_set1_ps(feps), vlo = _mm512_set1_ps(lo_clip),
+                 vhi = _mm512_set1_ps(hi_clip), vwd = _mm512_set1_ps(fwd), vlr = _mm512_set1_ps(flr),
+                 zero = _mm512_setzero_ps();
+    for (; k + 16 <= n; k += 16) {
+      const __m512 den = coord ? _mm512_mul_ps(_mm512_add_ps(_mm512_sqrt_ps(_mm512_loadu_ps(Di + k)), ve), vp) : vp;
+      __m512 c = _mm512_div_ps(_mm512_loadu_ps(Mi + k), den);
+      if (clip) {  // a NaN compares false: it stays (torch.clamp)
+        c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(c, vlo, _CMP_LT_OQ), vlo);
+        c = _mm512_mask_mov_ps(c, _mm512_cmp_ps_mask(c, vhi, _CMP_GT_OQ), vhi);
+      }
+      const __m512 wi = _mm512_loadu_ps(wb + k);
+      const __m512 score = grad_weight ? _mm512_abs_ps(_mm512_mul_ps(_mm512_loadu_ps(gb + k), wi)) : _mm512_abs_ps(c);
+      const __mmask16 changes = _mm512_cmp_ps_mask(score, zero, _CMP_GT_OQ);
+      const __m512 d = _mm512_mul_ps(_mm512_add_ps(c, _mm512_mul_ps(vwd, wi)), vlr);
+      _mm512_storeu_ps(nb + k, _mm512_mask_sub_ps(wi, changes, wi, d));
+      changed += __builtin_popcount(static_cast<unsigned>(changes));
+    }
+  }
+#endif
 #if defined(__AVX2__)
   const __m256 vp = _mm256_set1_ps(pun), ve = _mm256_set1_ps(feps), vlo = _mm256_set1_ps(lo_clip),
                vhi = _mm256_set1_ps(hi_clip), vwd = _mm256_set1_ps(fwd), vlr = _mm256_set1_ps(flr),
@@ -350,7 +471,9 @@ constexpr int64_t RANGE = 64;
 // One chunk's step, in place. Returns the count of changed elements. `per_unit`: each unit's bc1 (a second moment
 // per coordinate: v_kind >= 0, with `inv_bc2`) or its denominator (v_kind < 0). `codes4`: a byte per value of the
 // chunk when a state is 4-bit. `wout`: fp32 [n] to receive the new weights (bf16 weights the caller rounds
-// stochastically), or empty to store them in w (fp32, or bf16 rounded to nearest).
+// stochastically), or empty to store them in w (fp32, or bf16 rounded to nearest, or, with `generator`, a CPU
+// generator, stochastically: its draws as torch.randint(0, 2**16, (n,), generator=generator) makes them, one per
+// value in order, from a copy of its mt19937 engine, which is stored back into it after the step).
 int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengths,
              int64_t m_kind, torch::Tensor m_data, int64_t m_pos0, torch::Tensor m_absmax, torch::Tensor m_qmap,
              torch::Tensor m_table,
@@ -358,7 +481,7 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
              torch::Tensor v_table,
              torch::Tensor inv_bc2, torch::Tensor per_unit, torch::Tensor codes4, torch::Tensor wout,
              double b1, double omb1, double b2, double omb2, double eps, double lr, double wd, bool clip,
-             double clip_value, bool grad_weight) {
+             double clip_value, bool grad_weight, std::optional<at::Generator> generator) {
   const int64_t n = g.numel();
   TORCH_CHECK(g.is_contiguous() && w.is_contiguous() && w.numel() == n, "core_cpu: contiguous chunk expected");
   const bool w_bf16 = w.scalar_type() == torch::kBFloat16, g_bf16 = g.scalar_type() == torch::kBFloat16;
@@ -385,6 +508,18 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
   float* Mp = Mbuf.data();
   float* Dp = Dbuf.data();
   std::vector<int64_t> counts(n_items, 0);
+  const bool sr = generator.has_value() && w_bf16 && !out;
+  std::unique_lock<std::mutex> gen_lock;
+  at::CPUGeneratorImpl* gen = nullptr;
+  at::mt19937_data_pod engine;
+  std::vector<uint16_t> noise(sr ? RANGE * 256 : 0);
+  if (sr) {
+    gen_lock = std::unique_lock<std::mutex>(generator->mutex());
+    gen = at::check_generator<at::CPUGeneratorImpl>(*generator);
+    engine = gen->engine().data();
+    TORCH_CHECK(engine.seeded_ && engine.left_ > 0 && engine.left_ <= 624 && engine.next_ <= 624,
+                "core_cpu: the generator's mt19937 state is not valid");
+  }
   for (int64_t r = 0; r < n_items; r += RANGE) {
     const int64_t e = std::min(n_items, r + RANGE);
     const int64_t base = items[r].i0, len = items[e - 1].i0 + items[e - 1].n - base;
@@ -409,6 +544,7 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
       }
     });
     if (coord) v.pack(c4, base, len);
+    if (sr) draws16(engine, noise.data(), len);  // randint(0, 2**16) keeps random() mod 2^16
     at::parallel_for(r, e, 16, [&](int64_t lo, int64_t hi) {  // pass B
       float gbuf[256], wbuf[256], nbuf[256];
       for (int64_t it = lo; it < hi; ++it) {
@@ -421,12 +557,17 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
         const float* Di = Dp + (t.i0 - base);
         const int64_t changed = update(nb, wb, Mi, Di, gb, t.n, coord, pu[t.unit], feps, clip, lo_clip, hi_clip,
                                        fwd, flr, grad_weight);
-        if (!out && w_bf16) for (int64_t k = 0; k < t.n; ++k) wbf[t.i0 + k] = c10::BFloat16(nb[k]);
+        if (!out && w_bf16) to_bf16(wbf + t.i0, nb, sr ? noise.data() + (t.i0 - base) : nullptr, t.n);
         m.write(Mi, t.i0, t.n, t.unit, t.off, c4);
         counts[it] = changed;
       }
     });
     m.pack(c4, base, len);
+  }
+  if (sr) {
+    at::mt19937 advanced;
+    advanced.set_data(engine);
+    gen->set_engine(advanced);
   }
   int64_t total = 0;
   for (int64_t c : counts) total += c;
