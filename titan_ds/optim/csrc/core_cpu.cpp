@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -55,6 +56,55 @@ inline void decode8(float* out, const uint8_t* codes, int64_t n, const float* qm
 #endif
   for (; k < n; ++k) out[k] = qmap[codes[k]] * scale;
 }
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// The 8-bit decode without a gather: the 256 code values' four byte planes (plane b holds byte b of every value's
+// bit pattern, 256 bytes = 4 registers) are looked up 64 codes at a time with byte permutes (vpermi2b: 128 entries
+// from two registers, the codes' top bit picks the half), and the four planes interleaved back into the values.
+// The same table values as the gather, times the same scale.
+struct Planes8 {
+  alignas(64) uint8_t b[4][256];
+};
+
+inline void make_planes8(Planes8& p, const float* qmap) {
+  for (int c = 0; c < 256; ++c) {
+    uint32_t u;
+    std::memcpy(&u, qmap + c, 4);
+    for (int b = 0; b < 4; ++b) p.b[b][c] = static_cast<uint8_t>(u >> (8 * b));
+  }
+}
+
+// out[k] = qmap[codes[k]] * scale for k < n rounded down to 64; returns that count
+inline int64_t decode8_planes(float* out, const uint8_t* codes, int64_t n, const Planes8& p, float scale) {
+  // unpacking interleaves within 128-bit lanes: value 16q + 4l + j must sit at byte 16l + 4q + j
+  alignas(64) static const uint8_t order[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39,
+      52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31,
+      44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i perm = _mm512_load_si512(order);
+  __m512i t[4][4];
+  for (int b = 0; b < 4; ++b)
+    for (int q = 0; q < 4; ++q) t[b][q] = _mm512_load_si512(p.b[b] + 64 * q);
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t k = 0;
+  for (; k + 64 <= n; k += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes + k));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i r[4];
+    for (int b = 0; b < 4; ++b) {
+      r[b] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t[b][0], c, t[b][1]),
+                                    _mm512_permutex2var_epi8(t[b][2], c, t[b][3]));
+    }
+    const __m512i w01lo = _mm512_unpacklo_epi8(r[0], r[1]), w01hi = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i w23lo = _mm512_unpacklo_epi8(r[2], r[3]), w23hi = _mm512_unpackhi_epi8(r[2], r[3]);
+    _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01lo, w23lo)), s));
+    _mm512_storeu_ps(out + k + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01lo, w23lo)), s));
+    _mm512_storeu_ps(out + k + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01hi, w23hi)), s));
+    _mm512_storeu_ps(out + k + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01hi, w23hi)), s));
+  }
+  return k;
+}
+#endif
 
 // out[k] = qmap[nibble p0 + k] * scale (two codes a byte, the first in the high half)
 inline void decode4(float* out, const uint8_t* bytes, int64_t p0, int64_t n, const float* qmap, float scale) {
@@ -213,6 +263,9 @@ struct State {
   int64_t pos0 = 0;           // quantized: the chunk's first value's index in the codes (4-bit: a nibble index)
   float* absmax = nullptr;    // quantized: the chunk's first block scale
   const float* qmap = nullptr;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  std::shared_ptr<Planes8> planes;  // 8-bit: the code map's byte planes (decode8_planes)
+#endif
   const uint32_t* entry = nullptr;  // encode()'s entry of each top-16-bit pattern
   int64_t block = 256;
   bool linear16 = false;      // the unsigned 4-bit map, (k+1)/16: encode_linear16
@@ -231,7 +284,13 @@ struct State {
     for (int64_t b = 0; b < n; b += block) {
       const int64_t len = std::min(block, n - b);
       const float scale = absmax[unit_block0[unit] + (off + b) / block];
-      if (kind == Q8) decode8(out + b, bytes + pos0 + i0 + b, len, qmap, scale);
+      if (kind == Q8) {
+        int64_t done = 0;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+        done = decode8_planes(out + b, bytes + pos0 + i0 + b, len, *planes, scale);
+#endif
+        decode8(out + b + done, bytes + pos0 + i0 + b + done, len - done, qmap, scale);
+      }
       else decode4(out + b, bytes, pos0 + i0 + b, len, qmap, scale);
     }
   }
@@ -309,6 +368,13 @@ State make_state(int64_t kind, const torch::Tensor& data, int64_t pos0, const to
   s.pos0 = pos0;
   s.absmax = absmax.data_ptr<float>();
   s.qmap = qmap.data_ptr<float>();
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  if (kind == Q8) {
+    TORCH_CHECK(qmap.numel() == 256, "core_cpu: an 8-bit code map has 256 values");
+    s.planes = std::make_shared<Planes8>();
+    make_planes8(*s.planes, s.qmap);
+  }
+#endif
   TORCH_CHECK(table.scalar_type() == torch::kInt32 && table.numel() == 65536, "core_cpu: 65536 int32 entries expected");
   s.entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
   s.block = kind == Q8 ? 256 : 128;
