@@ -113,6 +113,20 @@ inline void decode4(float* out, const uint8_t* bytes, int64_t p0, int64_t n, con
     out[0] = qmap[bytes[p0 >> 1] & 0x0F] * scale;
     k = 1;
   }
+#if defined(__AVX512F__)
+  {
+    const __m512 s16 = _mm512_set1_ps(scale), q16 = _mm512_loadu_ps(qmap);  // the 16 codes' values, one register
+    const __m512i shifts = _mm512_set_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4),
+                  low4 = _mm512_set1_epi32(0x0F);
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for (; k + 16 <= n; k += 16) {  // nibbles p0+k.. start a byte here
+      const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + ((p0 + k) >> 1)));
+      const __m512i wide = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(eight, dup));
+      const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(wide, shifts), low4);
+      _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_permutexvar_ps(idx, q16), s16));
+    }
+  }
+#endif
 #if defined(__AVX2__)
   const __m256 s = _mm256_set1_ps(scale);
   const __m256i shifts = _mm256_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0), low4 = _mm256_set1_epi32(0x0F);
@@ -255,6 +269,56 @@ inline void encode_linear16(uint8_t* dst, const float* x, float scale, int64_t n
   for (; k < n; ++k) dst[k] = code_of(x[k] / scale, entry);
 }
 
+#if defined(__AVX512F__)
+// A 16-value map's nearest code, 16 values at a time, by a binary search over its 15 midpoints (`mids`, +inf
+// after them): the code is the count of midpoints <= x/scale (qstate's bucketize, right=True, which its table
+// gives for every finite value), four rounds of a permute from one register and a comparison. A NaN among the 16
+// takes the table. Returns the count of values done (n rounded down to 16).
+inline int64_t encode16_search(uint8_t* dst, const float* x, float scale, int64_t n, const float* mids,
+                               const uint32_t* entry) {
+  const __m512 m = _mm512_loadu_ps(mids), s = _mm512_set1_ps(scale);
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m512 q = _mm512_div_ps(_mm512_loadu_ps(x + k), s);
+    if (_mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q)) {
+      alignas(64) float b[16];
+      _mm512_store_ps(b, q);
+      for (int j = 0; j < 16; ++j) dst[k + j] = code_of(b[j], entry);
+      continue;
+    }
+    __m512i pos = _mm512_setzero_si512();
+    for (int step = 8; step >= 1; step >>= 1) {
+      const __m512 mid = _mm512_permutexvar_ps(_mm512_add_epi32(pos, _mm512_set1_epi32(step - 1)), m);
+      pos = _mm512_mask_add_epi32(pos, _mm512_cmp_ps_mask(q, mid, _CMP_GE_OQ), pos, _mm512_set1_epi32(step));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(pos));
+  }
+  return k;
+}
+#endif
+
+// The midpoints of a 16-value code map q as qstate._midpoints computes them (q[i] + (q[i+1] - q[i]) * 0.5 in fp32),
+// +inf after the 15th.
+inline void midpoints16(float* mids, const float* q) {
+  for (int i = 0; i < 15; ++i) mids[i] = q[i] + (q[i + 1] - q[i]) * 0.5f;
+  mids[15] = std::numeric_limits<float>::infinity();
+}
+
+// The codes of x[0:n) / scale: the linear unsigned 4-bit map arithmetically, another 16-value map by the binary
+// search where the build has AVX-512 (`mids16`: its midpoints, else null), an 8-bit map by the table.
+inline void encode_map(uint8_t* dst, const float* x, float scale, int64_t n, const uint32_t* entry, bool linear16,
+                       const float* mids16) {
+  if (linear16) {
+    encode_linear16(dst, x, scale, n, entry);
+    return;
+  }
+  int64_t done = 0;
+#if defined(__AVX512F__)
+  if (mids16) done = encode16_search(dst, x, scale, n, mids16, entry);
+#endif
+  encode(dst + done, x + done, scale, n - done, entry);
+}
+
 struct State {
   int64_t kind = PLAIN_F32;
   uint8_t* bytes = nullptr;   // quantized: the codes (4-bit: the buffer's packed bytes from byte 0)
@@ -269,6 +333,8 @@ struct State {
   const uint32_t* entry = nullptr;  // encode()'s entry of each top-16-bit pattern
   int64_t block = 256;
   bool linear16 = false;      // the unsigned 4-bit map, (k+1)/16: encode_linear16
+  bool map16 = false;         // a 16-value map: its midpoints in mids16 (encode_map)
+  float mids16[16] = {};
   std::vector<int64_t> unit_block0;  // each unit's first block scale, relative to absmax
 
   // Values i0..i0+n of the chunk (`off` into unit `unit`; n <= 256, starting on a block of the unit) as fp32.
@@ -323,8 +389,8 @@ struct State {
       std::memcpy(&amax, &top_bits, 4);
       const float scale = amax < 1e-12f ? 1e-12f : amax;
       absmax[unit_block0[unit] + (off + b) / block] = scale;
-      if (linear16) encode_linear16(codes4 + i0 + b, x, scale, len, entry);
-      else encode(kind == Q8 ? bytes + pos0 + i0 + b : codes4 + i0 + b, x, scale, len, entry);
+      encode_map(kind == Q8 ? bytes + pos0 + i0 + b : codes4 + i0 + b, x, scale, len, entry, linear16,
+                 map16 ? mids16 : nullptr);
     }
   }
 
@@ -379,6 +445,8 @@ State make_state(int64_t kind, const torch::Tensor& data, int64_t pos0, const to
   s.entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
   s.block = kind == Q8 ? 256 : 128;
   s.linear16 = kind == Q4 && is_linear16(s.qmap, qmap.numel());
+  s.map16 = qmap.numel() == 16;
+  if (s.map16) midpoints16(s.mids16, s.qmap);
   s.unit_block0.resize(lengths.size());
   int64_t at = 0;
   for (size_t u = 0; u < lengths.size(); ++u) {
@@ -680,10 +748,13 @@ torch::Tensor encode_codes(const torch::Tensor& x, double scale, const torch::Te
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && table.numel() == 65536,
               "core_cpu: encode_codes arguments");
   auto out = torch::empty({x.numel()}, torch::kUInt8);
-  const bool linear16 = is_linear16(qmap.data_ptr<float>(), qmap.numel());
+  const float* q = qmap.data_ptr<float>();
+  const bool linear16 = is_linear16(q, qmap.numel());
+  float mids16[16];
+  if (qmap.numel() == 16) midpoints16(mids16, q);
   const auto* entry = reinterpret_cast<const uint32_t*>(table.data_ptr<int32_t>());
-  if (linear16) encode_linear16(out.data_ptr<uint8_t>(), x.data_ptr<float>(), static_cast<float>(scale), x.numel(), entry);
-  else encode(out.data_ptr<uint8_t>(), x.data_ptr<float>(), static_cast<float>(scale), x.numel(), entry);
+  encode_map(out.data_ptr<uint8_t>(), x.data_ptr<float>(), static_cast<float>(scale), x.numel(), entry, linear16,
+             qmap.numel() == 16 ? mids16 : nullptr);
   return out;
 }
 
