@@ -61,6 +61,15 @@ def test_hms_balanced_wb_is_hms_balanced_writing_its_partitions_behind(tmp_path)
     assert base["titan"]["hms"].get("param_write_behind", False) is False
     assert wb["titan"]["hms"].pop("param_write_behind") is True and wb == base
 
+
+def test_hms_dram_balanced_is_hms_dram_with_titan_balanceds_optimizer(tmp_path):
+    base, bal, dram = (bench.ds_config(m, str(tmp_path)) for m in ("hms_dram", "hms_balanced", "hms_dram_balanced"))
+    assert dram["titan"]["hms"]["param_tier"] == "dram" and dram["titan"]["hms"].get("gradient_buffer", "dram") == "dram"
+    assert dram["titan"].pop("optimizer") == bal["titan"]["optimizer"]
+    base["titan"].pop("optimizer", None)
+    assert dram == base
+
+
 def test_aio_settings_take_the_fastest_swept_setting_and_reuse_the_sweep(tmp_path):
     rows = [dict(bench.AIO_RECOMMENDED, block_size=b, read_GBps=r, write_GBps=w)
             for b, r, w in ((262144, 1.0, 1.0), (1048576, 1.5, 0.9), (4194304, 0.2, 0.1))]

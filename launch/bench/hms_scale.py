@@ -33,6 +33,9 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   ``ds_configs/titan_balanced.json`` (ASDT, adaptive update, density 1, 8-bit state), fp32 parameters, and
   ``gradient_buffer: "disk"`` as in ``hms_asdt``; never the sign mode; ``hms_balanced_wb``: the same with
   ``titan.hms.param_write_behind`` (the updated parameter partitions written in the background);
+  ``hms_dram_balanced``: ``hms_dram`` with ``hms_balanced``'s optimizer section (the parameters and DeepSpeed's
+  gradient partitions in CPU memory as ``zero_inf`` keeps them: titan's optimizer against ZeRO-Infinity's AdamW,
+  the rest the same);
 - ``hms_asdt``: ``hms`` with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
 - ``hms_asdt_bf16``: ``hms_asdt`` with bf16 parameters (``bf16.enabled``; the gradients still accumulate in fp32,
   ``data_types.grad_accum_dtype``, in the file mapping), ASDT's momentum in 8 bits, density 1 (no top-k
@@ -87,9 +90,9 @@ from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
 MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
-         "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_asdt", "hms_asdt_bf16")
+         "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16")
 BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_balanced_res": "hms", "hms_balanced_wb": "hms",
-             "hms_cpuadam": "hms",
+             "hms_cpuadam": "hms", "hms_dram_balanced": "hms",
              "hms_dram": "hms", "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
 CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res")
 RESIDENT_MB = 512  # the *_res modes' titan.hms.optimizer_dram_mb (--optimizer-dram-mb)  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
@@ -197,7 +200,7 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
         cfg["zero_force_ds_cpu_optimizer"] = True  # DeepSpeed builds DeepSpeedCPUAdam from "optimizer"
         cfg.pop("zero_allow_untested_optimizer")
-    if mode in ("hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res"):
+    if mode in ("hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res", "hms_dram_balanced"):
         cfg["titan"]["hms"]["param_tier"] = "dram"
     if mode.endswith("_res"):
         cfg["titan"]["hms"]["optimizer_dram_mb"] = RESIDENT_MB
@@ -207,10 +210,11 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg.pop("zero_allow_untested_optimizer")
     if mode == "hms_balanced_wb":
         cfg["titan"]["hms"]["param_write_behind"] = True
-    if mode in ("hms_balanced", "hms_balanced_res", "hms_balanced_wb"):
+    if mode in ("hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced"):
         balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
         cfg["titan"]["optimizer"] = balanced
-        cfg["titan"]["hms"]["gradient_buffer"] = "disk"
+        if mode != "hms_dram_balanced":  # the speed row against zero_inf keeps DeepSpeed's gradients in DRAM
+            cfg["titan"]["hms"]["gradient_buffer"] = "disk"
     return cfg
 
 
