@@ -197,6 +197,12 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_speed_res.speed.md", _f(
         "12x768 under 4 GiB: HMS dram + optimizer_dram_mb 512 at {x_zero_inf}x ZeRO-Infinity's s/step, peak "
         "{peak_anon_GiB} GiB", "mode", "hms_dram_cpuadam_res")),
+    Result("hms-scale", "results/hms_speed_balanced.speed.md", _f(
+        "12x768 under 4 GiB, 3 alternated runs, 2026-12-05: HMS dram + DeepSpeedCPUAdam at {x_zero_inf}x "
+        "ZeRO-Infinity's s/step", "mode", "hms_dram_cpuadam")),
+    Result("hms-scale", "results/hms_speed_balanced.speed.md", _f(
+        "12x768 under 4 GiB, 2026-12-05: HMS dram + titan_balanced's optimizer at {x_zero_inf}x ZeRO-Infinity's "
+        "s/step, peak {peak_anon_GiB} GiB", "mode", "hms_dram_balanced")),
     Result("hms-scale", "results/hms_900m_wb.speed.md", _f(
         "907.7M under 4 GiB, titan_balanced's optimizer, param_write_behind: {step_s} s/step (1 run)", "mode",
         "hms_balanced_wb")),
@@ -244,6 +250,13 @@ RESULTS: list[Result] = [
     Result("optimizer-step", "results/optim_step_linear4/step.md", _f(
         "C++ kernel, 4-bit second moment encoded without a lookup, titan_balanced, fp32: {M_s_2^24} M elements/s at "
         "2^24, {x_DS_2^24}x DeepSpeedCPUAdam (AVX2 machine)", "optimizer", "titan_balanced")),
+    Result("optimizer-step", "results/optim_step_sr/step.md", _f(
+        "C++ kernel with bf16 weights' stochastic rounding moved into it, titan_memory, fp32 table: {M_s_2^24} M "
+        "elements/s at 2^24, {x_DS_2^24}x DeepSpeedCPUAdam (AVX-512 machine; bf16 rows in the file)", "optimizer",
+        "titan_memory")),
+    Result("optimizer-step", "results/optim_step_avx512/step.md", _f(
+        "C++ kernel with AVX-512 paths, titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24, {x_DS_2^24}x "
+        "DeepSpeedCPUAdam (AVX-512 machine)", "optimizer", "titan_balanced")),
     Result("optimizer-step", "results/optim_step_compiled/README.md", _f(
         "compiled core (TITAN_CORE_COMPILE=1): titan_balanced {compiled_M_s} M/s, {compiled___eager} the eager loop",
         "optimizer", "titan_balanced"), "TITAN_CORE_COMPILE=1 python launch/bench/optim_step.py --what speed --sizes "
@@ -261,6 +274,9 @@ RESULTS: list[Result] = [
     Result("speed", "results/speed_replay_balanced.md", _f(
         "titan_balanced {tokens_s} tokens/s, {vs_plain} plain's (recompute_ffn in_backward)", "row",
         "titan_balanced")),
+    Result("speed", "results/speed_kernel_sr.md", _f(
+        "titan_memory {tokens_s} tokens/s, {vs_plain} plain's with the AVX-512 kernel rounding bf16 weights in "
+        "the kernel", "row", "titan_memory")),
     Result("speed", "results/speed_norecompute.md", _f(
         "titan_exact without recompute, pre_activation: {tokens_s} tokens/s, {vs_plain} plain's", "row",
         "titan_exact_no_recompute_pre")),
