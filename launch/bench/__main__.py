@@ -277,6 +277,9 @@ RESULTS: list[Result] = [
     Result("speed", "results/speed_kernel_sr.md", _f(
         "titan_memory {tokens_s} tokens/s, {vs_plain} plain's with the AVX-512 kernel rounding bf16 weights in "
         "the kernel", "row", "titan_memory")),
+    Result("speed", "results/speed_peer_memory.md", _f(
+        "titan_memory {tokens_s} tokens/s, {vs_plain} plain's, beside torchao AdamW4bit bf16 + the same MLME in "
+        "one invocation", "row", "titan_memory")),
     Result("speed", "results/speed_norecompute.md", _f(
         "titan_exact without recompute, pre_activation: {tokens_s} tokens/s, {vs_plain} plain's", "row",
         "titan_exact_no_recompute_pre")),
