@@ -7,7 +7,8 @@
 //           v = v*b2 + (g*g)*(1-b2), stored (encoded) at once, and D = v * inv_bc2
 //   pass B: den = (sqrt(D) + eps) * bc1 (per coordinate; the correctly rounded sqrt, as asdt_math.ieee_sqrt) or
 //           the unit's denominator; c = M / den, clamped;
-//           w = w - (c + wd*w) * lr where the score is > 0; M encoded into the momentum.
+//           w = w - (c + wd*w) * lr where the score is > 0 (bf16 weights: rounded to nearest, or stochastically
+//           from the generator's own draws, draws16); M encoded into the momentum.
 // Work items are 256 elements of one unit (every block size, 256 and 128, divides 256), spread over ATen's
 // intra-op threads; a 4-bit state's codes go through a byte-per-code buffer and are packed after the pass (two
 // codes share a byte, and a unit may start on either half). Build with -ffp-contract=off: no fused multiply-add
@@ -34,8 +35,10 @@ namespace {
 
 enum Kind : int64_t { PLAIN_F32 = 0, PLAIN_BF16 = 1, Q8 = 8, Q4 = 4 };
 
-// The code lookups, 8 values at a time with AVX2 gathers where the build targets it (-march=native), else one
-// at a time; the same loads, multiplications and comparisons either way.
+// The code lookups and the update, 16 values at a time where the build targets AVX-512 (-march=native on a CPU
+// that has it; the 8-bit decode by byte permutes with VBMI, the 4-bit ones by a register permute, a 16-value map's
+// encode by a binary search), else 8 at a time with AVX2 (gathers), else one at a time; the same table values,
+// multiplications, divisions and comparisons either way.
 
 // out[k] = qmap[codes[k]] * scale
 inline void decode8(float* out, const uint8_t* codes, int64_t n, const float* qmap, float scale) {
