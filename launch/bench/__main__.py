@@ -203,6 +203,9 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_speed_balanced.speed.md", _f(
         "12x768 under 4 GiB, 2026-12-05: HMS dram + titan_balanced's optimizer at {x_zero_inf}x ZeRO-Infinity's "
         "s/step, peak {peak_anon_GiB} GiB", "mode", "hms_dram_balanced")),
+    Result("hms-scale", "results/hms_900m_avx512.speed.md", _f(
+        "907.7M under 4 GiB, titan_balanced's optimizer, 2026-12-05: {step_s} s/step, {x_bound}x the larger bound",
+        "mode", "hms_balanced")),
     Result("hms-scale", "results/hms_900m_wb.speed.md", _f(
         "907.7M under 4 GiB, titan_balanced's optimizer, param_write_behind: {step_s} s/step (1 run)", "mode",
         "hms_balanced_wb")),
