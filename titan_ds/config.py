@@ -254,6 +254,9 @@ class CompressionConfig(_Strict):
     ``precondition="rms_mean"`` (many ranks): each rank divides instead by its estimate of the RMS of the ranks'
     *mean* gradient (from its own first moment, ``precondition_beta1``, and second moment), and the SGD gets
     momentum and dampening ``beta1`` (the Adam's ``betas[0]`` unless ``precondition_beta1`` is set).
+    ``precondition="rms_sketch"`` (many ranks): ``rms``'s per-rank second moment sets the denominator's shape, and
+    one all-reduced float per tensor (a random sign projection of the gradient) sets its level to the RMS of the
+    ranks' *mean* gradient; SGD without momentum, as for ``rms``.
     A key that the chosen method does not use is an error, not ignored.
 
     ``sync_every=H > 1`` switches to **local updates** (DiLoCo; titan_ds/comm/diloco.py, docs/compress.md): every
@@ -279,7 +282,7 @@ class CompressionConfig(_Strict):
     chunk: int = Field(default=DEFAULT_CHUNK, ge=2, le=MAX_CHUNK)
     exchange: Literal["all_gather", "sharded"] = "all_gather"
     gather_share: float = Field(default=0.5, gt=0, lt=1)
-    precondition: Literal["none", "rms", "rms_mean"] = "none"
+    precondition: Literal["none", "rms", "rms_mean", "rms_sketch"] = "none"
     precondition_beta1: float = Field(default=0.9, gt=0, lt=1)
     precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
     precondition_eps: float = Field(default=1e-8, gt=0)

@@ -95,8 +95,9 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
         opts = DGCOptions(momentum=dgc["momentum"], momentum_masking=dgc["masking"], local_clip=dgc["clip"])
         return GradientReducer("topk", ratio, warmup_steps=warmup, seed=seed, dgc=opts,
                                ratio_warmup_steps=dgc["ramp_steps"], ratio_warmup_start=dgc["ramp_start"])
-    elif method in ("rms", "rms_randk", "rms_cltk", "rms_mean"):  # topk / randk / cltk of each worker's normalized gradient
-        return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk", "rms_mean": "topk"}[method],
+    elif method in ("rms", "rms_randk", "rms_cltk", "rms_mean", "rms_sketch"):  # topk / randk / cltk of each worker's normalized gradient
+        return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk", "rms_mean": "topk",
+                                "rms_sketch": "topk"}[method],
                                ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method))
     elif (q := qtopk_options(method)) is not None:  # rms[_mean]_qtopk<bits>[c<chunk>]: chunked low-bit top-k of the same
         return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method), **q)
@@ -110,15 +111,19 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
 
 def _rms_options(method: str) -> RMSOptions:
     """``rms_mean...``: ``precondition: "rms_mean"`` (the ranks' mean gradient's RMS; SGD with momentum 0.9 applies
-    the sum); else ``"rms"``."""
-    return RMSOptions(kind="rms_mean") if method.startswith("rms_mean") else RMSOptions()
+    the sum); ``rms_sketch...``: ``precondition: "rms_sketch"`` (rms's shape at the mean gradient's level per tensor,
+    from an all-reduced projection; SGD without momentum); else ``"rms"``."""
+    for kind in ("rms_mean", "rms_sketch"):
+        if method.startswith(kind):
+            return RMSOptions(kind=kind)
+    return RMSOptions()
 
 
 def qtopk_options(method: str) -> Optional[dict]:
-    """``rms[_mean]_qtopk<bits>[c<chunk>][_sharded[_g<share>]]`` (``titan.compression`` with ``method: "qtopk"``, ``bits``,
-    ``chunk``, ``precondition: "rms"`` and, with ``_sharded``, ``exchange: "sharded"`` and ``gather_share``; chunk
+    """``rms[_mean|_sketch]_qtopk<bits>[c<chunk>][_sharded[_g<share>]]`` (``titan.compression`` with ``method: "qtopk"``,
+    ``bits``, ``chunk``, ``precondition: "rms"`` (or ``rms_mean`` / ``rms_sketch``) and, with ``_sharded``, ``exchange: "sharded"`` and ``gather_share``; chunk
     4096 unless given): ``{bits, chunk, exchange[, gather_share]}``; ``None`` for other methods."""
-    m = re.fullmatch(r"rms(?:_mean)?_qtopk(\d)(?:c(\d+))?(_sharded(?:_g([0-9.]+))?)?", method)
+    m = re.fullmatch(r"rms(?:_mean|_sketch)?_qtopk(\d)(?:c(\d+))?(_sharded(?:_g([0-9.]+))?)?", method)
     if m is None:
         return None
     out = {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096),

@@ -90,6 +90,8 @@ def config(method: str) -> dict:
         comp = {"method": "topk", "ratio": args.ratio, "precondition": "rms"}
     elif method == "rms_mean":  # qtopk of each rank's estimate of the mean gradient's RMS; SGD with momentum 0.9
         comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_mean"}
+    elif method == "rms_sketch":  # sharded qtopk of rms at the mean gradient's level (one all-reduced float a tensor)
+        comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_sketch", "exchange": "sharded"}
     else:
         comp = {"method": method, "ratio": args.ratio, "warmup_steps": 2}
     return {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,

@@ -75,6 +75,7 @@ CASES = {
     "powersgd": dict(method="powersgd", rank=2, min_compression=1.0),
     "precondition": dict(method="randk", precondition=RMSOptions()),
     "precondition_mean": dict(method="qtopk", chunk=16, precondition=RMSOptions(kind="rms_mean")),
+    "precondition_sketch": dict(method="qtopk", chunk=16, exchange="sharded", precondition=RMSOptions(kind="rms_sketch")),
     "ramp": dict(method="topk", ratio_warmup_steps=2, warmup_steps=1),
     "no_error_feedback": dict(method="tgss", error_feedback=False),
     "qtopk": dict(method="qtopk", chunk=16),

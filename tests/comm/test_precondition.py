@@ -48,6 +48,78 @@ def reference(grads, *, ratio: float, beta2: float, eps: float):
     return out
 
 
+def round_trip(make, n: int, stores: set, xs: "list[torch.Tensor] | None" = None) -> dict:
+    """Three steps of ``make()``'s reducer on ``xs`` (default: random), its state through ``torch.save``/``load``
+    (holding exactly ``stores`` besides the residuals) into a fresh one, then two more steps on both: bit for bit
+    the same. Returns the state."""
+    layout = layout_of({"p": n})
+    xs = xs if xs is not None else [torch.randn(n) for _ in range(6)]
+    a = make()
+    for t in range(3):
+        a.reduce(xs[t], layout, LocalCollective(), t)
+        a.end_step()
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    assert set(state["stores"]) == stores
+    b = make()
+    b.load_state_dict(state)
+    for t in (3, 4):
+        assert torch.equal(a.reduce(xs[t], layout, LocalCollective(), t), b.reduce(xs[t], layout, LocalCollective(), t))
+        a.end_step()
+        b.end_step()
+    return state
+
+
+def prescaled_pair(opts: RMSOptions, n: int):
+    """The same gradient reduced by two fresh reducers, as is and pre-divided by 4 (``prescale=0.25``, as ZeRO
+    hands it over): ``(a, b, sum_a, sum_b)``; the output must be the first's times 0.25."""
+    layout = layout_of({"p": n})
+    g = torch.randn(n)
+    a, b = GradientReducer("topk", 10.0, precondition=opts), GradientReducer("topk", 10.0, precondition=opts)
+    sa = a.reduce(g, layout, LocalCollective(), 0)
+    sb = b.reduce(g * 0.25, layout, LocalCollective(), 0, prescale=0.25)
+    return a, b, sa, sb
+
+
+def refuse_each_other(make, state: dict, other) -> None:
+    """``state`` (of ``make()``'s kind) is refused by ``other()``, and ``other()``'s by ``make()``."""
+    with pytest.raises(RuntimeError, match="compression state"):
+        other().load_state_dict(state)
+    red = other()
+    red.reduce(torch.randn(state_numel(state)), layout_of({"p": state_numel(state)}), LocalCollective(), 0)
+    red.end_step()
+    with pytest.raises(RuntimeError, match="compression state"):
+        make().load_state_dict(red.state_dict())
+
+
+def state_numel(state: dict) -> int:
+    return int(state["residuals"]["p"].numel())
+
+
+def rollback_on_two_ranks(make, n: int, snapshot) -> None:
+    """A non-finite gradient on rank 1 at the second step: on both ranks the sum is non-finite and every tensor
+    ``snapshot(reducer)`` lists is back at the step's start."""
+    layout = layout_of({"p": n})
+
+    def fn(r, comm):
+        red = make()
+        gen = torch.Generator().manual_seed(r)
+        red.reduce(torch.randn(n, generator=gen), layout, comm, 0)
+        red.end_step()
+        before = [x.clone() for x in snapshot(red)]
+        g = torch.randn(n, generator=gen)
+        if r == 1:
+            g[5] = float("nan")
+        s = red.reduce(g, layout, comm, 1)
+        red.end_step()
+        return before, snapshot(red), bool(torch.isfinite(s).all())
+
+    for before, after, finite in run_ranks(2, fn):
+        assert not finite and all(torch.equal(x, y) for x, y in zip(before, after))
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_matches_the_reference_loop(world):
     T, ratio, opts = 8, 25.0, RMSOptions(beta2=0.99, eps=1e-6)
@@ -113,43 +185,12 @@ def test_first_step_is_sign_like_and_step_count_must_start_at_one():
 
 
 def test_second_moment_round_trip_and_nonfinite_rollback():
-    n = 2000
-    layout = layout_of({"p": n})
-    xs = [torch.randn(n) for _ in range(6)]
-    a = GradientReducer("topk", 20.0, precondition=RMSOptions())
-    for t in range(3):
-        a.reduce(xs[t], layout, LocalCollective(), t)
-        a.end_step()
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
-    assert set(state["stores"]) == {"second_moment"}
-    b = GradientReducer("topk", 20.0, precondition=RMSOptions())
-    b.load_state_dict(state)
-    for t in (3, 4):
-        assert torch.equal(a.reduce(xs[t], layout, LocalCollective(), t), b.reduce(xs[t], layout, LocalCollective(), t))
-        a.end_step()
-        b.end_step()
+    state = round_trip(lambda: GradientReducer("topk", 20.0, precondition=RMSOptions()), 2000, {"second_moment"})
     with pytest.raises(RuntimeError, match="compression state"):
         GradientReducer("topk", 20.0).load_state_dict(state)
     # a NaN on one rank: every rank skips, and the second moment (with the residuals) goes back to the step start
-
-    def fn(r, comm):
-        red = GradientReducer("topk", 8.0, precondition=RMSOptions())
-        gen = torch.Generator().manual_seed(r)
-        red.reduce(torch.randn(n, generator=gen), layout, comm, 0)
-        red.end_step()
-        before = red.second.residuals["p"].clone()
-        g = torch.randn(n, generator=gen)
-        if r == 1:
-            g[5] = float("inf")
-        s = red.reduce(g, layout, comm, 1)
-        red.end_step()
-        return before, red.second.residuals["p"].clone(), bool(torch.isfinite(s).all())
-
-    for before, after, finite in run_ranks(2, fn):
-        assert not finite and torch.equal(before, after)
+    rollback_on_two_ranks(lambda: GradientReducer("topk", 8.0, precondition=RMSOptions()), 2000,
+                          lambda red: [red.second.residuals["p"]])
 
 
 def test_config_refusals():

@@ -4,12 +4,12 @@ through checkpoints (a ``rms`` checkpoint is refused) and skipped steps; the con
 into SGD with momentum and dampening ``beta1``."""
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
 
-from tests.comm.test_precondition import SIZES, _ctx, _sgd_for_precondition, layout_of
+from tests.comm.test_precondition import (SIZES, _ctx, _sgd_for_precondition, layout_of, prescaled_pair, refuse_each_other,
+                                          rollback_on_two_ranks, round_trip)
 from tests.helpers.collectives import run_ranks
 from titan_ds.comm import GradientReducer
 from titan_ds.comm.base import LocalCollective
@@ -108,60 +108,21 @@ def test_one_rank_is_rms_and_more_ranks_step_larger_where_noise_dominates():
 
 
 def test_prescale_is_undone_for_the_moments():
-    layout = layout_of({"p": 3000})
-    g = torch.randn(3000)
-    opts = RMSOptions(kind="rms_mean")
-    a, b = GradientReducer("topk", 10.0, precondition=opts), GradientReducer("topk", 10.0, precondition=opts)
-    sa = a.reduce(g, layout, LocalCollective(), 0)
-    sb = b.reduce(g * 0.25, layout, LocalCollective(), 0, prescale=0.25)
+    a, b, sa, sb = prescaled_pair(RMSOptions(kind="rms_mean"), 3000)
     torch.testing.assert_close(a.first.residuals["p"], b.first.residuals["p"], rtol=1e-6, atol=0)
     torch.testing.assert_close(a.second.residuals["p"], b.second.residuals["p"], rtol=1e-6, atol=0)
     torch.testing.assert_close(sb, sa * 0.25, rtol=1e-6, atol=0)
 
 
 def test_moments_round_trip_rollback_and_refuse_an_rms_checkpoint():
-    n = 2000
-    layout = layout_of({"p": n})
-    xs = [torch.randn(n) for _ in range(6)]
     opts = RMSOptions(kind="rms_mean")
-    a = GradientReducer("topk", 20.0, precondition=opts)
-    for t in range(3):
-        a.reduce(xs[t], layout, LocalCollective(), t)
-        a.end_step()
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    buf.seek(0)
-    state = torch.load(buf, weights_only=False)
-    assert set(state["stores"]) == {"first_moment", "mean_second_moment"}
-    b = GradientReducer("topk", 20.0, precondition=opts)
-    b.load_state_dict(state)
-    for t in (3, 4):
-        assert torch.equal(a.reduce(xs[t], layout, LocalCollective(), t), b.reduce(xs[t], layout, LocalCollective(), t))
-        a.end_step()
-        b.end_step()
-    with pytest.raises(RuntimeError, match="compression state"):
-        GradientReducer("topk", 20.0, precondition=RMSOptions()).load_state_dict(state)
-    rms = GradientReducer("topk", 20.0, precondition=RMSOptions())
-    rms.reduce(xs[0], layout, LocalCollective(), 0)
-    rms.end_step()
-    with pytest.raises(RuntimeError, match="compression state"):
-        GradientReducer("topk", 20.0, precondition=opts).load_state_dict(rms.state_dict())
-
-    def fn(r, comm):  # a non-finite step on one rank: both moments go back to the step's start on every rank
-        red = GradientReducer("topk", 8.0, precondition=opts)
-        gen = torch.Generator().manual_seed(r)
-        red.reduce(torch.randn(n, generator=gen), layout, comm, 0)
-        red.end_step()
-        before = [red.first.residuals["p"].clone(), red.second.residuals["p"].clone()]
-        g = torch.randn(n, generator=gen)
-        if r == 1:
-            g[5] = float("nan")
-        s = red.reduce(g, layout, comm, 1)
-        red.end_step()
-        return before, [red.first.residuals["p"], red.second.residuals["p"]], bool(torch.isfinite(s).all())
-
-    for before, after, finite in run_ranks(2, fn):
-        assert not finite and all(torch.equal(x, y) for x, y in zip(before, after))
+    state = round_trip(lambda: GradientReducer("topk", 20.0, precondition=opts), 2000,
+                       {"first_moment", "mean_second_moment"})
+    refuse_each_other(lambda: GradientReducer("topk", 20.0, precondition=opts), state,
+                      lambda: GradientReducer("topk", 20.0, precondition=RMSOptions()))
+    # a non-finite step on one rank: both moments go back to the step's start on every rank
+    rollback_on_two_ranks(lambda: GradientReducer("topk", 8.0, precondition=opts), 2000,
+                          lambda red: [red.first.residuals["p"], red.second.residuals["p"]])
 
 
 def test_config_refusals():

@@ -8,7 +8,8 @@ compressor with the pieces every method shares:
    ``Segment.param_offset``), never per bucket, because DeepSpeed's bucket composition depends on hook
    order and ``reduce_bucket_size``. With ``precondition`` (``precondition.py``) ``flat`` is first divided by
    the RMS of this rank's own gradients (``rms``: a local Adam second moment) or by this rank's estimate of the
-   RMS of the ranks' mean gradient (``rms_mean``). With DGC's options (``topk`` only,
+   RMS of the ranks' mean gradient (``rms_mean``), or by its own RMS shape at the level of the ranks' mean gradient,
+   per tensor, from an all-reduced sign projection (``rms_sketch``). With DGC's options (``topk`` only,
    ``dgc.py``) ``flat`` is first clipped per parameter and turned into velocity, ``acc = residual + (m u + flat)``.
 2. ``summed, sent = compressor.reduce(acc, comm, seed, layout=, ratio=)``: ``summed`` is the sum over ranks
    of what each rank sent, identical on all ranks; ``sent`` is this rank's own contribution (dense, mostly
@@ -38,7 +39,8 @@ import torch
 
 from .base import CountingCollective, ResidualStore, Segment, check_layout, nonfinite, subtract_sent_, zero_where_sent_
 from .dgc import DGCOptions, clip_segments_, ratio_at
-from .precondition import RMSOptions, rms_mean_normalize_, rms_normalize_
+from .precondition import (RMSOptions, rms_mean_normalize_, rms_normalize_, rms_sketch_normalize_, sketch_key,
+                           sketch_projections, sketch_signs)
 from .qtopk import DEFAULT_BITS, DEFAULT_CHUNK
 from .registry import build_compressor
 
@@ -98,6 +100,10 @@ class GradientReducer:
             self.stores["momentum"] = self.momentum
         self.second = ResidualStore() if precondition is not None else None
         self.first = ResidualStore() if precondition is not None and precondition.kind == "rms_mean" else None
+        # rms_sketch: per tensor piece, [EMA of the mean gradient's mean square, its update count]
+        self.sketch = ResidualStore() if precondition is not None and precondition.kind == "rms_sketch" else None
+        if self.sketch is not None:
+            self.stores["mean_square_sketch"] = self.sketch
         if self.first is not None:  # rms_mean's d is not rms's v: a distinct name, so a checkpoint of one is refused
             self.stores["first_moment"] = self.first
             self.stores["mean_second_moment"] = self.second  # type: ignore[assignment]
@@ -180,7 +186,9 @@ class GradientReducer:
         if self.second is not None:  # local RMS preconditioning (precondition.py): acc <- g / sqrt(v_hat) * prescale
             t, opts = step - self.warmup_steps + 1, self.precondition
             # in place on the stored moments (journaled: a skipped step rolls them back with the residuals)
-            if self.first is None:
+            if self.sketch is not None:  # rms_sketch: one all-reduced projection per tensor piece first
+                self._sketch_normalize(acc, layout, comm, seed, t, prescale)
+            elif self.first is None:
                 self.second.update_(acc, layout, lambda v, a: rms_normalize_(a, v, t, opts, prescale))  # type: ignore[arg-type]
             else:  # rms_mean: the ranks' mean gradient's RMS, estimated from this rank's two moments
                 for s in layout:
@@ -205,6 +213,28 @@ class GradientReducer:
                 zero_where_sent_(velocity, sent)
             self.momentum.write(velocity, layout)  # type: ignore[union-attr]
         return summed.to(flat.dtype)
+
+    def _sketch_normalize(self, acc: torch.Tensor, layout: list[Segment], comm: Any, seed: int, t: int,
+                          prescale: float) -> None:
+        """``precondition="rms_sketch"`` (precondition.py): the ranks' mean gradient's projection per segment (one
+        all-reduce of ``len(layout)`` floats), its mean square's EMA per segment, then each segment normalized."""
+        opts, world = self.precondition, comm.world_size
+        assert opts is not None and self.sketch is not None and self.second is not None
+        s1, s2 = sketch_signs(acc.numel(), seed, acc.device)
+        proj = sketch_projections(acc, layout, s1, s2)
+        comm.all_reduce_sum(proj)
+        mean = proj / (world * prescale)  # the sum of the ranks' g * prescale, as the mean of their g
+        b2 = opts.beta2
+        for i, seg in enumerate(layout):
+            key = sketch_key(seg)
+            old = self.sketch.get(key)
+            if old is None:
+                old = acc.new_zeros(2, dtype=torch.float32)
+            ms, count = old[0] * b2 + (1.0 - b2) * mean[i] * mean[i] / seg.numel, old[1] + 1.0
+            self.sketch.put(key, torch.stack([ms, count]))
+            level = ms / (1.0 - torch.pow(b2, count))
+            rms_sketch_normalize_(acc[seg.flat_offset:seg.flat_offset + seg.numel], self.second.slice_(seg, acc.device),
+                                  t, opts, level, world, prescale)
 
     def take_metrics(self) -> dict[str, Any]:
         """Bytes since the previous call (one optimizer step when called per step), then reset the window.
