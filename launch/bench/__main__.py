@@ -33,8 +33,8 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
     "seed-table": ("launch/bench/seed_table.py", "the seed's figures (35x / 100x / 1/10) with quality, 2 ranks"),
     "compression": ("launch/bench/bench_compress.py", "gradient compression on DeepSpeed's reduce path, 2 ranks"),
     "compression-scale": ("launch/bench/compress_scale.py", "gradient compression at W simulated workers"),
-    "rms-variants": ("launch/bench/rms_variants.py", "per-worker RMS preconditioning at W workers, uncompressed: "
-                     "which denominator and momentum match dense AdamW"),
+    "rms-variants": ("launch/bench/rms_variants.py", "per-worker RMS preconditioning at W workers, uncompressed or "
+                     "compressed: which denominator and momentum match dense AdamW"),
     "local-updates": ("launch/bench/bench_diloco.py", "local updates (DiLoCo) with a compressed outer step at W workers"),
     "many-workers": ("launch/bench/many_workers.py", "loss vs bytes received per worker, W = 2..128, every method "
                      "(reads the compression-scale and local-updates stores; runs nothing)"),
@@ -80,8 +80,11 @@ TABLES: dict[str, tuple[str, list[str]]] = {
                                                            "results/compress_qtopk_w32_1000",
                                                            "results/compress_qtopk_sharded_w8_lr",
                                                            "results/compress_qtopk_w32_ag",
-                                                           "results/compress_rms_mean_w32"]),
-    "rms-variants": ("launch.bench.rms_variants", ["results/rms_variants_w32"]),
+                                                           "results/compress_rms_mean_w32",
+                                                           "results/compress_sketch_w8_1000",
+                                                           "results/compress_sketch_w32_1000"]),
+    "rms-variants": ("launch.bench.rms_variants", ["results/rms_variants_w32", "results/rms_compressed_w32_300",
+                                                   "results/rms_compressed_w32_1000"]),
     "local-updates": ("launch.bench.bench_diloco", ["results/diloco", "results/diloco_long", "results/diloco_cltk"]),
     "many-workers": ("launch.bench.many_workers", ["results/many_workers"]),
     "plan-accuracy": ("launch.bench.plan_accuracy", ["results/plan_accuracy"]),
@@ -175,6 +178,9 @@ RESULTS: list[Result] = [
     Result("rms-variants", "results/rms_variants_w32.md", _f(
         "W=32, uncompressed, 1000 steps: rms_mean's formula (ncd) {delta_vs_dense} nats vs dense AdamW (seed 0)",
         "variant", "ncd")),
+    Result("rms-variants", "results/rms_compressed_w32_1000.md", _f(
+        "W=32, 100x sharded, 1000 steps: the exact mean-gradient RMS (oracle) {delta_vs_dense} nats vs dense AdamW "
+        "(seed 0; the denominator no longer the limit)", "variant", "oracle")),
     Result("local-updates", "results/diloco/table.md", _f(
         "W={W}, {x_recv}x received: DiLoCo + top-k outer {delta_vs_dense} nats vs dense (target 0.05: missed)", "method",
         "diloco+topk H=20"), "python launch/bench/bench_diloco.py --workers 8,32 --steps 200 --lrs 1e-3 --seeds 1 "

@@ -64,7 +64,8 @@ def collect(root: Path = ROOT) -> list[dict[str, Any]]:
                     ", sharded" if q["exchange"] == "sharded" else "")
             if family is None or r.get("rank") or r.get("dgc"):
                 continue
-            setting = f"ratio {r['ratio']:g}" + (f", {q['bits']}-bit, chunk {q['chunk']}" if q else "")
+            setting = f"ratio {r['ratio']:g}" + (f", {q['bits']}-bit, chunk {q['chunk']}" if q else "") + (
+                f", gather_share {q['gather_share']:g}" if q and "gather_share" in q else "")
             out.append({"source": rel, "family": family, "setting": setting,
                         "world": r["world"], "steps": r["steps"], "seed": r["seed"], "lr": r["lr"],
                         "val_loss": r["val_loss"], "x_recv": r["wire_x_recv"],
