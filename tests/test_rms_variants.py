@@ -1,5 +1,6 @@
-"""`launch/bench/rms_variants.py` (issue 30's uncompressed preconditioning probe): every variant trains, and with
-one worker the mean-gradient estimates reduce to the worker's own RMS (the docstring's algebra)."""
+"""`launch/bench/rms_variants.py` (issue 30's preconditioning probe): every variant trains, uncompressed and
+compressed; with one worker the mean-gradient estimates reduce to the worker's own RMS (the docstring's algebra),
+compressed too (the clamp to [v / W, v] is v at W = 1)."""
 from __future__ import annotations
 
 import math
@@ -24,4 +25,19 @@ def test_one_worker_mean_estimate_is_the_workers_own_rms():
                      "val_loss": 3.0, "seconds": 1.0},
                     {"variant": "rms", "post_momentum": 0.9, "lr": 3e-3, "world": 1, "steps": 4, "seed": 0,
                      "val_loss": rms, "seconds": 1.0}], "cmd")
-    assert f"| rms | 1 | 4 | 0.9 | 0.003 | 0 | {rms:.4f} | {rms - 3.0:+.4f} |" in table
+    assert f"| rms | 1 | 4 | 0.9 | - | 0.003 | 0 | {rms:.4f} | {rms - 3.0:+.4f} |" in table
+
+
+def test_compressed_one_worker_sketch_is_rms_and_sharded_rows_render():
+    kw = dict(world=1, steps=4, seed=0, beta1=0.9, post_momentum=0.0, ratio=100.0, bits=2, chunk=256,
+              exchange="sharded")
+    rms = train("rms", 3e-3, **kw)
+    osk = train("osk", 3e-3, **kw, clamp=True, all_scalar=True)
+    assert osk["val_loss"] == pytest.approx(rms["val_loss"], abs=1e-5)
+    assert rms["k_chunk"] >= 1 and rms["k2"] >= 1 and math.isfinite(rms["val_loss"])
+    table = render([{**osk, "gather_share": 0.6}], "cmd")
+    assert "| osk (every 1, s=1, clamped, all scalar) | 1 | 4 | 0 | 100 (value, 2-bit, chunk 256, sharded, share 0.6) |" \
+        in table
+    two = train("osk", 3e-3, world=2, steps=3, seed=0, beta1=0.9, post_momentum=0.0, ratio=100.0, bits=2, chunk=256,
+                clamp=True, all_scalar=True)
+    assert math.isfinite(two["val_loss"]) and two["stat_floats"] == 29
