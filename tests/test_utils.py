@@ -26,3 +26,36 @@ def test_free_port_falls_back_on_the_kernel_when_every_probe_is_taken(monkeypatc
 
     monkeypatch.setattr(utils.socket, "socket", Taken)
     assert utils.free_port() >= 1024
+
+
+def test_a_launch_that_lost_its_port_is_retried_on_a_new_one_and_nothing_else_is(tmp_path):
+    """The probe releases the port before the ranks bind it, so another worker's launch can take it in between
+    (CI failed once with EADDRINUSE): the test launcher retries that failure on a fresh port, and only that."""
+    import sys
+
+    from tests.helpers.launch import run_on_free_port
+
+    ports = []
+
+    def lost_once(port):
+        ports.append(port)
+        msg = "EADDRINUSE: address already in use" if len(ports) == 1 else "ok"
+        return [sys.executable, "-c", f"import sys; print({msg!r}); sys.exit({int(len(ports) == 1)})"]
+
+    p = run_on_free_port(lost_once, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok" and len(ports) == 2
+
+    calls = []
+
+    def fails(port):
+        calls.append(port)
+        return [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
+
+    p = run_on_free_port(fails, timeout=60)
+    assert p.returncode == 3 and len(calls) == 1  # a real failure is not hidden by retries
+
+    taken = []
+    p = run_on_free_port(lambda port: taken.append(port) or [sys.executable, "-c",
+                                                             "import sys; sys.exit('Address already in use')"],
+                         attempts=2, timeout=60)
+    assert p.returncode == 1 and len(taken) == 2  # gives up after `attempts`, returning the last failure

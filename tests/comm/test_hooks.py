@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import run as run_group
+from tests.helpers.launch import run_on_free_port
 from titan_ds.comm import hooks
 from titan_ds.config import TitanConfig, TitanConfigError
 from titan_ds.engine import InitContext, prepare
-from titan_ds.utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,10 +97,11 @@ def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: f
     out = tmp_path / "summary.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TITAN_TEST_CKPT=str(tmp_path / "ckpt"))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests/comm/multirank_compress.py"), "--stage", str(stage), "--methods", methods,
-           "--reduce-scatter", str(reduce_scatter), "--ratio", str(ratio), "--steps", "30", "--out", str(out)]
-    proc = run_group(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = run_on_free_port(lambda port: [
+        str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
+        str(ROOT / "tests/comm/multirank_compress.py"), "--stage", str(stage), "--methods", methods,
+        "--reduce-scatter", str(reduce_scatter), "--ratio", str(ratio), "--steps", "30", "--out", str(out)],
+        env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -51,8 +51,26 @@ def run(cmd, *, timeout: float, check: bool = False, capture_output: bool = Fals
     return r
 
 
+PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+def port_was_taken(p: subprocess.CompletedProcess) -> bool:
+    """The run failed because its rendezvous port was bound by someone else between ``free_port``'s probe and
+    the store's bind (a race with the other xdist worker's launches; seen once in CI)."""
+    return p.returncode != 0 and any(m in (p.stdout or "") + (p.stderr or "") for m in PORT_TAKEN)
+
+
+def run_on_free_port(build, *, attempts: int = 3, **kwargs) -> subprocess.CompletedProcess:
+    """``run(build(port), **kwargs)`` on a fresh ``free_port()``, again on a new port (at most ``attempts`` times)
+    when the rendezvous lost its port to another process; any other failure is returned at once."""
+    for _ in range(attempts):
+        p = run(build(free_port()), capture_output=True, text=True, **kwargs)
+        if not port_was_taken(p):
+            return p
+    return p
+
+
 def run_deepspeed(script: str | Path, *args: str, num_ranks: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
     ds = Path(sys.executable).with_name("deepspeed")
-    env = clean_env()
-    cmd = [str(ds), "--num_gpus", str(num_ranks), "--master_port", str(free_port()), str(script), *args]
-    return run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_on_free_port(lambda port: [str(ds), "--num_gpus", str(num_ranks), "--master_port", str(port),
+                                          str(script), *args], cwd=ROOT, env=clean_env(), timeout=timeout)

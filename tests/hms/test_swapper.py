@@ -14,7 +14,7 @@ from collections import Counter, OrderedDict
 import pytest
 import torch
 
-from tests.helpers.launch import run as run_group
+from tests.helpers.launch import run_on_free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -22,23 +22,20 @@ HARNESS = os.path.join(HERE, "zero3_harness.py")
 PY = sys.executable
 
 
-def _port() -> int:
-    from titan_ds.utils import free_port
-    return free_port()
-
-
 def run(tmp, name, *args, ranks=1):
     out = str(tmp / f"{name}.pt")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
-    if ranks == 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
-        cmd = [PY, HARNESS]
-    else:
+    tail = ["--out", out, "--nvme", str(tmp / "nvme" / name), *map(str, args)]
+
+    def build(port):
+        if ranks == 1:
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            return [PY, HARNESS, *tail]
         ds = os.path.join(os.path.dirname(PY), "deepspeed")
-        cmd = [ds, "--num_gpus", str(ranks), "--master_port", str(_port()), HARNESS]
-    cmd += ["--out", out, "--nvme", str(tmp / "nvme" / name), *map(str, args)]
-    p = run_group(cmd, env=env, capture_output=True, text=True, timeout=900)
+        return [ds, "--num_gpus", str(ranks), "--master_port", str(port), HARNESS, *tail]
+
+    p = run_on_free_port(build, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return [torch.load(out.replace(".pt", f".rank{r}.pt"), weights_only=False) for r in range(ranks)]
 
