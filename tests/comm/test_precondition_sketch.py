@@ -148,6 +148,23 @@ def test_the_clamp_bounds_the_step_between_rms_and_sqrt_w_times_rms():
         rms_sketch_normalize_(g.clone(), torch.zeros(1000), 1, opts, torch.tensor(1.0), world=0)
 
 
+def test_chunking_the_segment_changes_no_bit(monkeypatch):
+    """The segment is stepped in chunks (one chunk's temporaries, not three of the whole segment); the level's ratio
+    uses the whole segment's mean either way, so the chunk size changes nothing, prescale included."""
+    from titan_ds.comm import precondition
+
+    g, v0 = torch.randn(10_000), torch.rand(10_000)
+    opts = RMSOptions(kind="rms_sketch")
+    out = []
+    for chunk in (1 << 20, 777):
+        monkeypatch.setattr(precondition, "_CHUNK", chunk)
+        a, v = g.clone() * 4.0, v0.clone()
+        for t in (1, 2):
+            rms_sketch_normalize_(a, v, t, opts, torch.tensor(0.3), world=8, prescale=4.0)
+        out.append((a, v))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 def test_one_more_all_reduce_of_one_float_per_segment_is_counted():
     layout = layout_of(SIZES)
     n = sum(SIZES.values())

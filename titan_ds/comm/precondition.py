@@ -190,9 +190,13 @@ def rms_sketch_normalize_(acc: torch.Tensor, second: torch.Tensor, t: int, opts:
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     c2 = 1.0 - opts.beta2 ** t
-    g = acc / prescale if prescale != 1.0 else acc
-    second.mul_(opts.beta2).addcmul_(g, g, value=1.0 - opts.beta2)
-    vh = second / c2
-    scale = level / vh.mean().clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.minimum(torch.maximum(vh * scale, vh / world), vh)
-    acc.div_(q.sqrt_().add_(opts.eps))
+    for lo in range(0, acc.numel(), _CHUNK):  # v's step first: the level's ratio needs the whole segment's mean
+        a, v = acc[lo:lo + _CHUNK], second[lo:lo + _CHUNK]
+        g = a / prescale if prescale != 1.0 else a
+        v.mul_(opts.beta2).addcmul_(g, g, value=1.0 - opts.beta2)
+    scale = level / (second.mean() / c2).clamp_min(torch.finfo(torch.float32).tiny)  # 0-dim: no host wait
+    for lo in range(0, acc.numel(), _CHUNK):  # temporaries of one chunk, not of the whole segment
+        a = acc[lo:lo + _CHUNK]
+        vh = second[lo:lo + _CHUNK] / c2
+        q = torch.maximum(vh * scale, vh / world)
+        a.div_(torch.minimum(q, vh, out=q).sqrt_().add_(opts.eps))
