@@ -47,3 +47,29 @@ def test_a_larger_sub_group_grows_the_scratch(tmp_path):
         sw.swap_out_optimizer_state(p)
     assert sw._grad_scratch.numel() == 5000
     store.close()
+
+
+def test_a_sub_group_laid_out_back_to_back_in_zero3s_buffer_steps_on_it_without_a_copy(tmp_path):
+    """ZeRO-3 lays its fp32 gradient partitions out in the sub-groups' order (``grad_partitions_flat_buffer``): a
+    sub-group whose pieces lie there back to back is handed that range itself, not a copy in the scratch; pieces
+    that do not (out of place, a gap, or some in the store) are copied as before, with the same values."""
+    store = TensorStore([Tier(str(tmp_path / "s"))], durable=False)
+    sw, opt, ps = _swapper(tmp_path, store, depth=0, n=3000, groups=3)
+    flat = torch.randn(10_000)
+    sw.grad_buffer = flat  # as install's attach sets it ("dram"); the disk mapping is the same case
+    sw.swap_out_gradients(ps[0], [1000, 0], [flat[1000:3000], flat[:1000]])  # back to back, handed out of order
+    sw.swap_out_gradients(ps[1], [0, 1000], [flat[3000:4000], flat[4500:6500]])  # not back to back in the buffer
+    sw.swap_out_gradients(ps[2], [0], [flat[7000:]])
+    want = [flat[:3000].clone(), torch.cat([flat[3000:4000], flat[4500:6500]]), flat[7000:].clone()]
+    for i, p in enumerate(ps):
+        sw.swap_in_optimizer_state(p)
+        assert torch.equal(p.grad, want[i]), i
+        in_buffer = p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert in_buffer == (i != 1), i
+        if in_buffer:
+            assert p.grad.data_ptr() == flat[{0: 0, 2: 7000}[i]:].data_ptr()
+        p.grad.mul_(0.5)  # ZeRO-3's clip scales it in place: the buffer's range is dead after the step anyway
+        sw.swap_out_optimizer_state(p)
+    assert sw.grads_in_place == 2 and torch.equal(flat[:3000], want[0] * 0.5)
+    assert torch.equal(flat[3000:4000], want[1][:1000])  # the copied sub-group left the buffer alone
+    store.close()

@@ -388,6 +388,7 @@ class HMSOptimizerSwapper:
         # the sub-group's fp32 gradient during its step, one buffer for every sub-group of a step (grown to the
         # largest), dropped at the step's end (flush): _gradient_into
         self._grad_scratch: Optional[torch.Tensor] = None
+        self.grads_in_place = 0  # sub-group steps whose gradient was ZeRO-3's buffer itself (_gradient_in_place)
         # the sub-groups' fp32 masters read from their partitions, alternately into two buffers kept for the step
         # (_master_buffer), once reuse_master_buffers was called
         self._masters: list[Optional[torch.Tensor]] = [None, None]
@@ -529,11 +530,13 @@ class HMSOptimizerSwapper:
             spans = sorted([*(pieces or ()), *((off, v.numel()) for off, v in views or ())])
             whole = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0 and \
                 spans[-1][0] + spans[-1][1] == self._numel[pid]
-            g = self._gradient_into(self._numel[pid], whole)
-            for off, n in pieces or ():
-                self.store.get(f"opt/{pid}/grad/{off}", out=g.narrow(0, off, n))
-            for off, v in views or ():
-                g.narrow(0, off, v.numel()).copy_(v.reshape(-1))
+            g = self._gradient_in_place(pid, views) if whole and not pieces else None
+            if g is None:
+                g = self._gradient_into(self._numel[pid], whole)
+                for off, n in pieces or ():
+                    self.store.get(f"opt/{pid}/grad/{off}", out=g.narrow(0, off, n))
+                for off, v in views or ():
+                    g.narrow(0, off, v.numel()).copy_(v.reshape(-1))
             parameter.grad = g
         self.stall_s += time.perf_counter() - t0
         if (tl := _timeline()) is not None:
@@ -578,6 +581,21 @@ class HMSOptimizerSwapper:
         elif self.param_swapper is not None:
             self.param_swapper.wait_for_storage(buf.untyped_storage().data_ptr())
         return buf[:numel]
+
+    def _gradient_in_place(self, pid, views) -> Optional[torch.Tensor]:
+        """The sub-group's gradient as one view of ZeRO-3's gradient buffer (the file mapping of
+        ``gradient_buffer: "disk"`` or its CPU buffer with ``"dram"``) when its pieces lie there back to back in
+        the sub-group's order, as ZeRO-3 lays them out (``grad_partitions_flat_buffer`` follows the sub-groups'
+        parameters in order): no copy into the scratch. None otherwise (the caller copies). The step may change
+        it in place (ZeRO-3 scales it by the clip coefficient): the values are dead after the step, and the next
+        backward overwrites them (its first micro-step copies, it does not add)."""
+        first = min(views, key=lambda ov: ov[0])[1]  # offset 0: the pieces tile the sub-group
+        storage, base, esize = first.untyped_storage(), first.data_ptr(), first.element_size()
+        if any(v.untyped_storage().data_ptr() != storage.data_ptr() or v.data_ptr() != base + off * esize
+               for off, v in views):
+            return None
+        self.grads_in_place += 1
+        return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (self._numel[pid],), (1,))
 
     def _gradient_into(self, numel: int, whole: bool) -> torch.Tensor:
         """A sub-group's fp32 gradient buffer: a view of one scratch tensor that every sub-group of the step reuses
