@@ -160,3 +160,22 @@ def test_bounds_price_io_at_this_invocations_disk_probe_kept_beside_the_table(tm
     monkeypatch.setattr(bench, "_DISK", {})
     stale = bench.disk_speeds(str(tmp_path), tmp_path / "none.disk.json", no_run=True)
     assert stale["source"] == "results/hms_timeline/disk.json" and len(calls) == 1
+
+
+def test_build_ops_builds_titans_kernel_too_outside_the_cap(monkeypatch):
+    """A capped trial must not JIT-compile an op (its peak would be g++'s): build_ops builds DeepSpeed's ops and
+    titan's CPU optimizer kernel first, uncapped (without titan's, a first titan_balanced trial peaked at 2.93 GiB
+    against 1.42)."""
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    bench.build_ops({})
+    code = calls[0][-1]
+    assert "CPUAdamBuilder().load" in code and "AsyncIOBuilder().load" in code
+    assert "from titan_ds.optim import core_cpu; core_cpu.available()" in code
