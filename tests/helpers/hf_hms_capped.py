@@ -1,10 +1,12 @@
 """One HF ``Trainer`` run of a saved Llama under ZeRO-3, for the capped comparison of tests/test_hf_hms.py:
 ``--mode hms`` (ds_configs/hf_hms.json: parameters and optimizer state in HMS's store, the model built under
-``titan_ds.zero_init`` through ``titan_ds.install()``) or ``--mode cpu`` (the same config without ``titan``,
-parameters and optimizer state offloaded to CPU memory: DeepSpeed's own way to fit a model in RAM). Prints the
-training losses as the last line (JSON).
+``titan_ds.zero_init`` through ``titan_ds.install()``), ``--mode cpu`` (the same config without ``titan``,
+parameters and optimizer state offloaded to CPU memory: DeepSpeed's own way to fit a model in RAM) or ``--mode
+zinf`` (ZeRO-Infinity as ``titan-ds plan`` and launch/bench/hms_scale.py configure it: optimizer state on NVMe
+through DeepSpeed's async_io op, parameters in CPU memory, DeepSpeedCPUAdam; needs libaio). Prints the training
+losses as the last line (JSON).
 
-    python tests/helpers/hf_hms_capped.py --model-dir DIR --work DIR --mode hms --steps 3 [--load-only]
+    python tests/helpers/hf_hms_capped.py --model-dir DIR --work DIR --mode hms|cpu|zinf --steps 3 [--load-only]
 """
 from __future__ import annotations
 
@@ -21,9 +23,16 @@ def ds_config(mode: str, work: Path) -> dict:
     cfg = json.loads((ROOT / "ds_configs" / "hf_hms.json").read_text())
     if mode == "hms":
         cfg["titan"]["hms"]["nvme_path"] = str(work / "store")
-    else:
-        del cfg["titan"]
+        return cfg
+    del cfg["titan"]
+    if mode == "cpu":
         cfg["zero_optimization"].update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
+        return cfg
+    from titan_ds.plan import candidate_config
+    zinf = candidate_config("zero_inf", nvme_path=str(work / "zinf"))  # its offload, buffer and aio settings
+    cfg["zero_optimization"].update({k: v for k, v in zinf["zero_optimization"].items() if k != "stage"})
+    cfg["aio"] = zinf["aio"]
+    cfg["zero_force_ds_cpu_optimizer"] = True  # accelerate turns the Trainer's AdamW into DeepSpeedCPUAdam
     return cfg
 
 
@@ -31,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--work", required=True)
-    ap.add_argument("--mode", choices=("hms", "cpu"), required=True)
+    ap.add_argument("--mode", choices=("hms", "cpu", "zinf"), required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--load-only", action="store_true", help="stop after from_pretrained (its memory alone)")
