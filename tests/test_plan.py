@@ -182,13 +182,15 @@ def test_parse_size():
 
 
 def test_optimizer_dram_budget_is_half_the_spare_of_hms_candidates_only():
-    from titan_ds.plan import optimizer_dram_budget
+    from titan_ds.plan import optimizer_dram_budget, usable_dram
     m = model_spec("gpt:24x1024")
     by = {c.mode: c for c in candidates(m, seq=128, micro=1, cpu_mem=8 * GiB, disk=100 * GiB)}
     assert optimizer_dram_budget(by["zero3_cpu"], 8 * GiB) == 0 and optimizer_dram_budget(by["zero_inf"], 8 * GiB) == 0
     hms = by["hms"]
-    assert optimizer_dram_budget(hms, 8 * GiB) == int((8 * GiB - hms.dram_peak) / 2) // 2**20 > 0
-    assert optimizer_dram_budget(hms, 8 * GiB, ranks=2) == int((4 * GiB - hms.dram_peak) / 2) // 2**20
+    # half of what the cap less plan's headroom leaves beside the predicted peak
+    assert optimizer_dram_budget(hms, 8 * GiB) == int((0.9 * 8 * GiB - hms.dram_peak) / 2) // 2**20 > 0
+    assert usable_dram(8 * GiB) == pytest.approx(0.9 * 8 * GiB)
+    assert optimizer_dram_budget(hms, 8 * GiB, ranks=2) == int((0.9 * 4 * GiB - hms.dram_peak) / 2) // 2**20
     assert optimizer_dram_budget(hms, hms.dram_peak * 0.9) == 0  # nothing left: none
     assert "optimizer_dram_mb" not in candidate_config("hms")["titan"]["hms"]
     assert candidate_config("hms", optimizer_dram_mb=300)["titan"]["hms"]["optimizer_dram_mb"] == 300
@@ -226,10 +228,11 @@ def test_cli_prints_the_table_and_writes_the_best(tmp_path):
     assert "| zero2 | no |" in p.stdout and "best fitting: hms" in p.stdout
     cfg = json.loads(out.read_text())
     assert cfg["titan"]["hms"]["nvme_path"] == str(tmp_path / "nvme")
-    # half of what the 3 GiB leave beside the chosen candidate's predicted peak keeps optimizer sub-groups in DRAM
+    # half of what the 3 GiB (less plan's 10% headroom) leave beside the chosen candidate's predicted peak keeps
+    # optimizer sub-groups in DRAM
     m = model_spec("gpt:24x1024")
     best = next(c for c in candidates(m, seq=128, micro=1, cpu_mem=3 * GiB, disk=20 * GiB) if c.fits)
-    want = int((3 * GiB - best.dram_peak) / 2) // 2**20
+    want = int((0.9 * 3 * GiB - best.dram_peak) / 2) // 2**20
     assert want > 0 and cfg["titan"]["hms"]["optimizer_dram_mb"] == want
     assert f"titan.hms.optimizer_dram_mb {want}" in p.stdout
     TitanConfig.from_ds_config(cfg)

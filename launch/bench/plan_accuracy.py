@@ -50,7 +50,7 @@ GiB = 1 << 30
 VALIDATION_SHAPES = [("zero2", "gpt:6x1024", 1), ("zero3", "gpt:8x1024", 1), ("zero3_cpu", "gpt:12x1024", 1),
                      ("hms", "gpt:24x1024", 1), ("hms_asdt", "gpt:24x1024", 1), ("zero2", "gpt:8x640", 2),
                      ("hms_asdt_bf16", "gpt:24x1024", 1), ("hms", "gpt:4x2048", 1), ("hms_asdt_bf16", "gpt:2x4096", 1),
-                     ("hms_asdt_bf16", "gpt:4x4096", 1)]
+                     ("hms_asdt_bf16", "gpt:4x4096", 1), ("hms_dram", "gpt:12x1024", 1)]
 REPEATS = 2  # each validation run is measured this many times (repeat 0, 1, ...): the table shows every repeat
 VALIDATION = [(mode, spec, ranks, rep) for mode, spec, ranks in VALIDATION_SHAPES for rep in range(REPEATS)]
 # What the runs recorded before the results store (no code_hash: every calibration run, the validation runs of
@@ -132,18 +132,24 @@ class Runs(ResultLog):
         self.as_run = {}  # key -> predict()'s step_temp/pipeline_depth for the code the run measured
         for rec in self.store.records:
             r = rec["result"]
-            self.as_run[self._key({**r, "repeat": r.get("repeat", 0)})] = (
-                EARLIER_CODE if rec["code_hash"] is None else
-                {k: r[k] for k in ("step_temp", "pipeline_depth") if k in r})
+            self.as_run[self._key({**r, "repeat": r.get("repeat", 0)})] = as_run_of(rec)
 
     def get(self, mode, spec, ranks, repeat=0, **kw) -> dict:  # type: ignore[override]
-        self.as_run.setdefault((mode, spec, ranks, repeat), {"step_temp": dict(load_step_temp()),
-                                                             "pipeline_depth": PIPELINE_DEPTH})
-        return super().get((mode, spec, ranks, repeat),
-                           lambda: {**measure(mode, spec, ranks, **kw), "repeat": repeat,
-                                    **self.as_run[mode, spec, ranks, repeat]},
-                           lambda r: f"{mode} {spec} x{ranks} #{repeat}: {r['status']}, peak anon "
-                                     f"{r['measured_GiB']:.3f} GiB, {r['wall_s']:.0f} s")
+        today = {"step_temp": dict(load_step_temp()), "pipeline_depth": PIPELINE_DEPTH}  # a run measured now
+        r = super().get((mode, spec, ranks, repeat),
+                        lambda: {**measure(mode, spec, ranks, **kw), "repeat": repeat, **today},
+                        lambda r: f"{mode} {spec} x{ranks} #{repeat}: {r['status']}, peak anon "
+                                  f"{r['measured_GiB']:.3f} GiB, {r['wall_s']:.0f} s")
+        self.as_run[mode, spec, ranks, repeat] = {k: r[k] for k in ("step_temp", "pipeline_depth") if k in r} or today
+        return r
+
+
+def as_run_of(rec: dict) -> dict:
+    """predict()'s ``step_temp``/``pipeline_depth`` for the code a stored run measured: :data:`EARLIER_CODE` for the
+    runs recorded before the results store (no ``code_hash``), else what the run recorded."""
+    if rec.get("code_hash") is None:
+        return EARLIER_CODE
+    return {k: rec["result"][k] for k in ("step_temp", "pipeline_depth") if k in rec["result"]}
 
 
 def calibrate(runs: Runs, shapes: list[str], kw: dict) -> dict:
