@@ -1,4 +1,6 @@
 """launch/bench/harness.py compare: per-row arguments reach only their row; the table is written from the summaries."""
+import json
+
 from launch.bench import harness
 
 
@@ -43,6 +45,12 @@ def test_bench_compress_rows_validate_and_give_dgc_its_beta1():
     for r in rows[1:]:
         assert TitanConfig.from_ds_config(r[1]).compression is not None, r[0]
         assert r[1]["zero_optimization"] == {"stage": 2}
+    a.rms_lr = "1e-3"
+    (name, cfg, args), = bc.rows(["rms_sketch"], [50.0], 0, 0, [1], a)[1:]
+    shipped = json.loads((harness.ROOT / "ds_configs/compress_rms_sketch.json").read_text())["titan"]["compression"]
+    assert name == "rms_sketch_50x" and args == ["--lr", "1e-3"] and cfg["gradient_clipping"] == 0.0
+    assert cfg["titan"]["compression"] == {**shipped, "ratio": 50.0}  # the shipped section at the row's ratio
+    assert TitanConfig.from_ds_config(cfg).compression.precondition == "rms_sketch"
 
 
 def test_compare_resume_reuses_finished_rows_and_reruns_failed_or_changed_ones(tmp_path, monkeypatch):

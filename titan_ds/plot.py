@@ -110,6 +110,27 @@ def plot_curves(curves: dict[str, list[tuple[float, float, float]]], path: str, 
     plt.close(fig)
 
 
+def plot_lines(series: dict[str, list[tuple[float, float]]], path: str, *, title: str = "", xlabel: str = "",
+               ylabel: str = "") -> None:
+    """One line per series through its ``(x, y)`` points on linear axes (e.g. validation loss against step)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, pts in series.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, lw=1.2, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _log_x_axes(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str) -> None:
     """A log x axis with plain tick labels (30, 300: not 3x10^1), labels, title, grid, legend, tight layout."""
     import matplotlib.ticker

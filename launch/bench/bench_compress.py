@@ -15,7 +15,8 @@ with momentum its rows train with AdamW ``--beta1 --dgc-beta1``, default 0, beca
 already is the momentum); ``powersgd`` at each of ``--ranks`` (its bytes follow from the rank, not ``--ratios``);
 ``rms`` is ``topk`` with ``precondition: "rms"`` (each rank's gradient divided by the RMS of its own gradients;
 titan turns the client AdamW into SGD; no dense warm-up and no global clipping, which it refuses; ``--rms-lr``
-gives its rows their own lr).
+gives its rows their own lr); ``rms_sketch`` is ``ds_configs/compress_rms_sketch.json``'s section (sharded 2-bit
+``qtopk``, ``precondition: "rms_sketch"``) at each ratio, with the rms rows' lr and clipping.
 Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the collective per
 rank), ``wire_x_run`` (whole run, warm-up and ramp included), ``step_time_ratio``, ``peak_rss_ratio``.
 Resumable: each finished row is recorded in ``<out>.jsonl`` at once (``launch/bench/store.py``); a rerun reuses
@@ -29,7 +30,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 from launch.bench.harness import add_dgc_args, baseline_config, compare, seed_verdict  # noqa: E402
 
@@ -66,11 +68,14 @@ def rows(methods: list[str], ratios: list[float], warmup: int, stage: int, ranks
         for m, rs in own.items():
             if m == "powersgd" or ratio not in rs:
                 continue
-            elif m == "rms":
-                comp = {"method": "topk", "ratio": ratio, "error_feedback": True, "precondition": "rms"}
+            elif m in ("rms", "rms_sketch"):
+                comp = ({"method": "topk", "ratio": ratio, "error_feedback": True, "precondition": "rms"}
+                        if m == "rms" else  # ds_configs/compress_rms_sketch.json's section at this ratio
+                        {**json.loads((ROOT / "ds_configs" / "compress_rms_sketch.json").read_text())["titan"][
+                            "compression"], "ratio": ratio})
                 lrs = a.rms_lr.split(",") if a is not None and a.rms_lr else [None]
                 for lr in lrs:
-                    out.append((f"rms_{ratio:g}x" + (f"_lr{lr}" if len(lrs) > 1 else ""),
+                    out.append((f"{m}_{ratio:g}x" + (f"_lr{lr}" if len(lrs) > 1 else ""),
                                 baseline_config(stage=stage, gradient_clipping=0.0, titan={"compression": comp}),
                                 ["--lr", lr] if lr is not None else []))
             elif m == "dgc":

@@ -134,10 +134,11 @@ def qtopk_options(method: str) -> Optional[dict]:
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,
               context: int = 64, n_layer: int = 2, n_embd: int = 64, lr: float = 1e-3, seed: int = 0,
               warmup: int = 0, val_batches_n: int = 8, rank: Optional[int] = None,
-              dgc: Optional[dict] = None) -> dict[str, Any]:
+              dgc: Optional[dict] = None, curve_every: int = 0) -> dict[str, Any]:
     """Train the tiny GPT data-parallel over ``world`` virtual workers with ``method``; one result row.
 
-    ``rank``: PowerSGD's; ``dgc``: DGC's options plus ``beta1``, the AdamW beta1 of this row."""
+    ``rank``: PowerSGD's; ``dgc``: DGC's options plus ``beta1``, the AdamW beta1 of this row; ``curve_every``: also
+    record the validation loss every that many steps (``curve``: ``[step, val_loss]`` pairs; 0: only the last)."""
     torch.manual_seed(seed)
     model = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)
     layout, params = _layout(model)
@@ -156,6 +157,7 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
     reducers = [make_reducer(method_reducer, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc) for _ in range(world)]
     sim = SimCollective(world)
+    curve: list[list[float]] = []
     t0 = time.perf_counter()
     for step in range(steps):
         flats = []
@@ -179,17 +181,21 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
         opt.step()
         for r in reducers:
             r.end_step()
+        if curve_every and (step + 1) % curve_every == 0 and step + 1 < steps:
+            curve.append([step + 1, _val_loss(model, corpus.val, val_batches_n, micro_batch * 4, context)])
     dense = ring_allreduce_bytes(4 * n, world) * steps
     sent, recv = sum(sim.sent) / world, sum(sim.received) / world
+    val = _val_loss(model, corpus.val, val_batches_n, micro_batch * 4, context)
+    extra = {"curve": curve + [[steps, val]]} if curve_every else {}
     return {"method": method, "ratio": ratio, "world": world, "steps": steps, "micro_batch": micro_batch,
             "context": context, "n_layer": n_layer, "n_embd": n_embd, "lr": lr, "seed": seed, "warmup": warmup,
             "rank": rank, "dgc": _dgc_label(dgc),
-            "params": n, "val_loss": _val_loss(model, corpus.val, val_batches_n, micro_batch * 4, context),
+            "params": n, "val_loss": val,
             "sent_per_worker_step": sent / steps, "recv_per_worker_step": recv / steps,
             "dense_ring_per_worker_step": dense / steps,
             "wire_x_sent": dense / sent if sent else math.inf, "wire_x_recv": dense / recv if recv else math.inf,
             "handed_x": reducers[0].total_dense / reducers[0].total_wire if reducers[0].total_wire else math.inf,
-            "collectives_per_step": sim.calls / steps, "seconds": time.perf_counter() - t0}
+            "collectives_per_step": sim.calls / steps, "seconds": time.perf_counter() - t0, **extra}
 
 
 # ----------------------------------------------------------------------------------------- table
@@ -353,6 +359,19 @@ def plot(rows: list[dict], wanted: list[tuple], path: Path, title: str) -> bool:
     return True
 
 
+def plot_steps(rows: list[dict], path: Path, title: str) -> bool:
+    """Validation loss against step for every row that recorded a ``curve`` (``--curve-every``), one line per
+    method, ratio, W, lr and seed; ``False`` (no file) when none did."""
+    series = {f"{r['method']} {r['ratio']:g}x, W={r['world']}, lr {r['lr']:g}, seed {r['seed']}"
+              f" ({r['wire_x_recv']:.1f}x fewer bytes received)": [tuple(p) for p in r["curve"]]
+              for r in rows if r.get("curve")}
+    if not series:
+        return False
+    from titan_ds.plot import plot_lines
+    plot_lines(series, str(path), title=title, xlabel="step", ylabel="validation loss (nats)")
+    return True
+
+
 def _ratios(method: str, ratios: list[float], world: int, match_recv: bool) -> list[float]:
     """The ratios to run ``method`` at: top-k (and dgc) also at ``ratio * W / 2`` (with ``match_recv``), where each worker
     receives ``(W - 1) * 8 k = 2 (W - 1) / W * 4 n / ratio`` bytes, as much as an all-reduce method at ``ratio``."""
@@ -384,6 +403,8 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
     p.add_argument("--out", default="results/compress_scale")
     p.add_argument("--label", default="", help="a note printed under the table's title (e.g. why it is partial)")
     p.add_argument("--table-only", action="store_true", help="rewrite <out>.md/.png from <out>.jsonl; run nothing")
+    p.add_argument("--curve-every", type=int, default=0,
+                   help="also store the validation loss every N steps (the row's `curve`; not part of its key)")
     add_store_args(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -420,7 +441,8 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
             log.info("skip %s (done)", key[:3])
             continue
         rank, opts, settings = specs[key]
-        row = train_row(key[0], key[1], key[2], corpus=corpus, rank=rank, dgc=opts, **settings)
+        row = train_row(key[0], key[1], key[2], corpus=corpus, rank=rank, dgc=opts, curve_every=a.curve_every,
+                        **settings)
         store.append(**_identity(row), result=row)  # at once: a rerun skips it
         log.info("%s W=%d: val %.4f, recv %.1f KiB/step/worker, %.0fs",
                  f"{key[0]} r={rank}" if rank else f"{key[0]} {key[1]:g}x", key[2], row["val_loss"],
@@ -430,6 +452,9 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
     if plot(load_rows(store), wanted, out.with_suffix(".png"),
             f"compression at W virtual workers, tiny GPT {a.n_layer}x{a.n_embd}, {a.steps} steps, seeds {a.seeds or a.seed}"):
         log.info("plot: %s", out.with_suffix(".png"))
+    if plot_steps([r for r in load_rows(store) if _key(r) in set(wanted)], out.with_suffix(".curves.png"),
+                  f"validation loss by step, tiny GPT {a.n_layer}x{a.n_embd}"):
+        log.info("plot: %s", out.with_suffix(".curves.png"))
     print(out.with_suffix(".md").read_text())
 
 

@@ -107,6 +107,23 @@ def test_harness_end_to_end_two_workers_two_steps():
     assert "PARTIAL: 1 of 3 rows missing" in md and "| hge | 20 | 2 | 2 |" in md
 
 
+def test_curve_every_records_the_loss_by_step_without_changing_the_run(tmp_path):
+    """``--curve-every``: the validation loss every N steps, the last entry the row's own; the run's final loss is
+    the same bits as without it (the model has no dropout, validation draws nothing); ``plot_steps`` draws it."""
+    rng = np.random.default_rng(1)
+    corpus = Corpus(train=rng.integers(0, 256, 50_000, dtype=np.uint8),
+                    val=rng.integers(0, 256, 5_000, dtype=np.uint8), source="random")
+    small = dict(corpus=corpus, micro_batch=2, context=16, val_batches_n=2)
+    plain = cs.train_row("rms_sketch_qtopk2c256_sharded_g0.7", 20.0, 2, 4, **small)
+    curved = cs.train_row("rms_sketch_qtopk2c256_sharded_g0.7", 20.0, 2, 4, curve_every=2, **small)
+    assert "curve" not in plain and curved["val_loss"] == plain["val_loss"]
+    assert [c[0] for c in curved["curve"]] == [2, 4] and curved["curve"][-1][1] == curved["val_loss"]
+    assert curved["curve"][0][1] != curved["curve"][1][1]
+    path = tmp_path / "c.png"
+    assert cs.plot_steps([plain, curved], path, "t") and path.stat().st_size > 0
+    assert not cs.plot_steps([plain], tmp_path / "none.png", "t") and not (tmp_path / "none.png").exists()
+
+
 def test_topk_at_ratio_times_w_over_2_receives_what_an_all_reduce_method_does():
     """The table's matched top-k rows: at ``ratio * W / 2`` each worker receives about the bytes tgss/hge
     receive at ``ratio`` (rounding of k aside), and at ``ratio`` itself ``W / 2`` times more."""
