@@ -595,7 +595,7 @@ class HMSOptimizerSwapper:
                for off, v in views):
             return None
         self.grads_in_place += 1
-        return torch.empty(0, dtype=first.dtype).set_(storage, first.storage_offset(), (self._numel[pid],), (1,))
+        return first.detach().as_strided((self._numel[pid],), (1,))  # from first's offset, over the pieces after it
 
     def _gradient_into(self, numel: int, whole: bool) -> torch.Tensor:
         """A sub-group's fp32 gradient buffer: a view of one scratch tensor that every sub-group of the step reuses
