@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -154,7 +155,8 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
         opt = torch.optim.SGD(params, lr=lr, weight_decay=0.0)
     else:
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(beta1, 0.999))
-    batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
+    train = np.asarray(corpus.train, dtype=np.int64)  # one copy shared by every worker's Batcher (each would make its own)
+    batchers = [Batcher(train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
     reducers = [make_reducer(method_reducer, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc) for _ in range(world)]
     sim = SimCollective(world)
     curve: list[list[float]] = []
