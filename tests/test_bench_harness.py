@@ -100,6 +100,27 @@ def test_bench_compress_seeds_summary_mean_spread_and_verdict(tmp_path):
     assert "| rms_100x | 1.2700 | 1.2700 | +0.0100 | 0.0000 | one seed: no spread |" in one
 
 
+def test_bench_compress_received_table_counts_what_the_network_delivers():
+    """--count-wire rows: x_recv is the dense row's received bytes over the row's (the larger rank of each), not the
+    compressor's handed-bytes ratio; rows without the count (no --count-wire) add no table."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_compress", harness.ROOT / "launch/bench/bench_compress.py")
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    mib = 2 ** 20
+
+    def row(name, recv, sent):
+        return {"name": name, "status": "ok", "wire_per_rank": [{"received": r, "sent": s} for r, s in zip(recv, sent)],
+                "titan_metrics": {"wire_compression_ratio_run": 83.5}}
+    lines = bc.received_table([row("dense_allreduce", [100 * mib, 100 * mib], [100 * mib, 100 * mib]),
+                               row("sketch", [1 * mib, 2 * mib], [2 * mib, 1 * mib]),
+                               {"name": "broken", "status": "failed (exit 1)"}])
+    assert "| dense_allreduce | 100.00 / 100.00 | 100.00 / 100.00 | 1.0 |" in lines
+    assert "| sketch | 1.00 / 2.00 | 2.00 / 1.00 | 50.0 |" in lines  # the larger rank's 2 MiB
+    assert not any("broken" in ln for ln in lines)
+    assert bc.received_table([{"name": "dense_allreduce", "status": "ok"}]) == []
+
+
 def test_the_table_names_the_seed_its_rows_trained_with(tmp_path, monkeypatch):
     """A seed-1 table says seed 1 (it said seed 0 whatever --seed was; issue 31)."""
     def fake_run_row(name, cfg, *, steps, num_ranks, extra_args, workdir, timeout, log_dir):

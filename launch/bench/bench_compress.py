@@ -18,7 +18,9 @@ titan turns the client AdamW into SGD; no dense warm-up and no global clipping, 
 gives its rows their own lr); ``rms_sketch`` is ``ds_configs/compress_rms_sketch.json``'s section (sharded 2-bit
 ``qtopk``, ``precondition: "rms_sketch"``) at each ratio, with the rms rows' lr and clipping.
 Columns added to the standard table: ``wire_x`` (last step, dense bytes / bytes handed to the collective per
-rank), ``wire_x_run`` (whole run, warm-up and ramp included), ``step_time_ratio``, ``peak_rss_ratio``.
+rank), ``wire_x_run`` (whole run, warm-up and ramp included), ``step_time_ratio``, ``peak_rss_ratio``. With
+``--train-args --count-wire``, a second table: the bytes each rank sent and received over the whole run as the
+network sees them (ring costs of every collective, titan_ds/comm/wire.py) and ``x_recv``, dense's / the row's.
 Resumable: each finished row is recorded in ``<out>.jsonl`` at once (``launch/bench/store.py``); a rerun reuses
 it under the store's rule (same row, config, settings, seed and code; ``--reuse-stale``: any code). The tables
 are regenerated from the jsonl without running anything by ``python -m launch.bench table compression --out OUT``.
@@ -205,8 +207,30 @@ def append_step_time(results: list[dict], out: Path) -> None:
         total = tm.get("wire_compression_ratio_run") or 1.0
         lines.append(f"| {r['name']} | {ratio:.2f} | {rss:.2f} | {r['val_loss']:.3f} | "
                      f"{r['val_loss'] - results[0].get('val_loss', float('nan')):+.3f} | {wire:.1f} | {total:.1f} |")
+    lines += received_table(results)
     md = out.with_suffix(".md")
     md.write_text(md.read_text() + "\n".join(lines) + "\n")
+
+
+def received_table(results: list[dict]) -> list[str]:
+    """Rows run with ``--train-args --count-wire``: the bytes each rank *received* over the whole run, every
+    collective of the training steps at ring costs (titan_ds/comm/wire.py), and ``x_recv`` = the dense row's / the
+    row's (the larger rank of each). ``wire_x`` above counts the bytes a rank hands to the compressor's collectives
+    (a sharded exchange hands its whole all-to-all buffer, its own piece included), not what the network delivers."""
+    base = results[0]
+    if "wire_per_rank" not in base:
+        return []
+    lines = ["", "| config | received MiB per rank (0 / 1) | sent MiB per rank (0 / 1) | x_recv (whole run) |",
+             "|---|---|---|---|"]
+    dense = max(w["received"] for w in base["wire_per_rank"])
+    for r in results:
+        if r.get("status") != "ok" or "wire_per_rank" not in r:
+            continue
+        recv = [w["received"] for w in r["wire_per_rank"]]
+        sent = [w["sent"] for w in r["wire_per_rank"]]
+        lines.append(f"| {r['name']} | {' / '.join(f'{b / 2**20:.2f}' for b in recv)} | "
+                     f"{' / '.join(f'{b / 2**20:.2f}' for b in sent)} | {dense / max(recv):.1f} |")
+    return lines
 
 
 if __name__ == "__main__":
