@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from launch.bench.harness import baseline_config, run_row  # noqa: E402
-from titan_ds.hms.io import AsyncIOHandle, aligned_empty, probe_direct_io  # noqa: E402
+from titan_ds.hms.io import HUGE_PAGES, AsyncIOHandle, aligned_empty, probe_direct_io  # noqa: E402
 from titan_ds.hms.prefetch import LSTMPredictor, NonePredictor, OraclePredictor, TracePredictor, replay  # noqa: E402
 from titan_ds.hms.store import Tier, TensorStore  # noqa: E402
 
@@ -95,13 +95,16 @@ def part_a(path: str, mb: int, repeats: int, threads: int, hash_name: str = "xxh
     ddfile = os.path.join(path, "dd.bin")
     nbytes = mb * MiB
     best: dict[str, list[float]] = {k: [] for k in ("dd_write", "dd_read", "hms_raw_write", "hms_raw_read",
-                                                    "hms_store_write", "hms_store_read", "hms_store_read_into")}
+                                                    "hms_store_write", "hms_store_read", "hms_store_read_into",
+                                                    "hms_store_read_into_4k")}
     io = AsyncIOHandle(block_size=8 * MiB, intra_op_parallelism=threads, direct="detect")
-    buf = aligned_empty(nbytes)
+    buf = aligned_empty(nbytes, huge=True)  # as the swappers' reused buffers (titan_ds.hms.io.io_empty)
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     x = buf.view(torch.float32)
-    into = aligned_empty(nbytes).view(torch.float32)
+    into = aligned_empty(nbytes, huge=True).view(torch.float32)
     into.zero_()  # touched once, as a reused buffer would be
+    into4k = aligned_empty(nbytes).view(torch.float32)  # the same on ordinary 4 KiB pages: the A/B of huge pages
+    into4k.zero_()
     store = TensorStore([Tier(os.path.join(path, "store"))], io=io, durable=True)
     raw = os.path.join(path, "raw.bin")
     def read_raw() -> None:
@@ -127,7 +130,14 @@ def part_a(path: str, mb: int, repeats: int, threads: int, hash_name: str = "xxh
         best["hms_store_read_into"].append(nbytes / (time.perf_counter() - t) / 1e9)
         assert torch.equal(into.view(torch.uint8), buf)
 
-    reads = [read_dd, read_raw, read_store, read_store_into]
+    def read_store_into_4k() -> None:
+        _drop(store.path("x"))
+        t = time.perf_counter()
+        store.get("x", out=into4k)
+        best["hms_store_read_into_4k"].append(nbytes / (time.perf_counter() - t) / 1e9)
+        assert torch.equal(into4k.view(torch.uint8), buf)
+
+    reads = [read_dd, read_raw, read_store, read_store_into, read_store_into_4k]
     for i in range(repeats):
         best["dd_write"].append(_dd(["if=/dev/zero", f"of={ddfile}", "bs=8M", f"count={mb // 8}", "oflag=direct",
                                      "conv=fsync"]))
@@ -158,7 +168,9 @@ def part_a(path: str, mb: int, repeats: int, threads: int, hash_name: str = "xxh
              f"(computed and checked on the I/O threads), tmp + fsync + rename. `vs_dd_direct` compares with dd's "
              f"direct write (writes, of zeros) or with dd's direct read of the store's own file, the reads in a rotating order "
              f"(reads); `median_vs_dd` compares medians. `hms_store_read` returns a freshly allocated tensor "
-             f"(first-touch page faults included); `hms_store_read_into` reads into a reused buffer.",
+             f"(first-touch page faults included); `hms_store_read_into` reads into a reused buffer, `hms_store_read_into_4k` into one on 4 KiB pages. The reused buffers "
+             f"(as the swappers' own, from 2 MiB up) are on transparent huge pages: {'yes' if HUGE_PAGES else 'no'} in this run "
+             f"(`TITAN_HMS_HUGE_PAGES=0` turns them off).",
              f"Target store read >= 80% of dd direct read: into a buffer "
              f"{max(best['hms_store_read_into']) / dd_read:.0%} (medians: {med['hms_store_read_into'] / med['dd_read']:.0%}), "
              f"fresh tensor {max(best['hms_store_read']) / dd_read:.0%} (medians: {med['hms_store_read'] / med['dd_read']:.0%})."]

@@ -36,6 +36,8 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   ``hms_dram_balanced``: ``hms_dram`` with ``hms_balanced``'s optimizer section (the parameters and DeepSpeed's
   gradient partitions in CPU memory as ``zero_inf`` keeps them: titan's optimizer against ZeRO-Infinity's AdamW,
   the rest the same);
+- ``hms_dram_cpuadam_4k`` / ``hms_balanced_4k``: ``hms_dram_cpuadam`` / ``hms_balanced`` with HMS's reused I/O
+  buffers on ordinary 4 KiB pages (``TITAN_HMS_HUGE_PAGES=0``; titan_ds/hms/io.py): the A/B of huge pages;
 - ``hms_asdt``: ``hms`` with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
 - ``hms_asdt_bf16``: ``hms_asdt`` with bf16 parameters (``bf16.enabled``; the gradients still accumulate in fp32,
   ``data_types.grad_accum_dtype``, in the file mapping), ASDT's momentum in 8 bits, density 1 (no top-k
@@ -90,11 +92,12 @@ from titan_ds.memcap import cgroup_available  # noqa: E402
 from titan_ds.utils import free_port  # noqa: E402
 
 MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
-         "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16")
+         "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16",
+         "hms_dram_cpuadam_4k", "hms_balanced_4k")
 BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_balanced_res": "hms", "hms_balanced_wb": "hms",
              "hms_cpuadam": "hms", "hms_dram_balanced": "hms",
              "hms_dram": "hms", "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
-CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res")
+CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res", "hms_dram_cpuadam_4k")
 RESIDENT_MB = 512  # the *_res modes' titan.hms.optimizer_dram_mb (--optimizer-dram-mb)  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
 GiB = 1 << 30
 # ZeRO-Infinity's parameter placement: "cpu". With "nvme", DeepSpeed 0.19.8 fails at the second step here ("param 3
@@ -190,6 +193,8 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
     bounds) and change only what the docstring says. ``aio``: ZeRO-Infinity's aio block (default: recommended)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode.endswith("_4k"):  # the same config; trial() turns huge pages off in its environment
+        return ds_config(mode[:-3], nvme, aio)
     cfg = candidate_config(BASE_MODE.get(mode, mode), nvme_path=nvme, micro_batch=1)
     if mode == "zero_inf":
         z = cfg["zero_optimization"]
@@ -279,6 +284,8 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
     env.setdefault("OMP_NUM_THREADS", "2")
+    if mode.endswith("_4k"):
+        env["TITAN_HMS_HUGE_PAGES"] = "0"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     logs.mkdir(parents=True, exist_ok=True)
     if mode in CPU_ADAM_MODES:

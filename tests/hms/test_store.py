@@ -475,3 +475,36 @@ def test_failed_background_io_error_is_raised_naming_the_key(tmp_path):
     with pytest.raises(OSError, match=r"background write of 'opt/9/fp32' failed"):
         store.flush()
     store.close()
+
+
+def test_io_buffers_are_aligned_huge_page_mappings_that_read_direct(tmp_path, monkeypatch):
+    """io_empty (the swappers' reused buffers): aligned for O_DIRECT (no bounce copy), on a 2 MiB boundary from 2 MiB
+    up when huge pages are on, the bytes a direct read puts there equal the reference read's; the mapping lives as
+    long as a view of it. With huge pages off (TITAN_HMS_HUGE_PAGES=0) the same call gives ordinary aligned memory."""
+    import gc
+
+    import titan_ds.hms.io as hio
+    from titan_ds.hms.io import ALIGN, HUGE_PAGE, AsyncIOHandle, io_empty, reference_pread
+    n = (5 << 20) // 4 + 3  # 5 MiB + 12 bytes of fp32: a tail past the last whole huge page
+    src = torch.randn(n)
+    io = AsyncIOHandle(block_size=1 << 20)
+    path = str(tmp_path / "f.bin")
+    a = io_empty(n, torch.float32)
+    assert a.dtype == torch.float32 and a.numel() == n and a.data_ptr() % ALIGN == 0
+    if hio.HUGE_PAGES:
+        assert a.data_ptr() % HUGE_PAGE == 0
+    a.copy_(src)
+    io.sync_pwrite(a[:n // 1024 * 1024], path, 0)  # an aligned length: O_DIRECT from the buffer itself
+    b = io_empty(n // 1024 * 1024, torch.float32)
+    io.sync_pread(b, path, 0)
+    ref = torch.empty(n // 1024 * 1024)
+    reference_pread(ref, path, 0)
+    assert torch.equal(b, src[:n // 1024 * 1024]) and torch.equal(ref, b)
+    view = a[7:9].clone(), a[7:9]
+    del a
+    gc.collect()
+    assert torch.equal(view[1], view[0])  # the mapping outlives the tensor it came from while a view lives
+    monkeypatch.setattr(hio, "HUGE_PAGES", False)
+    c = io_empty(n, torch.float32)
+    assert c.data_ptr() % ALIGN == 0 and c.numel() == n
+    assert hio.aligned_empty(4 << 20, huge=False).data_ptr() % ALIGN == 0

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from .io import io_empty
 from .prefetch import Predictor
 
 SWAP_MIN_NUMEL = 4096  # a non-element-wise optimizer state tensor this large goes to the store too
@@ -163,7 +164,7 @@ class HMSParamSwapper:
         self._numel[param.ds_id] = int(numel)
         self._held[param.ds_id] = int(numel) * torch.empty(0, dtype=param.dtype).element_size()
         self._largest = max(self._largest, self._held[param.ds_id])
-        return torch.empty(int(numel), dtype=param.dtype)
+        return io_empty(numel, param.dtype)  # read into directly (aligned), see titan_ds/hms/io.py
 
     def swap_out_and_release(self, params, async_op: bool = False, force_buffer_release: bool = False) -> None:
         t0 = time.perf_counter()
@@ -462,7 +463,7 @@ class HMSOptimizerSwapper:
         in_ram = pid in self._master_in_partitions
         if parts is None and not in_ram:
             return self.store.get(f"opt/{pid}/fp32")
-        master = self._master_buffer(self._numel[pid]) if reuse else torch.empty(self._numel[pid], dtype=self.dtype)
+        master = self._master_buffer(self._numel[pid]) if reuse else io_empty(self._numel[pid], self.dtype)
         if in_ram:  # param_tier "dram": the partitions ZeRO-3 keeps in CPU memory hold the master's bits
             return master.copy_(self._partition_flats[pid])
         for key, off, n in parts:
@@ -577,7 +578,7 @@ class HMSOptimizerSwapper:
         buf = self._masters[i]
         if buf is None or buf.numel() < numel:
             self._masters[i] = None  # the old one goes before the larger one comes
-            buf = self._masters[i] = torch.empty(numel, dtype=self.dtype)
+            buf = self._masters[i] = io_empty(numel, self.dtype)
         elif self.param_swapper is not None:
             self.param_swapper.wait_for_storage(buf.untyped_storage().data_ptr())
         return buf[:numel]
@@ -605,7 +606,7 @@ class HMSOptimizerSwapper:
         unless the pieces tile the sub-group (``whole``: they overwrite every element)."""
         if self._grad_scratch is None or self._grad_scratch.numel() < numel:
             self._grad_scratch = None  # the old one goes before the larger one comes
-            self._grad_scratch = torch.empty(numel, dtype=self.dtype)
+            self._grad_scratch = io_empty(numel, self.dtype)
         g = self._grad_scratch[:numel]
         return g if whole else g.zero_()
 
