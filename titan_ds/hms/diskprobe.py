@@ -37,7 +37,7 @@ def measure_disk(path: str, mb: int = 64, *, threads: int = 4, block_mb: int = 8
     direct = probe_direct_io(path)
     io = AsyncIOHandle(block_size=block_mb << 20, intra_op_parallelism=threads, direct="detect")
     nbytes = mb << 20
-    buf = aligned_empty(nbytes)
+    buf = aligned_empty(nbytes, huge=True)  # as HMS's reused buffers: the disk's speed, not 4 KiB pages' pinning
     buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     raw = os.path.join(path, f".titan_diskprobe.{os.getpid()}")
     store_dir = os.path.join(path, f".titan_diskprobe_store.{os.getpid()}")
