@@ -32,7 +32,7 @@ SCALE = ["results/compress_w2_1000.jsonl", "results/compress_scale_w.jsonl", "re
          "results/compress_qtopk_w8_grid.jsonl", "results/compress_qtopk_w32_1000.jsonl",
          "results/compress_qtopk_sharded_w8_lr.jsonl", "results/compress_qtopk_w32_ag.jsonl",
          "results/compress_rms_mean_w32.jsonl", "results/compress_sketch_w32_1000.jsonl",
-         "results/compress_sketch_w8_1000.jsonl"]  # compress_scale stores
+         "results/compress_sketch_w8_1000.jsonl", "results/compress_sketch_w128.jsonl"]  # compress_scale stores
 DILOCO = ["results/diloco/rows.jsonl", "results/diloco_long/rows.jsonl", "results/diloco_cltk/rows.jsonl"]  # bench_diloco stores
 NAMES = {"none": "dense", "rms": "top-k + rms", "topk": "top-k", "hge": "HGE", "tgss": "TGSS",
          "rms_randk": "rand-k + rms", "rms_cltk": "cltk + rms"}
