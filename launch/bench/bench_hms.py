@@ -123,21 +123,17 @@ def part_a(path: str, mb: int, repeats: int, threads: int, hash_name: str = "xxh
         best["hms_store_read"].append(nbytes / (time.perf_counter() - t) / 1e9)
         assert torch.equal(y.view(torch.uint8), buf)  # bytes: random bits include NaNs
 
-    def read_store_into() -> None:
-        _drop(store.path("x"))
-        t = time.perf_counter()
-        store.get("x", out=into)  # into a caller's buffer, as DeepSpeed's swappers read into their pinned pool
-        best["hms_store_read_into"].append(nbytes / (time.perf_counter() - t) / 1e9)
-        assert torch.equal(into.view(torch.uint8), buf)
+    def reader_into(name: str, dest: torch.Tensor):
+        def read() -> None:  # into a caller's buffer, as DeepSpeed's swappers read into their pinned pool
+            _drop(store.path("x"))
+            t = time.perf_counter()
+            store.get("x", out=dest)
+            best[name].append(nbytes / (time.perf_counter() - t) / 1e9)
+            assert torch.equal(dest.view(torch.uint8), buf)
+        return read
 
-    def read_store_into_4k() -> None:
-        _drop(store.path("x"))
-        t = time.perf_counter()
-        store.get("x", out=into4k)
-        best["hms_store_read_into_4k"].append(nbytes / (time.perf_counter() - t) / 1e9)
-        assert torch.equal(into4k.view(torch.uint8), buf)
-
-    reads = [read_dd, read_raw, read_store, read_store_into, read_store_into_4k]
+    reads = [read_dd, read_raw, read_store, reader_into("hms_store_read_into", into),
+             reader_into("hms_store_read_into_4k", into4k)]
     for i in range(repeats):
         best["dd_write"].append(_dd(["if=/dev/zero", f"of={ddfile}", "bs=8M", f"count={mb // 8}", "oflag=direct",
                                      "conv=fsync"]))

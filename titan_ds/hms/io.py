@@ -68,8 +68,8 @@ HUGE_PAGES = _huge_pages_available()
 
 def _huge_empty(padded: int) -> torch.Tensor:
     """``padded`` bytes of anonymous memory starting on a 2 MiB boundary, advised ``MADV_HUGEPAGE``. Direct reads
-    into it ran at 1.6x the speed into 4 KiB pages on this VM (the kernel pins a 2 MiB page per 512 small ones;
-    docs/hms.md, "Reads"). The mapping lives as long as the tensor (and its views) do."""
+    into it ran at 1.7-2.0x the speed into 4 KiB pages on this VM (the kernel pins a 2 MiB page per 512 small
+    ones; results/hms_streaming.md, results/hms_read_probe.md). The mapping lives as long as the tensor (and its views) do."""
     size = -(-padded // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a huge-page boundary
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
@@ -82,8 +82,8 @@ def _huge_empty(padded: int) -> torch.Tensor:
 def io_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised ``numel``-element tensor that HMS reads into or writes from again and again (the swappers'
     reused buffers): aligned (``O_DIRECT`` straight into it, no bounce copy) and on huge pages from 2 MiB up."""
-    esize = torch.empty(0, dtype=dtype).element_size()
-    return aligned_empty(int(numel) * esize, huge=True)[:int(numel) * esize].view(dtype)
+    nbytes = int(numel) * dtype.itemsize
+    return aligned_empty(nbytes, huge=True)[:nbytes].view(dtype)
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False, huge: bool = False) -> torch.Tensor:
