@@ -135,11 +135,12 @@ def qtopk_options(method: str) -> Optional[dict]:
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,
               context: int = 64, n_layer: int = 2, n_embd: int = 64, lr: float = 1e-3, seed: int = 0,
               warmup: int = 0, val_batches_n: int = 8, rank: Optional[int] = None,
-              dgc: Optional[dict] = None, curve_every: int = 0) -> dict[str, Any]:
+              dgc: Optional[dict] = None, curve_every: int = 0, schedule: Optional[str] = None) -> dict[str, Any]:
     """Train the tiny GPT data-parallel over ``world`` virtual workers with ``method``; one result row.
 
     ``rank``: PowerSGD's; ``dgc``: DGC's options plus ``beta1``, the AdamW beta1 of this row; ``curve_every``: also
-    record the validation loss every that many steps (``curve``: ``[step, val_loss]`` pairs; 0: only the last)."""
+    record the validation loss every that many steps (``curve``: ``[step, val_loss]`` pairs; 0: only the last);
+    ``schedule``: None, a constant lr; ``"cosine"``, :func:`lr_factor`'s decay over the run."""
     torch.manual_seed(seed)
     model = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)
     layout, params = _layout(model)
@@ -180,6 +181,8 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
             grad = grad / (rh * rh + (1 - rh * rh) / world).sqrt()
         for p, seg in zip(params, layout):
             p.grad = grad[seg.flat_offset:seg.flat_offset + seg.numel].view_as(p).clone()
+        for g in opt.param_groups:
+            g["lr"] = lr * lr_factor(schedule, step, steps)
         opt.step()
         for r in reducers:
             r.end_step()
@@ -191,7 +194,7 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     extra = {"curve": curve + [[steps, val]]} if curve_every else {}
     return {"method": method, "ratio": ratio, "world": world, "steps": steps, "micro_batch": micro_batch,
             "context": context, "n_layer": n_layer, "n_embd": n_embd, "lr": lr, "seed": seed, "warmup": warmup,
-            "rank": rank, "dgc": _dgc_label(dgc),
+            "rank": rank, "dgc": _dgc_label(dgc), "schedule": schedule,
             "params": n, "val_loss": val,
             "sent_per_worker_step": sent / steps, "recv_per_worker_step": recv / steps,
             "dense_ring_per_worker_step": dense / steps,
@@ -202,11 +205,22 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
 
 # ----------------------------------------------------------------------------------------- table
 _KEY = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "lr", "seed", "warmup",
-        "rank", "dgc")
+        "rank", "dgc", "schedule")
 
 
 def _key(row: dict) -> tuple:
-    return tuple(row.get(k) for k in _KEY)  # rows written before rank/dgc existed have neither: None
+    return tuple(row.get(k) for k in _KEY)  # rows written before rank/dgc/schedule existed have none: None
+
+
+def lr_factor(schedule: Optional[str], step: int, steps: int) -> float:
+    """The lr multiplier at 0-based ``step`` of ``steps``: None, 1 (constant: every row before 2026-12-05's 31st
+    session); ``"cosine"``, half a cosine from 1 at the first step to 0.1 at the last (no warm-up; the decay GPT
+    pre-training recipes use, to 10% of the peak), the same for every method of a run."""
+    if schedule is None:
+        return 1.0
+    if schedule == "cosine":
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * step / max(steps - 1, 1)))
+    raise ValueError(f"unknown lr schedule {schedule!r}: use None (constant) or 'cosine'")
 
 
 def _dgc_label(dgc: Optional[dict]) -> Optional[str]:
@@ -222,7 +236,9 @@ _CONFIG = ("method", "ratio", "rank", "dgc", "world", "lr")  # the row; the othe
 
 
 def _identity(row: dict) -> dict:
-    return fields_identity(row, _CONFIG, [k for k in _KEY if k not in _CONFIG and k != "seed"])
+    # a constant-lr row keeps the settings (and hash) it had before ``schedule`` existed
+    return fields_identity(row, _CONFIG, [k for k in _KEY if k not in _CONFIG and k != "seed"
+                                          and (k != "schedule" or row.get("schedule") is not None)])
 
 
 def open_store(path: Path, reuse_stale: bool = False) -> Store:
@@ -269,7 +285,8 @@ def render(rows: list[dict], wanted: list[tuple], command: str, label: str = "")
             f"({k[0]}{f' r={r}' if (r := dict(zip(_KEY, k)).get('rank')) else ''}, {k[1]:g}, {k[2]})" for k in missing)]
     return "\n".join(lines) + "\n"
 
-_VARIANT = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "warmup", "rank", "dgc")
+_VARIANT = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "warmup", "rank", "dgc",
+            "schedule")
 
 
 def best_rows(rows: list[dict], wanted: list[tuple]) -> list[dict]:
@@ -400,6 +417,8 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
     p.add_argument("--no-match-recv", dest="match_recv", action="store_false",
                    help="do not add the top-k rows whose received bytes match the all-reduce methods' (ratio x W / 2)")
     p.add_argument("--warmup", type=int, default=0, help="dense steps before compressing")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="the lr schedule of every row (lr_factor): constant, or cosine decay to 10%% over the run")
     p.add_argument("--ranks", default="1,2", help="PowerSGD ranks (method powersgd: one row per rank, no ratio)")
     add_dgc_args(p)
     p.add_argument("--out", default="results/compress_scale")
@@ -424,7 +443,8 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
     for seed in seeds:
         for lr in lrs:
             settings = dict(steps=a.steps, micro_batch=a.micro_batch, context=a.context, n_layer=a.n_layer,
-                            n_embd=a.n_embd, lr=lr, seed=seed, warmup=a.warmup)
+                            n_embd=a.n_embd, lr=lr, seed=seed, warmup=a.warmup,
+                            schedule=None if a.schedule == "constant" else a.schedule)
             for world in (int(x) for x in a.workers.split(",")):
                 for m in a.methods.split(","):
                     if m == "powersgd":

@@ -79,7 +79,7 @@ def hms_scale_trials(files: list[str], mode: str) -> list[dict]:
             if r.get("mode") == mode and r.get("fits"):
                 out.append({"mode": mode, "shape": f"{r['layers']}x{r['width']}", "params": r["params"],
                             "measured_GiB": r["peak_anon_GiB"], "cap_GiB": r["cap_GiB"], "file": f,
-                            "as_run": EARLIER_CODE if rec.get("code_hash") is None else {}})
+                            "as_run": as_run_of(rec)})
     return out
 
 
