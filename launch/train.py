@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"client optimizer's decoupled weight decay on matrices (default {DEFAULT_WEIGHT_DECAY})")
     p.add_argument("--beta1", type=float, default=None,
                    help="AdamW's beta1 (default 0.9); 0 when titan.compression.momentum (DGC) already applies the momentum")
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
     p.add_argument("--val-every", type=int, default=0,
                    help="validate before training and every N steps (0: only at the end)")
     p.add_argument("--val-batches", type=int, default=64)
@@ -142,6 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "to disk, as each module is built; for models that do not fit whole in RAM)")
     p = titan_ds.engine.add_titan_args(p)
     return p.parse_args(argv)
+
+
+DEFAULT_WARMUP = 50  # steps of linear lr warm-up (--warmup)
 
 
 def lr_lambda(warmup: int, total: int):

@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from launch import train  # noqa: E402
 from launch.bench.harness import add_dgc_args, seed_verdict  # noqa: E402
 from launch.bench.store import CODE_PATHS, Store, add_store_args, fields_identity  # noqa: E402
 from titan_ds.comm import GradientReducer  # noqa: E402
@@ -140,7 +141,7 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
 
     ``rank``: PowerSGD's; ``dgc``: DGC's options plus ``beta1``, the AdamW beta1 of this row; ``curve_every``: also
     record the validation loss every that many steps (``curve``: ``[step, val_loss]`` pairs; 0: only the last);
-    ``schedule``: None, a constant lr; ``"cosine"``, :func:`lr_factor`'s decay over the run."""
+    ``schedule``: None, a constant lr; ``"warmup_cosine"``, launch/train.py's (:func:`lr_factor`)."""
     torch.manual_seed(seed)
     model = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)
     layout, params = _layout(model)
@@ -214,13 +215,14 @@ def _key(row: dict) -> tuple:
 
 def lr_factor(schedule: Optional[str], step: int, steps: int) -> float:
     """The lr multiplier at 0-based ``step`` of ``steps``: None, 1 (constant: every row before 2026-12-05's 31st
-    session); ``"cosine"``, half a cosine from 1 at the first step to 0.1 at the last (no warm-up; the decay GPT
-    pre-training recipes use, to 10% of the peak), the same for every method of a run."""
+    session); ``"warmup_cosine"``, the schedule ``launch/train.py`` gives the real DeepSpeed ranks (its
+    ``lr_lambda``: :data:`launch.train.DEFAULT_WARMUP` steps of linear warm-up, then half a cosine to 10%), the same
+    for every method of a run."""
     if schedule is None:
         return 1.0
-    if schedule == "cosine":
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * step / max(steps - 1, 1)))
-    raise ValueError(f"unknown lr schedule {schedule!r}: use None (constant) or 'cosine'")
+    if schedule == "warmup_cosine":
+        return train.lr_lambda(train.DEFAULT_WARMUP, steps)(step)
+    raise ValueError(f"unknown lr schedule {schedule!r}: use None (constant) or 'warmup_cosine'")
 
 
 def _dgc_label(dgc: Optional[dict]) -> Optional[str]:
@@ -246,7 +248,7 @@ def open_store(path: Path, reuse_stale: bool = False) -> Store:
     the package's and this script's (``train_row`` is here)."""
     return Store(path, suite="compression-scale", reuse_stale=reuse_stale,
                  legacy=lambda raw: {**_identity(raw), "result": raw},
-                 code_paths=(*CODE_PATHS, "launch/bench/compress_scale.py"))
+                 code_paths=(*CODE_PATHS, "launch/bench/compress_scale.py", "launch/train.py"))
 
 
 def load_rows(store: Store) -> list[dict]:
@@ -417,8 +419,9 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
     p.add_argument("--no-match-recv", dest="match_recv", action="store_false",
                    help="do not add the top-k rows whose received bytes match the all-reduce methods' (ratio x W / 2)")
     p.add_argument("--warmup", type=int, default=0, help="dense steps before compressing")
-    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
-                   help="the lr schedule of every row (lr_factor): constant, or cosine decay to 10%% over the run")
+    p.add_argument("--schedule", choices=("constant", "warmup_cosine"), default="constant",
+                   help="the lr schedule of every row (lr_factor): constant, or launch/train.py's (linear warm-up, "
+                        "cosine decay to 10%%)")
     p.add_argument("--ranks", default="1,2", help="PowerSGD ranks (method powersgd: one row per rank, no ratio)")
     add_dgc_args(p)
     p.add_argument("--out", default="results/compress_scale")

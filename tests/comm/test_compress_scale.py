@@ -186,13 +186,16 @@ def test_best_lr_summary_picks_each_methods_own_best_lr_and_prints_the_spread(tm
     assert cs.plot(rows, wanted, tmp_path / "p.png", "t") and (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_cosine_schedule_is_a_separate_row_and_constant_rows_keep_their_identity():
-    """``--schedule cosine``: lr from 1x at the first step to 0.1x at the last, every method alike; its rows are
-    keyed apart from the constant-lr rows (which keep the store identity they had before ``schedule`` existed), and
+def test_warmup_cosine_schedule_is_train_pys_and_a_separate_row_and_constant_rows_keep_their_identity():
+    """``--schedule warmup_cosine``: launch/train.py's lr schedule (linear warm-up, cosine to 10%), every method
+    alike; its rows are keyed apart from the constant-lr rows (which keep the store identity they had before ``schedule`` existed), and
     the table compares a cosine row with the cosine dense row."""
     assert cs.lr_factor(None, 5, 10) == 1.0
-    assert cs.lr_factor("cosine", 0, 10) == pytest.approx(1.0) and cs.lr_factor("cosine", 9, 10) == pytest.approx(0.1)
-    assert cs.lr_factor("cosine", 4, 9) == pytest.approx(0.55)
+    assert cs.train.DEFAULT_WARMUP == 50
+    assert cs.lr_factor("warmup_cosine", 0, 1000) == pytest.approx(1 / 50)
+    assert cs.lr_factor("warmup_cosine", 49, 1000) == pytest.approx(1.0) == cs.lr_factor("warmup_cosine", 50, 1000)
+    assert cs.lr_factor("warmup_cosine", 525, 1000) == pytest.approx(0.55)
+    assert cs.lr_factor("warmup_cosine", 1000, 1000) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="unknown lr schedule"):
         cs.lr_factor("linear", 0, 10)
     rng = np.random.default_rng(2)
@@ -200,11 +203,11 @@ def test_cosine_schedule_is_a_separate_row_and_constant_rows_keep_their_identity
                     val=rng.integers(0, 256, 5_000, dtype=np.uint8), source="random")
     small = dict(corpus=corpus, micro_batch=2, context=16, val_batches_n=2)
     const = cs.train_row("none", 1.0, 2, 3, **small)
-    cos = cs.train_row("none", 1.0, 2, 3, schedule="cosine", **small)
-    cos_c = cs.train_row("rms_sketch_qtopk2c256_sharded_g0.7", 20.0, 2, 3, schedule="cosine", **small)
-    assert const["schedule"] is None and cos["schedule"] == "cosine"
+    cos = cs.train_row("none", 1.0, 2, 3, schedule="warmup_cosine", **small)
+    cos_c = cs.train_row("rms_sketch_qtopk2c256_sharded_g0.7", 20.0, 2, 3, schedule="warmup_cosine", **small)
+    assert const["schedule"] is None and cos["schedule"] == "warmup_cosine"
     assert cos["val_loss"] != const["val_loss"] and cs._key(cos) != cs._key(const)
-    assert "schedule" not in cs._identity(const)["settings"] and cs._identity(cos)["settings"]["schedule"] == "cosine"
+    assert "schedule" not in cs._identity(const)["settings"] and cs._identity(cos)["settings"]["schedule"] == "warmup_cosine"
     old = {k: v for k, v in const.items() if k != "schedule"}  # a row stored before the field existed
     assert cs._identity(old) == cs._identity(const) and cs._key(old) == cs._key(const)
     md = cs.render([const, cos, cos_c], [cs._key(r) for r in (const, cos, cos_c)], "cmd")
