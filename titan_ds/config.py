@@ -218,7 +218,8 @@ _CompressionMethod = Literal[tuple(_COMPRESSORS)]  # type: ignore[valid-type]
 # titan.compression keys every method takes; each method lists the others it uses in its class's config_keys
 _EVERY_METHOD = {"method", "warmup_steps"}
 # the local RMS preconditioner (titan_ds/comm/precondition.py) runs before any codec: every method but "none"
-_PRECONDITION_KEYS = {"precondition", "precondition_beta1", "precondition_beta2", "precondition_eps"}
+_PRECONDITION_KEYS = {"precondition", "precondition_beta1", "precondition_beta2", "precondition_eps",
+                      "residuals_follow_lr"}
 # local updates (DiLoCo, titan_ds/comm/diloco.py): the compressor then acts on the outer gradient
 _LOCAL_KEYS = {"sync_every", "outer_lr", "outer_momentum", "outer_nesterov"}
 # per-step gradient options that mean nothing for an outer gradient exchanged every sync_every steps
@@ -256,7 +257,11 @@ class CompressionConfig(_Strict):
     momentum and dampening ``beta1`` (the Adam's ``betas[0]`` unless ``precondition_beta1`` is set).
     ``precondition="rms_sketch"`` (many ranks): ``rms``'s per-rank second moment sets the denominator's shape, and
     one all-reduced float per tensor (a random sign projection of the gradient) sets its level to the RMS of the
-    ranks' *mean* gradient; SGD without momentum, as for ``rms``.
+    ranks' *mean* gradient; SGD without momentum, as for ``rms``. ``residuals_follow_lr`` (default true; with a
+    ``precondition`` only): when the lr changes (a warm-up, a decay) the error-feedback residuals are rescaled by
+    ``lr_before / lr_now``, so that they hold the update not yet applied in the parameter's units (EF-SGD's form):
+    what a step at lr ``a`` left unsent moves the parameter by ``a`` times it when it is sent, not by the lr of
+    the step that sends it. Bit for bit nothing changes under a constant lr; false: residuals in gradient units.
     A key that the chosen method does not use is an error, not ignored.
 
     ``sync_every=H > 1`` switches to **local updates** (DiLoCo; titan_ds/comm/diloco.py, docs/compress.md): every
@@ -286,6 +291,7 @@ class CompressionConfig(_Strict):
     precondition_beta1: float = Field(default=0.9, gt=0, lt=1)
     precondition_beta2: float = Field(default=0.999, gt=0, lt=1)
     precondition_eps: float = Field(default=1e-8, gt=0)
+    residuals_follow_lr: bool = True
     sync_every: int = Field(default=1, ge=1)
     outer_lr: float = Field(default=0.7, gt=0)
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
@@ -353,6 +359,10 @@ class CompressionConfig(_Strict):
         if ({"precondition_beta2", "precondition_eps"} & self.model_fields_set) and self.precondition == "none":
             raise ValueError("has precondition_beta2/precondition_eps but precondition is 'none'; set "
                              "precondition='rms' or remove them")
+        if "residuals_follow_lr" in self.model_fields_set and self.precondition == "none":
+            raise ValueError("has residuals_follow_lr but precondition is 'none' (without it the optimizer, not the "
+                             "lr alone, turns the sum into the update); set precondition or remove "
+                             "residuals_follow_lr")
         if "precondition_beta1" in self.model_fields_set and self.precondition != "rms_mean":
             raise ValueError(f"has precondition_beta1 but precondition is {self.precondition!r} (only 'rms_mean' keeps "
                              f"a first moment); set precondition='rms_mean' or remove precondition_beta1")

@@ -90,7 +90,11 @@ def _val_loss(model: torch.nn.Module, tokens, n: int, micro_batch: int, context:
 def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Optional[int] = None,
                  dgc: Optional[dict] = None) -> GradientReducer:
     """The worker's reducer: ``dgc`` is ``topk`` with DGC's options (``dgc``: momentum, masking, clip, ramp_steps,
-    ramp_start), ``powersgd`` needs ``rank``; the others are built from ``ratio``."""
+    ramp_start), ``powersgd`` needs ``rank``; the others are built from ``ratio``. A preconditioned method's name
+    ending in ``_gradres`` keeps its residuals in gradient units (``residuals_follow_lr: false``; the same run as
+    without the suffix under a constant lr)."""
+    follow = not method.endswith("_gradres")
+    method = method.removesuffix("_gradres")
     if method == "dgc":
         if dgc is None:
             raise ValueError("method 'dgc' needs its options (momentum, masking, clip, ramp_steps, ramp_start)")
@@ -100,9 +104,11 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
     elif method in ("rms", "rms_randk", "rms_cltk", "rms_mean", "rms_sketch"):  # topk / randk / cltk of each worker's normalized gradient
         return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk", "rms_mean": "topk",
                                 "rms_sketch": "topk"}[method],
-                               ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method))
+                               ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method),
+                               residuals_follow_lr=follow)
     elif (q := qtopk_options(method)) is not None:  # rms[_mean]_qtopk<bits>[c<chunk>]: chunked low-bit top-k of the same
-        return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method), **q)
+        return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method),
+                               residuals_follow_lr=follow, **q)
     elif method == "powersgd":
         if rank is None:
             raise ValueError("method 'powersgd' needs a rank")
@@ -170,7 +176,8 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
             x, y = batchers[w].get(step)
             model(x, y).backward()
             flats.append(torch.cat([p.grad.reshape(-1) for p in params]))
-        outs = sim.run(lambda w, comm: reducers[w].reduce(flats[w], layout, comm, step))
+        lr_t = lr * lr_factor(schedule, step, steps)  # what the optimizer applies this step's sum with
+        outs = sim.run(lambda w, comm: reducers[w].reduce(flats[w], layout, comm, step, lr=lr_t))
         for w in range(1, world):
             if not torch.equal(outs[w], outs[0]):
                 raise RuntimeError(f"worker {w} decoded a different sum than worker 0 at step {step}: "
@@ -183,7 +190,7 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
         for p, seg in zip(params, layout):
             p.grad = grad[seg.flat_offset:seg.flat_offset + seg.numel].view_as(p).clone()
         for g in opt.param_groups:
-            g["lr"] = lr * lr_factor(schedule, step, steps)
+            g["lr"] = lr_t
         opt.step()
         for r in reducers:
             r.end_step()

@@ -90,7 +90,8 @@ def config(method: str) -> dict:
         comp = {"method": "topk", "ratio": args.ratio, "precondition": "rms"}
     elif method == "rms_mean":  # qtopk of each rank's estimate of the mean gradient's RMS; SGD with momentum 0.9
         comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_mean"}
-    elif method == "rms_sketch":  # sharded qtopk of rms at the mean gradient's level (one all-reduced float a tensor)
+    elif method in ("rms_sketch", "rms_sketch_warmup"):  # sharded qtopk of rms at the mean gradient's level (one
+        # all-reduced float a tensor); _warmup: under a linear lr warm-up, its residuals following the lr
         comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_sketch", "exchange": "sharded"}
     else:
         comp = {"method": method, "ratio": args.ratio, "warmup_steps": 2}
@@ -111,17 +112,21 @@ def train(method: str, rank: int) -> dict:
     # torch's Adam as the client optimizer: after an in-process load_checkpoint, DeepSpeed's FusedAdam (CPU) gave
     # different updates from bit-identical params, grads, param_groups and state tensors (measured with topk at
     # ZeRO-0; torch Adam repeats bit for bit), which would hide what the resume check below is for
+    warm = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (args.steps + 10)))
+            if method.endswith("_warmup") else None)  # still warming up through the resumed steps
     engine, _, _, _ = titan_engine.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=3e-3),
-                                              config=config(method))
+                                              config=config(method), lr_scheduler=warm)
     hooks = engine.titan.reports["compression"]
     counts = count_backend()
-    losses, metrics = [], []
+    losses, metrics, lr_trail = [], [], []
     dense_total = wire_total = 0
     for s in range(args.steps):
         before = dict(counts)
+        lr_now = engine.get_lr()[0]
         loss = torch.nn.functional.mse_loss(engine(xs[s]), ys[s])
         engine.backward(loss)
         engine.step()
+        lr_trail.append([lr_now, hooks.reducer._lr_prev])
         m = engine.titan.collect_metrics()
         step_bytes = {op: counts[op] - before[op] for op in COUNTED}
         metrics.append({"wire": m["wire_bytes"], "dense": m["dense_grad_bytes"], "backend": step_bytes})
@@ -134,7 +139,7 @@ def train(method: str, rank: int) -> dict:
     out = {"losses": losses, "seam_calls": dict(hooks.seam_calls), "steps": metrics,
            "optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
            "momentum": getattr(engine, "basic_optimizer").param_groups[0].get("momentum"),
-           "dense_total": dense_total, "wire_total": wire_total}
+           "dense_total": dense_total, "wire_total": wire_total, "lr_trail": lr_trail}
     # checkpoint round trip: residuals and every other store (DGC's momentum, PowerSGD's Q) of every rank come back
     if method != "none":
         stores = hooks.reducer.stores

@@ -108,14 +108,14 @@ def launch(tmp_path, stage: int, methods: str, reduce_scatter: int = 1, ratio: f
 
 # the smallest steady-state ratio per method (at --ratio 20): PowerSGD's follows from rank 1 on the MLP's matrices
 # (its biases go dense; under ZeRO 1-3 buckets also cut matrices mid-row, whose ragged ends go dense too)
-MIN_RATIO = {"powersgd": 8.0, "qtopk_sharded": 10.0, "rms_sketch": 10.0}  # sharded: W pieces + one gathered piece handed
+MIN_RATIO = {"powersgd": 8.0, "qtopk_sharded": 10.0, "rms_sketch": 10.0, "rms_sketch_warmup": 10.0}  # sharded: W pieces + one gathered piece handed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,reduce_scatter,methods", [
     (0, 1, "none,topk,hge,qtopk,cltk,qtopk_sharded"), (1, 1, "topk,tgss"), (2, 1, "tgss,hge,cltk"), (2, 0, "hge,topk"),
     (3, 1, "tgss,hge,topk,qtopk,qtopk_sharded"),
-    (0, 1, "powersgd,dgc,rms"), (2, 1, "powersgd,dgc,rms,rms_mean,rms_sketch"),
+    (0, 1, "powersgd,dgc,rms"), (2, 1, "powersgd,dgc,rms,rms_mean,rms_sketch,rms_sketch_warmup"),
     (3, 1, "powersgd,dgc,rms,rms_mean,rms_sketch"),
 ], ids=["zero0", "zero1", "zero2", "zero2-allreduce", "zero3", "zero0-peers", "zero2-peers", "zero3-peers"])
 def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, reduce_scatter, methods):
@@ -147,5 +147,10 @@ def test_two_ranks_train_with_compressed_bytes_on_the_wire(tmp_path, stage, redu
                     "rms": {"residuals", "second_moment"},
                     "rms_mean": {"residuals", "first_moment", "mean_second_moment"},
                     "rms_sketch": {"residuals", "second_moment", "mean_square_sketch", "shard_residuals"},
+                    "rms_sketch_warmup": {"residuals", "second_moment", "mean_square_sketch", "shard_residuals"},
                     "qtopk_sharded": {"residuals", "shard_residuals"}}.get(method, {"residuals"})
             assert set(r["stores"]) == want and all(r["stores"].values()), (method, r["stores"])
+        if method.endswith("_warmup"):  # the seams hand the reducer the lr each step runs with (residuals_follow_lr)
+            assert all(a == b for a, b in r["lr_trail"]) and len({a for a, _ in r["lr_trail"]}) == len(r["lr_trail"])
+        elif method.startswith("rms"):
+            assert {a for a, _ in r["lr_trail"]} == {3e-3} == {b for _, b in r["lr_trail"]}

@@ -240,6 +240,16 @@ class ResidualStore:
             self._journal[key] = None if old is None else old  # replaced, never modified in place: no copy
         self.residuals[key] = value.detach().float().clone()
 
+    def scale_(self, factor: float) -> None:
+        """Every stored tensor times ``factor``, journaled like :meth:`write` (the unscaled tensor becomes the
+        journal's copy of a key not yet written in this step: no extra copy)."""
+        for key, old in list(self.residuals.items()):
+            if key not in self._journal:
+                self._journal[key] = old
+                self.residuals[key] = old * factor
+            else:
+                old.mul_(factor)
+
     def commit(self) -> None:
         """The step was applied: its residual writes stand."""
         self._journal.clear()

@@ -77,7 +77,7 @@ class GradientReducer:
                  rows: int = 3, seed: int = 0, rank: int = 1, min_compression: float = 2.0,
                  dgc: Optional[DGCOptions] = None, ratio_warmup_steps: int = 0, ratio_warmup_start: float = 2.0,
                  precondition: Optional[RMSOptions] = None, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK,
-                 exchange: str = "all_gather", gather_share: float = 0.5):
+                 exchange: str = "all_gather", gather_share: float = 0.5, residuals_follow_lr: bool = True):
         self.compressor = build_compressor(method, ratio, rows, rank=rank, min_compression=min_compression, seed=seed,
                                            bits=bits, chunk=chunk, exchange=exchange, gather_share=gather_share)
         self.method, self.ratio = method, ratio
@@ -88,6 +88,11 @@ class GradientReducer:
         self.ratio_warmup_steps, self.ratio_warmup_start = ratio_warmup_steps, ratio_warmup_start
         self.dgc = dgc if dgc is not None else DGCOptions()
         self.precondition = precondition
+        # with a precondition the sum is an update direction that SGD scales by the lr: error feedback in the
+        # update's units (reduce(lr=...)); the lr the last applied step used, and this step's
+        self.lr_follows = residuals_follow_lr and precondition is not None and error_feedback
+        self._lr_prev: Optional[float] = None
+        self._lr_step: Optional[float] = None
         if precondition is not None and (self.dgc.momentum > 0 or warmup_steps > 0):
             raise ValueError("precondition='rms' hands the compressor an Adam-scaled update: it takes neither DGC's "
                              "momentum (error feedback is the accumulation) nor dense warmup_steps (their raw "
@@ -134,7 +139,10 @@ class GradientReducer:
         roll every store back (the step's writes go; the same verdict on every rank)."""
         bad, self._bad = self._bad, None
         if bad is None or not _read_verdict(bad):
+            if self._lr_step is not None:  # the step stands: its lr is the one its residuals are scaled to
+                self._lr_prev = self._lr_step
             return
+        self._lr_step = None
         self.nonfinite_steps += 1
         log.warning("titan compression: non-finite gradients at step %d; compression state rolled back to "
                     "the step's start (DeepSpeed skips the step on every rank)", self._step + 1)
@@ -155,15 +163,18 @@ class GradientReducer:
         return (self.seed * 1_000_003 + step * 7_919 + self._call_in_step) & 0x7FFFFFFF
 
     def reduce(self, flat: torch.Tensor, layout: list[Segment], comm: Any, step: int, *,
-               prescale: float = 1.0, consume: bool = False) -> torch.Tensor:
+               prescale: float = 1.0, consume: bool = False, lr: Optional[float] = None) -> torch.Tensor:
         """``prescale``: ``flat`` is this rank's gradient times ``prescale`` (ZeRO 1-3 pre-divide by the number of
         ranks); only ``local_clip`` needs it, so that its threshold bounds the rank's own gradient at every stage.
         ``consume``: ``flat`` is the caller's scratch (DeepSpeed's flattened bucket, overwritten by the sum
-        afterwards): an fp32 ``flat`` becomes the working buffer instead of being copied."""
+        afterwards): an fp32 ``flat`` becomes the working buffer instead of being copied. ``lr``: the lr the
+        optimizer will apply this step's sum with (a host float; :meth:`follow_lr`)."""
         check_layout(layout, flat.numel())
         counting = CountingCollective(comm)
         dense = flat.numel() * flat.element_size()
         seed = self._call_seed(step)
+        if self._call_in_step == 1:
+            self.follow_lr(lr)
         if step < self.warmup_steps:
             summed = flat if consume else flat.clone()
             counting.all_reduce_sum(summed)
@@ -175,6 +186,26 @@ class GradientReducer:
         self.total_dense += dense
         self.total_wire += counting.bytes
         return summed
+
+    def follow_lr(self, lr: Optional[float]) -> None:
+        """At a step's first reduce (``residuals_follow_lr``, with a precondition and error feedback): when the
+        lr differs from the last applied step's, every error-feedback residual (the reducer's and a compressor's
+        ``residual_stores``) is multiplied by ``lr_prev / lr``. The residuals then hold what was not yet applied
+        *in units of the parameter update* (EF-SGD's ``e + lr g``, divided by this step's lr): a coordinate left
+        unsent at lr ``a`` moves the parameter by ``a`` times it when it is sent at lr ``b``, not by ``b`` times.
+        Under a constant lr nothing changes (bit for bit); under a warm-up the residuals of tiny-lr steps no
+        longer land at the full lr. An lr of 0 (or none yet) leaves them as they are. Journaled: a skipped step
+        puts them back, and its lr is not taken."""
+        if not self.lr_follows or lr is None:
+            return
+        lr = float(lr)
+        self._lr_step = lr
+        prev = self._lr_prev
+        if prev is None or prev <= 0.0 or lr <= 0.0 or prev == lr:
+            return
+        factor = prev / lr
+        for name in ("residuals", *getattr(self.compressor, "residual_stores", ())):
+            self.stores[name].scale_(factor)
 
     def _compressed(self, flat: torch.Tensor, layout: list[Segment], comm: Any, seed: int, step: int,
                     prescale: float, consume: bool = False) -> torch.Tensor:
@@ -260,7 +291,8 @@ class GradientReducer:
         self._settle()  # a skipped step's writes are never saved
         extra = {name: st.state_dict() for name, st in self.stores.items() if name != "residuals"}
         return {"residuals": self.residuals.state_dict(), "stores": extra, "total_dense": self.total_dense,
-                "total_wire": self.total_wire, "calls": self.calls, "method": self.method}
+                "total_wire": self.total_wire, "calls": self.calls, "method": self.method,
+                "lr_prev": self._lr_prev}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("method") != self.method:
@@ -277,3 +309,4 @@ class GradientReducer:
             self.stores[name].load_state_dict(state["stores"][name])
         self.total_dense, self.total_wire = int(state["total_dense"]), int(state["total_wire"])
         self.calls = int(state["calls"])
+        self._lr_prev, self._lr_step = state.get("lr_prev"), None  # None: a checkpoint from before the field

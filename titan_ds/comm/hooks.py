@@ -200,6 +200,14 @@ class CompressionHooks:
     def _comm(self, group: Any) -> DistCollective:
         return DistCollective(group)
 
+    def _lr(self) -> Optional[float]:
+        """The lr the optimizer applies this step's sum with (``engine.get_lr()``: its first param group; the
+        schedulers scale every group alike), read where the reducer follows it (``residuals_follow_lr``)."""
+        if not self.reducer.lr_follows:
+            return None
+        lrs = self.engine.get_lr()
+        return float(lrs[0]) if lrs else None
+
     # ---------------------------------------------------------------- ZeRO-0
     def _z0_allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         eng = self.engine
@@ -208,7 +216,8 @@ class CompressionHooks:
         layout = self._layout(list(bucket))
         comm = self._comm(dp_group)
         world = dp_world_size if dp_world_size is not None else comm.world_size
-        summed = self.reducer.reduce(flat, layout, comm, eng.global_steps, consume=_owned(flat, bucket))
+        summed = self.reducer.reduce(flat, layout, comm, eng.global_steps, consume=_owned(flat, bucket),
+                                     lr=self._lr())
         if dsc.gradient_average(eng):
             summed.div_(world)
         return summed
@@ -245,7 +254,7 @@ class CompressionHooks:
             prescale = dsc.sequence_parallel_size(opt) / comm.world_size
             flat.div_(comm.world_size / dsc.sequence_parallel_size(opt))
         return self.reducer.reduce(flat, self._layout(list(bucket)), comm, self.engine.global_steps,
-                                   prescale=prescale, consume=_owned(flat, bucket))
+                                   prescale=prescale, consume=_owned(flat, bucket), lr=self._lr())
 
     def _z12_predivide(self, tensor, communication_data_type):
         opt = self.engine.optimizer
@@ -259,7 +268,7 @@ class CompressionHooks:
             prescale = dsc.sequence_parallel_size(opt) / comm.world_size
             flat.div_(comm.world_size / dsc.sequence_parallel_size(opt))
         summed = self.reducer.reduce(flat, self._layout([tensor]), comm, self.engine.global_steps,
-                                     prescale=prescale, consume=True)
+                                     prescale=prescale, consume=True, lr=self._lr())
         tensor.copy_(summed)
         return tensor
 
@@ -292,7 +301,7 @@ class CompressionHooks:
             off += t.numel()
         flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)  # DeepSpeed pre-divides here too
         summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps, prescale=1.0 / world,
-                                     consume=True)
+                                     consume=True, lr=self._lr())
         out, off = [], 0
         for t in tensors:
             n = t.numel()
@@ -395,7 +404,7 @@ class CompressionPillar(Pillar):
             dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
             ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start,
             precondition=precondition, bits=cfg.bits, chunk=cfg.chunk, exchange=cfg.exchange,
-            gather_share=cfg.gather_share)
+            gather_share=cfg.gather_share, residuals_follow_lr=cfg.residuals_follow_lr)
 
     def attach(self, ctx: Any) -> None:
         """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""

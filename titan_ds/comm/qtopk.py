@@ -133,6 +133,8 @@ class QTopKCompressor:
         self.gather_share = gather_share
         # sharded: the error feedback of each rank's re-compressed shard sum (journaled and saved by the reducer)
         self.stores = {"shard_residuals": ResidualStore()} if exchange == "sharded" else {}
+        # the stores that are error feedback (the reducer rescales them with the lr: GradientReducer.lr_follows)
+        self.residual_stores = ("shard_residuals",) if exchange == "sharded" else ()
 
     def __repr__(self) -> str:
         return (f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk}, "
