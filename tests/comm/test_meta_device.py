@@ -109,3 +109,25 @@ def test_sparse_sent_on_meta():
         sent.subtract_from_(acc)
         sent.zero_where_sent_(vel)
     assert sent.dense().device == META
+
+
+@pytest.mark.parametrize("case", ["precondition", "precondition_sketch"])
+def test_residuals_follow_the_lr_on_meta(case, verdicts, monkeypatch):
+    """The lr is a host float (engine.get_lr()): rescaling every residual store, the sharded exchange's too, reads
+    nothing from the device and copies nothing to it, and the residuals stay device tensors."""
+    from titan_ds.comm.base import ResidualStore
+    factors, scale = [], ResidualStore.scale_
+    monkeypatch.setattr(ResidualStore, "scale_", lambda self, f: (factors.append(f), scale(self, f))[1])
+    kw = dict(CASES[case])
+    red = GradientReducer(kw.pop("method"), 4.0, **kw)
+    comm = MetaCollective()
+    for step, lr in enumerate([1e-4, 5e-4, 1e-3, 1e-3]):
+        with NoHostCopies() if step else nullcontext():
+            for layout in _layout():
+                n = sum(s.numel for s in layout)
+                red.reduce(torch.empty(n, device=META), layout, comm, step, lr=lr)
+        red.end_step()
+    # two lr changes; the sharded exchange keeps a second residual store (its owned shards)
+    n_stores = 1 + len(getattr(red.compressor, "residual_stores", ()))
+    assert factors == pytest.approx([0.2] * n_stores + [0.5] * n_stores)
+    assert all_meta([dict(st.residuals) for st in red.stores.values()])
