@@ -112,7 +112,7 @@ def test_compression_methods_come_from_the_registry():
 
     valid = {"ratio": 10.0, "error_feedback": False, "sketch_rows": 2, "seed": 1, "ratio_warmup_steps": 5,
              "momentum": 0.9, "local_clip": 1.0, "rank": 2, "min_compression": 3.0, "bits": 4, "chunk": 1024,
-             "exchange": "sharded"}
+             "exchange": "sharded", "scale_dtype": "bf16"}
     # the preconditioner's keys are every compressing method's (checked in tests/comm/test_precondition.py and,
     # residuals_follow_lr, tests/comm/test_residuals_follow_lr.py), the local-update keys every method's (tests/comm/test_diloco.py)
     assert set(valid) | {"method", "warmup_steps", "momentum_masking", "ratio_warmup_start", "gather_share",

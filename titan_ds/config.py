@@ -240,9 +240,11 @@ class CompressionConfig(_Strict):
     accumulated; DGC: the global clipping threshold / sqrt(ranks)). ``powersgd`` only: ``rank`` (of the low-rank
     approximation) and ``min_compression`` (a matrix is compressed only if it shrinks at least this much, else sent
     dense). ``qtopk`` only (SparseLoCo's message, titan_ds/comm/qtopk.py): ``bits`` (2, 4 or 8 bits per sent value,
-    with a per-chunk fp32 scale) and ``chunk`` (entries per chunk, 2 to 65536; each chunk sends its top values with
+    with a per-chunk scale), ``chunk`` (entries per chunk, 2 to 65536; each chunk sends its top values with
     in-chunk indices of 1 byte up to chunk 256, else 2 bytes; the ratio must fit one value per chunk,
-    ``4 chunk / (index bytes + 4 + bits / 8)``: 195x at chunk 256 and 2 bits) and ``exchange``: ``all_gather``
+    ``4 chunk / (index bytes + scale bytes + bits / 8)``: 195x at chunk 256 and 2 bits), ``scale_dtype`` (the
+    per-chunk scale's dtype: ``fp32``, 4 bytes, or ``bf16``, 2 bytes: fp32's range, 3 significant digits; at one
+    value a chunk the scale is most of the message, and bf16 frees its bytes for more values) and ``exchange``: ``all_gather``
     (every rank receives every other rank's message: bytes received grow with the number of ranks) or ``sharded``
     (each rank owns a shard of whole chunks; the messages' pieces go to their owners by an all-to-all, each owner
     sums its shard, re-compresses it with its own error feedback and all-gathers it: each rank receives about 2x
@@ -285,6 +287,7 @@ class CompressionConfig(_Strict):
     min_compression: float = Field(default=2.0, ge=1)
     bits: Literal[_QTOPK_BITS] = DEFAULT_BITS  # type: ignore[valid-type]
     chunk: int = Field(default=DEFAULT_CHUNK, ge=2, le=MAX_CHUNK)
+    scale_dtype: Literal["fp32", "bf16"] = "fp32"
     exchange: Literal["all_gather", "sharded"] = "all_gather"
     gather_share: float = Field(default=0.5, gt=0, lt=1)
     precondition: Literal["none", "rms", "rms_mean", "rms_sketch"] = "none"
@@ -328,16 +331,15 @@ class CompressionConfig(_Strict):
             raise ValueError(f"has {', '.join(bad)}, which method={self.method!r} does not use; remove "
                              f"{'it' if len(bad) == 1 else 'them'} or choose a method that uses "
                              f"{'it' if len(bad) == 1 else 'them'}")
-        if self.method == "qtopk" and self.ratio > qtopk_max_ratio(bits=self.bits, chunk=self.chunk):
-            top = qtopk_max_ratio(bits=self.bits, chunk=self.chunk)
+        top = qtopk_max_ratio(bits=self.bits, chunk=self.chunk, scale_dtype=self.scale_dtype)
+        if self.method == "qtopk" and self.ratio > top:
             raise ValueError(f"has ratio={self.ratio:g} with method='qtopk' and chunk={self.chunk}, which sends at "
                              f"least one value per chunk: at most {top:.4g}x; raise chunk (in-chunk indices are 1 "
-                             f"byte up to 256, 2 bytes up to {MAX_CHUNK}) or lower ratio")
+                             f"byte up to 256, 2 bytes up to {MAX_CHUNK}), set scale_dtype 'bf16' or lower ratio")
         if "gather_share" in self.model_fields_set and self.exchange != "sharded":
             raise ValueError("has gather_share but exchange is 'all_gather' (one message, nothing to share); set "
                              "exchange 'sharded' or remove gather_share")
         if self.method == "qtopk" and self.exchange == "sharded":
-            top = qtopk_max_ratio(bits=self.bits, chunk=self.chunk)
             passes = {"the pieces": self.ratio / (2 * (1 - self.gather_share)),
                       "the owners' sums": self.ratio / (2 * self.gather_share)}
             over = [f"{name} at {r:.4g}x" for name, r in passes.items() if r > top]

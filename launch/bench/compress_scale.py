@@ -128,14 +128,17 @@ def _rms_options(method: str) -> RMSOptions:
 
 
 def qtopk_options(method: str) -> Optional[dict]:
-    """``rms[_mean|_sketch]_qtopk<bits>[c<chunk>][_sharded[_g<share>]]`` (``titan.compression`` with ``method: "qtopk"``,
+    """``rms[_mean|_sketch]_qtopk<bits>[c<chunk>][_sharded[_g<share>]][_bf16]`` (``titan.compression`` with ``method: "qtopk"``,
     ``bits``, ``chunk``, ``precondition: "rms"`` (or ``rms_mean`` / ``rms_sketch``) and, with ``_sharded``, ``exchange: "sharded"`` and ``gather_share``; chunk
-    4096 unless given): ``{bits, chunk, exchange[, gather_share]}``; ``None`` for other methods."""
-    m = re.fullmatch(r"rms(?:_mean|_sketch)?_qtopk(\d)(?:c(\d+))?(_sharded(?:_g([0-9.]+))?)?", method)
+    4096 unless given; ``_bf16``: ``scale_dtype: "bf16"``): ``{bits, chunk, exchange[, gather_share, scale_dtype]}``;
+    ``None`` for other methods."""
+    m = re.fullmatch(r"rms(?:_mean|_sketch)?_qtopk(\d)(?:c(\d+))?(_sharded(?:_g([0-9.]+))?)?(_bf16)?", method)
     if m is None:
         return None
     out = {"bits": int(m.group(1)), "chunk": int(m.group(2) or 4096),
            "exchange": "sharded" if m.group(3) else "all_gather"}
+    if m.group(5):
+        out["scale_dtype"] = "bf16"
     return out if m.group(4) is None else {**out, "gather_share": float(m.group(4))}
 
 

@@ -66,7 +66,8 @@ def collect(root: Path = ROOT) -> list[dict[str, Any]]:
             if family is None or r.get("rank") or r.get("dgc"):
                 continue
             setting = f"ratio {r['ratio']:g}" + (f", {q['bits']}-bit, chunk {q['chunk']}" if q else "") + (
-                f", gather_share {q['gather_share']:g}" if q and "gather_share" in q else "")
+                f", gather_share {q['gather_share']:g}" if q and "gather_share" in q else "") + (
+                ", bf16 scales" if q and q.get("scale_dtype") == "bf16" else "")
             out.append({"source": rel, "family": family, "setting": setting,
                         "world": r["world"], "steps": r["steps"], "seed": r["seed"], "lr": r["lr"],
                         "val_loss": r["val_loss"], "x_recv": r["wire_x_recv"],

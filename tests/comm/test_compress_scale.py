@@ -213,3 +213,11 @@ def test_warmup_cosine_schedule_is_train_pys_and_a_separate_row_and_constant_row
     md = cs.render([const, cos, cos_c], [cs._key(r) for r in (const, cos, cos_c)], "cmd")
     delta = f"{cos_c['val_loss'] - cos['val_loss']:+.4f}"
     assert f"| {cos_c['val_loss']:.4f} | {delta} |" in md
+
+
+def test_bf16_suffix_is_scale_dtype_and_the_reducer_gets_it():
+    assert cs.qtopk_options("rms_sketch_qtopk2c256_sharded_g0.8_bf16") == {
+        "bits": 2, "chunk": 256, "exchange": "sharded", "gather_share": 0.8, "scale_dtype": "bf16"}
+    assert "scale_dtype" not in cs.qtopk_options("rms_sketch_qtopk2c256_sharded_g0.7")
+    red = cs.make_reducer("rms_sketch_qtopk2c256_sharded_g0.8_bf16", 100.0, warmup=0, seed=0)
+    assert red.compressor.scale_dtype == "bf16" and red.compressor.gather_share == 0.8

@@ -80,6 +80,7 @@ CASES = {
     "no_error_feedback": dict(method="tgss", error_feedback=False),
     "qtopk": dict(method="qtopk", chunk=16),
     "qtopk_sharded": dict(method="qtopk", chunk=16, exchange="sharded"),
+    "qtopk_sharded_bf16": dict(method="qtopk", chunk=16, exchange="sharded", scale_dtype="bf16"),
 }
 
 

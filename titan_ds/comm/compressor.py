@@ -61,7 +61,7 @@ class GradientReducer:
     ``reduce(flat, layout, comm, step)`` returns the **sum over ranks** of the (compressed) gradient, in
     ``flat``'s dtype; the seams divide where DeepSpeed would. Steps ``< warmup_steps`` go dense; the next
     ``ratio_warmup_steps`` ramp the ratio from ``ratio_warmup_start`` to ``ratio`` (:func:`~titan_ds.comm.dgc.ratio_at`).
-    ``rank``, ``min_compression`` (and ``seed``) configure ``powersgd``, ``bits``, ``chunk``, ``exchange`` and ``gather_share`` ``qtopk``; ``dgc`` holds DGC's momentum
+    ``rank``, ``min_compression`` (and ``seed``) configure ``powersgd``, ``bits``, ``chunk``, ``scale_dtype``, ``exchange`` and ``gather_share`` ``qtopk``; ``dgc`` holds DGC's momentum
     correction, masking and local clipping (``topk``).
 
     Non-finite gradients: every compressor returns a non-finite sum on **every** rank when any rank's gradient
@@ -77,9 +77,11 @@ class GradientReducer:
                  rows: int = 3, seed: int = 0, rank: int = 1, min_compression: float = 2.0,
                  dgc: Optional[DGCOptions] = None, ratio_warmup_steps: int = 0, ratio_warmup_start: float = 2.0,
                  precondition: Optional[RMSOptions] = None, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK,
-                 exchange: str = "all_gather", gather_share: float = 0.5, residuals_follow_lr: bool = True):
+                 exchange: str = "all_gather", gather_share: float = 0.5, residuals_follow_lr: bool = True,
+                 scale_dtype: str = "fp32"):
         self.compressor = build_compressor(method, ratio, rows, rank=rank, min_compression=min_compression, seed=seed,
-                                           bits=bits, chunk=chunk, exchange=exchange, gather_share=gather_share)
+                                           bits=bits, chunk=chunk, exchange=exchange, gather_share=gather_share,
+                                           scale_dtype=scale_dtype)
         self.method, self.ratio = method, ratio
         self.error_feedback, self.warmup_steps, self.seed = error_feedback, warmup_steps, seed
         if ratio_warmup_steps > 0 and not 1.0 <= ratio_warmup_start < ratio:

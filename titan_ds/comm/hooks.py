@@ -395,7 +395,8 @@ class CompressionPillar(Pillar):
             self.reducer = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
                                            rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank,
                                            min_compression=cfg.min_compression, bits=cfg.bits, chunk=cfg.chunk,
-                                           exchange=cfg.exchange, gather_share=cfg.gather_share)
+                                           exchange=cfg.exchange, gather_share=cfg.gather_share,
+                                           scale_dtype=cfg.scale_dtype)
             return
         precondition = rms_options(ctx) if cfg.precondition != "none" else None
         self.reducer = GradientReducer(
@@ -404,7 +405,7 @@ class CompressionPillar(Pillar):
             dgc=DGCOptions(momentum=cfg.momentum, momentum_masking=cfg.momentum_masking, local_clip=cfg.local_clip),
             ratio_warmup_steps=cfg.ratio_warmup_steps, ratio_warmup_start=cfg.ratio_warmup_start,
             precondition=precondition, bits=cfg.bits, chunk=cfg.chunk, exchange=cfg.exchange,
-            gather_share=cfg.gather_share, residuals_follow_lr=cfg.residuals_follow_lr)
+            gather_share=cfg.gather_share, residuals_follow_lr=cfg.residuals_follow_lr, scale_dtype=cfg.scale_dtype)
 
     def attach(self, ctx: Any) -> None:
         """Install the reducer on ``ctx.engine``; publish byte metrics and residual state."""

@@ -12,11 +12,12 @@ One message, worker ``r`` (``acc``: its error-compensated outer gradient, ``n`` 
 1. ``acc`` is cut into ``C = chunk`` consecutive entries per chunk (the last one padded; padding is never
    preferred to a real entry); each chunk sends its ``k`` largest magnitudes, ``k`` the largest count whose
    message fits ``4 n / ratio`` bytes (:func:`qtopk_budget`);
-2. per chunk, ``scale = max |selected|`` (fp32); a value ``v`` becomes ``bits`` bits: its sign and the magnitude
+2. per chunk, ``scale = max |selected|`` (fp32, or bf16 with ``scale_dtype="bf16"``: the scale rounded to
+   bf16 before the values are quantized against it, 2 bytes instead of 4); a value ``v`` becomes ``bits`` bits: its sign and the magnitude
    level ``j = min(floor(|v| / scale * L), L - 1)`` of ``L = 2^(bits-1)``; it decodes to
    ``sign * (j + 0.5) * (scale / L)`` (the middle of its level);
 3. the message is one ``uint8`` tensor: the in-chunk indices (1 byte each for ``C <= 256``, else 2,
-   little-endian), the codes packed ``8 / bits`` to a byte, the fp32 scales; it is all-gathered (the wire counts
+   little-endian), the codes packed ``8 / bits`` to a byte, the scales (fp32 or bf16); it is all-gathered (the wire counts
    its real size: ``(W - 1) * len`` received per worker);
 4. every worker decodes every message in rank order and sums the decoded values (identical on all workers);
    ``sent`` is this worker's own decoded message, so the reducer's residual ``acc - sent`` keeps the unsent
@@ -45,8 +46,12 @@ message whatever ``W``, the volume of a ring all-reduce of it. The two together 
 ``sent`` (what the worker's residual subtracts) is still its own step-5 message. :func:`reference_sharded_qtopk` is the oracle (bit for bit); ``e_j`` is the compressor's journaled
 store ``shard_residuals``, saved in checkpoints with the residuals.
 
-The largest ratio a chunk size allows is one value per chunk, ``4 C / (index_bytes + 4 + bits / 8)``
-(:func:`qtopk_max_ratio`: 195x at chunk 256 and 2 bits); the config refuses a ratio above it.
+The largest ratio a chunk size allows is one value per chunk, ``4 C / (index_bytes + scale_bytes + bits / 8)``
+(:func:`qtopk_max_ratio`: 195x at chunk 256 and 2 bits, 315x with bf16 scales); the config refuses a ratio above
+it. **bf16 scales** (``scale_dtype="bf16"``): at one value a chunk the fp32 scale is 4 of the 5.25 bytes a chunk
+sends; in bf16 (8 exponent bits: fp32's range; 3 significant digits, against the 2-bit code's 2 levels) the same
+bytes carry more values (the sharded exchange at chunk 256, ratio 100: the owners' messages 11 values a chunk at
+``gather_share`` 0.8 instead of 8 at 0.7). Error feedback keeps the rounding: ``sent`` is the decoded message.
 """
 from __future__ import annotations
 
@@ -57,7 +62,7 @@ import torch
 
 from .base import Collective, ResidualStore, Segment
 
-__all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "EXCHANGES", "MAX_CHUNK", "QTopKCompressor", "qtopk_budget",
+__all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "EXCHANGES", "MAX_CHUNK", "SCALE_DTYPES", "QTopKCompressor", "qtopk_budget",
            "qtopk_max_ratio", "qtopk_message_bytes", "reference_qtopk", "reference_sharded_qtopk", "shard_bounds",
            "sharded_budgets"]
 
@@ -68,29 +73,37 @@ MAX_CHUNK = 65536  # an in-chunk index is at most 2 bytes
 DEFAULT_BITS, DEFAULT_CHUNK = 2, 256
 BLOCK = 1 << 18  # entries per block of encode/decode (the results do not depend on it)
 EXCHANGES = ("all_gather", "sharded")
+SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the per-chunk scale's dtype in the message
+
+
+def _scale_bytes(scale_dtype: str) -> int:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"qtopk scale_dtype={scale_dtype!r}: choose one of {list(SCALE_DTYPES)}")
+    return SCALE_DTYPES[scale_dtype].itemsize
 
 
 def _index_bytes(chunk: int) -> int:
     return 1 if chunk <= 256 else 2
 
 
-def qtopk_max_ratio(*, bits: int, chunk: int) -> float:
+def qtopk_max_ratio(*, bits: int, chunk: int, scale_dtype: str = "fp32") -> float:
     """The largest ratio ``chunk`` allows: one value per chunk (``k = 1``), on whole chunks."""
-    return 4.0 * chunk / (_index_bytes(chunk) + 4 + bits / 8.0)
+    return 4.0 * chunk / (_index_bytes(chunk) + _scale_bytes(scale_dtype) + bits / 8.0)
 
 
-def qtopk_message_bytes(n: int, k: int, *, bits: int, chunk: int) -> int:
-    """Bytes of one worker's message: ``k`` (index, code) pairs in each of ``ceil(n / chunk)`` chunks + fp32 scales."""
+def qtopk_message_bytes(n: int, k: int, *, bits: int, chunk: int, scale_dtype: str = "fp32") -> int:
+    """Bytes of one worker's message: ``k`` (index, code) pairs in each of ``ceil(n / chunk)`` chunks + the scales."""
     chunks = -(-n // chunk)
-    return chunks * (k * _index_bytes(chunk) + 4) + -(-(chunks * k * bits) // 8)
+    return chunks * (k * _index_bytes(chunk) + _scale_bytes(scale_dtype)) + -(-(chunks * k * bits) // 8)
 
 
-def qtopk_budget(n: int, ratio: float, *, bits: int, chunk: int) -> int:
+def qtopk_budget(n: int, ratio: float, *, bits: int, chunk: int, scale_dtype: str = "fp32") -> int:
     """Values per chunk: the largest ``k`` in ``[1, chunk]`` whose message is at most ``4 n / ratio`` bytes (1 if
     even that is over: the wire then counts the overshoot)."""
     budget = 4.0 * n / ratio
-    k = max(1, min(chunk, int((budget / -(-n // chunk) - 4) / (_index_bytes(chunk) + bits / 8.0))))
-    while k > 1 and qtopk_message_bytes(n, k, bits=bits, chunk=chunk) > budget:
+    k = max(1, min(chunk, int((budget / -(-n // chunk) - _scale_bytes(scale_dtype))
+                              / (_index_bytes(chunk) + bits / 8.0))))
+    while k > 1 and qtopk_message_bytes(n, k, bits=bits, chunk=chunk, scale_dtype=scale_dtype) > budget:
         k -= 1
     return k
 
@@ -117,14 +130,15 @@ class QTopKCompressor:
     """The module's steps 1-4 (``ratio``: dense fp32 bytes / message bytes per worker, as for ``topk``)."""
 
     name = "qtopk"
-    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "exchange", "gather_share",
-                                    "ratio_warmup_steps", "ratio_warmup_start")
-    init_options = ("bits", "chunk", "exchange", "gather_share")
+    config_keys: tuple[str, ...] = ("ratio", "error_feedback", "bits", "chunk", "scale_dtype", "exchange",
+                                    "gather_share", "ratio_warmup_steps", "ratio_warmup_start")
+    init_options = ("bits", "chunk", "scale_dtype", "exchange", "gather_share")
 
     def __init__(self, ratio: float, rows: int = 1, *, bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK,
-                 exchange: str = "all_gather", gather_share: float = 0.5):
+                 exchange: str = "all_gather", gather_share: float = 0.5, scale_dtype: str = "fp32"):
         del rows  # CompressionConfig refuses sketch_rows for "qtopk" (not in config_keys)
         _check(bits, chunk)
+        self.scale_dtype, self._sdt, self._sb = scale_dtype, SCALE_DTYPES.get(scale_dtype), _scale_bytes(scale_dtype)
         if exchange not in EXCHANGES:
             raise ValueError(f"qtopk exchange={exchange!r}: choose one of {list(EXCHANGES)}")
         if not 0.0 < gather_share < 1.0:
@@ -138,7 +152,7 @@ class QTopKCompressor:
 
     def __repr__(self) -> str:
         return (f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk}, "
-                f"exchange={self.exchange!r}, gather_share={self.gather_share})")
+                f"scale_dtype={self.scale_dtype!r}, exchange={self.exchange!r}, gather_share={self.gather_share})")
 
     def _blocks(self, chunks: int) -> list[tuple[int, int]]:
         """Chunk ranges ``[c0, c1)`` of about :data:`BLOCK` entries, ``c0`` a multiple of 4 (so that a block's codes
@@ -147,7 +161,7 @@ class QTopKCompressor:
         return [(c0, min(chunks, c0 + step)) for c0 in range(0, chunks, step)]
 
     def _sections(self, n: int, k: int) -> tuple[int, int, int]:
-        """``(chunks, codes_at, scales_at)``: where the packed codes and the fp32 scales start in the message."""
+        """``(chunks, codes_at, scales_at)``: where the packed codes and the scales start in the message."""
         chunks = -(-n // self.chunk)
         m = chunks * k
         codes_at = m * _index_bytes(self.chunk)
@@ -159,7 +173,8 @@ class QTopKCompressor:
         seed GPT measured ~200 MB above its start unblocked)."""
         n, c, ib, per = acc.numel(), self.chunk, _index_bytes(self.chunk), 8 // self.bits
         chunks, codes_at, scales_at = self._sections(n, k)
-        msg = torch.empty(scales_at + 4 * chunks, dtype=torch.uint8, device=acc.device)
+        sb = self._sb
+        msg = torch.empty(scales_at + sb * chunks, dtype=torch.uint8, device=acc.device)
         shifts = torch.arange(per, dtype=torch.uint8, device=acc.device) * self.bits
         for c0, c1 in self._blocks(chunks):
             part = acc[c0 * c:min(n, c1 * c)]
@@ -167,8 +182,8 @@ class QTopKCompressor:
             mag = torch.nn.functional.pad(part.abs(), (0, pad), value=-1.0).view(c1 - c0, c)  # padding loses
             idx = torch.topk(mag, k, dim=1, sorted=False).indices                             # (chunks, k), in-chunk
             val = torch.nn.functional.pad(part, (0, pad)).view(c1 - c0, c).gather(1, idx)
-            scale = val.abs().amax(dim=1)                                                    # NaN/Inf propagate
-            code = _quantize(val.abs(), scale[:, None], 1 << (self.bits - 1)).to(torch.uint8)
+            scale = val.abs().amax(dim=1).to(self._sdt)                                      # NaN/Inf propagate
+            code = _quantize(val.abs(), scale.float()[:, None], 1 << (self.bits - 1)).to(torch.uint8)
             code |= (val < 0).to(torch.uint8) << (self.bits - 1)
             code = torch.nn.functional.pad(code.reshape(-1), (0, -code.numel() % per)).view(-1, per)
             packed = (code << shifts).sum(dim=1, dtype=torch.uint8)                           # disjoint bits: sum == or
@@ -176,7 +191,7 @@ class QTopKCompressor:
             index = torch.cat([(index >> (8 * b)) & 0xFF for b in range(ib)], dim=1).to(torch.uint8)
             msg[c0 * k * ib:c1 * k * ib] = index.reshape(-1)
             msg[codes_at + c0 * k // per:codes_at + c0 * k // per + packed.numel()] = packed
-            msg[scales_at + 4 * c0:scales_at + 4 * c1] = scale.contiguous().view(torch.uint8)
+            msg[scales_at + sb * c0:scales_at + sb * c1] = scale.contiguous().view(torch.uint8)
         return msg
 
     def decode_blocks(self, msg: torch.Tensor, n: int, k: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -191,7 +206,7 @@ class QTopKCompressor:
             index = sum(index[:, b] << (8 * b) for b in range(ib))
             packed = msg[codes_at + c0 * k // per:codes_at + c0 * k // per + -(-m // per)]
             code = ((packed[:, None] >> shifts) & ((1 << self.bits) - 1)).reshape(-1)[:m].view(c1 - c0, k)
-            scale = msg[scales_at + 4 * c0:scales_at + 4 * c1].clone().view(torch.float32)
+            scale = msg[scales_at + self._sb * c0:scales_at + self._sb * c1].clone().view(self._sdt).float()
             negative = (code >> (self.bits - 1)).bool()
             val = _dequantize((code & (levels - 1)).float(), negative, scale[:, None], levels)
             pos = index.view(c1 - c0, k) + torch.arange(c0, c1, dtype=torch.int64, device=msg.device)[:, None] * c
@@ -216,9 +231,10 @@ class QTopKCompressor:
         n = acc.numel()
         ratio = self.ratio if ratio is None else ratio
         if self.exchange == "sharded" and comm.world_size > 1:
-            k1, k2 = sharded_budgets(n, ratio, bits=self.bits, chunk=self.chunk, gather_share=self.gather_share)
+            k1, k2 = sharded_budgets(n, ratio, bits=self.bits, chunk=self.chunk, gather_share=self.gather_share,
+                                     scale_dtype=self.scale_dtype)
             return self._reduce_sharded(acc, comm, k1, k2, layout)
-        k = qtopk_budget(n, ratio, bits=self.bits, chunk=self.chunk)
+        k = qtopk_budget(n, ratio, bits=self.bits, chunk=self.chunk, scale_dtype=self.scale_dtype)
         msg = self.encode(acc, k)
         summed = torch.zeros(-(-n // self.chunk) * self.chunk, dtype=torch.float32, device=acc.device)
         for part in comm.all_gather(msg):
@@ -233,7 +249,8 @@ class QTopKCompressor:
         bounds = shard_bounds(n, self.chunk, world)
 
         def sizes(kk: int) -> list[int]:
-            return [qtopk_message_bytes(hi - lo, kk, bits=self.bits, chunk=self.chunk) if hi > lo else 0
+            return [qtopk_message_bytes(hi - lo, kk, bits=self.bits, chunk=self.chunk, scale_dtype=self.scale_dtype)
+                    if hi > lo else 0
                     for lo, hi in bounds]
         lens, lens2 = sizes(k), sizes(k2)
         size = max(lens)  # every piece padded to the largest: equal splits, the same on every rank
@@ -269,12 +286,13 @@ class QTopKCompressor:
         return summed, sent
 
 
-def sharded_budgets(n: int, ratio: float, *, bits: int, chunk: int, gather_share: float) -> tuple[int, int]:
+def sharded_budgets(n: int, ratio: float, *, bits: int, chunk: int, gather_share: float,
+                    scale_dtype: str = "fp32") -> tuple[int, int]:
     """Values per chunk ``(k, k2)`` of the sharded exchange's pieces and owners' messages: a rank receives about one
     message of each, which together take the bytes of two messages at ``ratio``, ``gather_share`` of them the
     owners' (0.5: both at ``ratio``, the same ``k``)."""
-    return (qtopk_budget(n, ratio / (2.0 * (1.0 - gather_share)), bits=bits, chunk=chunk),
-            qtopk_budget(n, ratio / (2.0 * gather_share), bits=bits, chunk=chunk))
+    return (qtopk_budget(n, ratio / (2.0 * (1.0 - gather_share)), bits=bits, chunk=chunk, scale_dtype=scale_dtype),
+            qtopk_budget(n, ratio / (2.0 * gather_share), bits=bits, chunk=chunk, scale_dtype=scale_dtype))
 
 
 def shard_bounds(n: int, chunk: int, world: int) -> list[tuple[int, int]]:
@@ -293,15 +311,16 @@ def _shard_key(layout: list[Segment], n: int, world: int, rank: int) -> str:
 
 
 def reference_sharded_qtopk(accs: list[torch.Tensor], ratio: float, kept: list[Optional[torch.Tensor]], *,
-                            bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK, gather_share: float = 0.5
-                            ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+                            bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK, gather_share: float = 0.5,
+                            scale_dtype: str = "fp32") -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """The oracle of ``exchange="sharded"`` over all ranks at once: ``(summed, sent per rank, shard residuals per
     rank)``. ``kept``: each rank's shard residual before the step (None: zeros). Loops over shards and ranks with
     :func:`reference_qtopk`, no messages."""
     world, n = len(accs), accs[0].numel()
-    k, k2 = sharded_budgets(n, ratio, bits=bits, chunk=chunk, gather_share=gather_share)
+    k, k2 = sharded_budgets(n, ratio, bits=bits, chunk=chunk, gather_share=gather_share, scale_dtype=scale_dtype)
     bounds = shard_bounds(n, chunk, world)
-    sent = [torch.cat([reference_qtopk(a[lo:hi], ratio, bits=bits, chunk=chunk, k=k) for lo, hi in bounds])
+    sent = [torch.cat([reference_qtopk(a[lo:hi], ratio, bits=bits, chunk=chunk, k=k, scale_dtype=scale_dtype)
+                       for lo, hi in bounds])
             for a in accs]
     summed, residuals = torch.zeros(n), []
     for j, (lo, hi) in enumerate(bounds):
@@ -310,23 +329,24 @@ def reference_sharded_qtopk(accs: list[torch.Tensor], ratio: float, kept: list[O
             total += sent[i][lo:hi]
         if kept[j] is not None:
             total += kept[j]
-        summed[lo:hi] = reference_qtopk(total, ratio, bits=bits, chunk=chunk, k=k2)
+        summed[lo:hi] = reference_qtopk(total, ratio, bits=bits, chunk=chunk, k=k2, scale_dtype=scale_dtype)
         residuals.append(total - summed[lo:hi])
     return summed, sent, residuals
 
 
 def reference_qtopk(acc: torch.Tensor, ratio: float, *, bits: int = DEFAULT_BITS,
-                    chunk: int = DEFAULT_CHUNK, k: Optional[int] = None) -> torch.Tensor:
+                    chunk: int = DEFAULT_CHUNK, k: Optional[int] = None, scale_dtype: str = "fp32") -> torch.Tensor:
     """The oracle of what one worker sends (dense, decoded): chunk by chunk, value by value, no packing. ``k``:
-    values per chunk (default: the budget of ``ratio`` over ``acc``)."""
+    values per chunk (default: the budget of ``ratio`` over ``acc``); ``scale_dtype``: each chunk's scale is
+    rounded to it (bf16) before the values are quantized against it."""
     _check(bits, chunk)
     n, levels = acc.numel(), 1 << (bits - 1)
-    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk) if k is None else k
+    k = qtopk_budget(n, ratio, bits=bits, chunk=chunk, scale_dtype=scale_dtype) if k is None else k
     out = torch.zeros_like(acc)
     for lo in range(0, n, chunk):
         part = acc[lo:lo + chunk]
         idx = torch.topk(part.abs(), min(k, part.numel())).indices
-        scale = part[idx].abs().max()
+        scale = part[idx].abs().max().to(SCALE_DTYPES[scale_dtype]).float()
         for i in idx.tolist():
             v = part[i]
             if scale > 0:

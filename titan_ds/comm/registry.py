@@ -31,7 +31,7 @@ if len(REGISTRY) != len(_CLASSES):
 def build_compressor(name: str, ratio: float, rows: int = 3, **options: Any) -> Compressor:
     """The compressor called ``name``; raises ``ValueError`` naming the choices for anything else.
 
-    ``options`` (``rank``, ``min_compression``, ``seed``; ``bits``, ``chunk``) go to the classes that list them in
+    ``options`` (``rank``, ``min_compression``, ``seed``; ``bits``, ``chunk``, ``scale_dtype``, ...) go to the classes that list them in
     ``init_options`` (``powersgd``; ``qtopk``); the others are built from ``ratio`` and ``rows`` alone."""
     if name in REGISTRY:
         cls = REGISTRY[name]
