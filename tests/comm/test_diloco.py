@@ -36,8 +36,10 @@ def _flat(named) -> torch.Tensor:
 QTOPK = {"bits": 2, "chunk": 16}  # 72 elements: 4 full chunks and a partial one
 
 
-def _outer(method, ratio, *, mu=0.9, ef=True):
+def _outer(method, ratio, *, mu=0.9, ef=True, scale_dtype="fp32"):
     kw = {} if method == "none" else {"error_feedback": ef, **(QTOPK if method == "qtopk" else {})}
+    if scale_dtype != "fp32":
+        kw["scale_dtype"] = scale_dtype
     return lambda named: OuterStep(named, GradientReducer(method, ratio, **kw), outer_lr=0.7, outer_momentum=mu)
 
 
@@ -52,7 +54,7 @@ def _run_threads(world, rounds, make):
     return run_ranks(world, fn)
 
 
-def _run_reference(world, rounds, method, ratio, mu=0.9, ef=True):
+def _run_reference(world, rounds, method, ratio, mu=0.9, ef=True, scale_dtype="fp32"):
     anchor = _flat(_params(0)).clone()
     m, res = None, [None] * world
     for rnd in range(rounds):
@@ -63,14 +65,17 @@ def _run_reference(world, rounds, method, ratio, mu=0.9, ef=True):
             _inner(named, r, rnd)
             xs.append(_flat(named))
         anchor, m, res = reference_round(xs, anchor, m, res, method=method, ratio=ratio, outer_lr=0.7,
-                                         outer_momentum=mu, error_feedback=ef, **QTOPK)
+                                         outer_momentum=mu, error_feedback=ef, scale_dtype=scale_dtype, **QTOPK)
     return anchor
 
 
-@pytest.mark.parametrize("method,ratio", [("none", 1.0), ("topk", 4.0), ("qtopk", 4.0)])
-def test_outer_step_equals_reference_bitwise(method, ratio):
-    out = _run_threads(3, 4, _outer(method, ratio))
-    ref = _run_reference(3, 4, method, ratio)
+@pytest.mark.parametrize("method,ratio,scale_dtype", [("none", 1.0, "fp32"), ("topk", 4.0, "fp32"),
+                                                      ("qtopk", 4.0, "fp32"), ("qtopk", 4.0, "bf16")])
+def test_outer_step_equals_reference_bitwise(method, ratio, scale_dtype):
+    out = _run_threads(3, 4, _outer(method, ratio, scale_dtype=scale_dtype))
+    ref = _run_reference(3, 4, method, ratio, scale_dtype=scale_dtype)
+    if scale_dtype == "bf16":  # the rounding is real: not the fp32 scales' result
+        assert not torch.equal(ref, _run_reference(3, 4, method, ratio))
     for x, _ in out:
         assert torch.equal(x, ref)
     assert not torch.equal(ref, _flat(_params(0)))

@@ -113,12 +113,12 @@ class OuterStep:
 def reference_round(xs: list[torch.Tensor], anchor: torch.Tensor, momentum: Optional[torch.Tensor],
                     residuals: list[Optional[torch.Tensor]], *, method: str, ratio: float, outer_lr: float,
                     outer_momentum: float, nesterov: bool = True, error_feedback: bool = True,
-                    bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK
+                    bits: int = DEFAULT_BITS, chunk: int = DEFAULT_CHUNK, scale_dtype: str = "fp32"
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], list]:
     """The oracle of one outer step for ``W = len(xs)`` workers' flat parameters: ``(new anchor, new momentum,
     new residuals)``. ``method``: ``none`` (mean of the deltas), ``topk`` (each worker's ``n / (2 ratio)``
     largest entries of ``delta + residual``, summed in worker order) or ``qtopk`` (each worker's
-    :func:`~titan_ds.comm.qtopk.reference_qtopk` of ``delta + residual`` at ``bits``/``chunk``, summed in worker
+    :func:`~titan_ds.comm.qtopk.reference_qtopk` of ``delta + residual`` at ``bits``/``chunk``/``scale_dtype``, summed in worker
     order; the residual keeps the rest and the quantization error)."""
     world, summed = len(xs), torch.zeros_like(anchor)
     new_res: list = []
@@ -137,7 +137,7 @@ def reference_round(xs: list[torch.Tensor], anchor: torch.Tensor, momentum: Opti
             new_res.append(res if error_feedback else None)
         elif method == "qtopk":
             acc = d + residuals[r] if (error_feedback and residuals[r] is not None) else d
-            sent = reference_qtopk(acc, ratio, bits=bits, chunk=chunk)
+            sent = reference_qtopk(acc, ratio, bits=bits, chunk=chunk, scale_dtype=scale_dtype)
             summed = summed + sent
             new_res.append(acc - sent if error_feedback else None)
         else:
