@@ -91,8 +91,10 @@ def config(method: str) -> dict:
     elif method == "rms_mean":  # qtopk of each rank's estimate of the mean gradient's RMS; SGD with momentum 0.9
         comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_mean"}
     elif method in ("rms_sketch", "rms_sketch_warmup"):  # sharded qtopk of rms at the mean gradient's level (one
-        # all-reduced float a tensor); _warmup: under a linear lr warm-up, its residuals following the lr
-        comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_sketch", "exchange": "sharded"}
+        # all-reduced float a tensor), bf16 scales as ds_configs/compress_rms_sketch.json; _warmup: under a linear
+        # lr warm-up, its residuals following the lr
+        comp = {"method": "qtopk", "ratio": args.ratio, "precondition": "rms_sketch", "exchange": "sharded",
+                "scale_dtype": "bf16"}
     else:
         comp = {"method": method, "ratio": args.ratio, "warmup_steps": 2}
     return {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
