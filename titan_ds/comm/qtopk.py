@@ -138,7 +138,8 @@ class QTopKCompressor:
                  exchange: str = "all_gather", gather_share: float = 0.5, scale_dtype: str = "fp32"):
         del rows  # CompressionConfig refuses sketch_rows for "qtopk" (not in config_keys)
         _check(bits, chunk)
-        self.scale_dtype, self._sdt, self._sb = scale_dtype, SCALE_DTYPES.get(scale_dtype), _scale_bytes(scale_dtype)
+        self._sb = _scale_bytes(scale_dtype)  # raises naming the choices
+        self.scale_dtype, self._sdt = scale_dtype, SCALE_DTYPES[scale_dtype]
         if exchange not in EXCHANGES:
             raise ValueError(f"qtopk exchange={exchange!r}: choose one of {list(EXCHANGES)}")
         if not 0.0 < gather_share < 1.0:
