@@ -212,7 +212,23 @@ def test_candidate_configs_are_valid(mode):
     assert [z.get(k, {}).get("device") for k in ("offload_param", "offload_optimizer")] == \
         {"zero3_cpu": ["cpu", "cpu"], "zero_inf": ["cpu", "nvme"]}.get(mode, [None, None])
     assert ("hms" in titan) == mode.startswith("hms")
-    assert (titan.get("hms", {}).get("gradient_buffer") == "disk") == mode.startswith("hms_asdt")
+    assert (titan.get("hms", {}).get("gradient_buffer") == "disk") == (mode in ("hms_gdisk", "hms_asdt",
+                                                                                 "hms_asdt_bf16"))
+
+
+def test_adamw_with_gradients_on_disk_is_chosen_where_hms_does_not_fit():
+    """Where DeepSpeed's fp32 gradient partitions (4 bytes a parameter) no longer fit in DRAM beside HMS, plan writes
+    HMS with AdamW and the gradients in a file mapping (hms_gdisk) before switching to titan's optimizer: 41x768
+    under 2 GiB, which hms_scale.py measured at a 1.13 GiB peak (results/hms_scale_zinf.md)."""
+    m = model_spec("gpt:41x768")
+    cands, best = plan(m, seq=128, micro=1, cpu_mem=2 * 2**30, disk=100 * 2**30)
+    by = {c.mode: c for c in cands}
+    assert not by["hms"].fits and by["hms_gdisk"].fits
+    assert by["hms"].dram["gradients"] > 1e9 and by["hms_gdisk"].dram.get("gradients", 0) == 0
+    assert by["hms_gdisk"].disk["gradients"] == 4 * m.params
+    assert best.mode == "hms_gdisk"
+    cfg = candidate_config(best.mode)
+    assert cfg["titan"]["hms"]["gradient_buffer"] == "disk" and "optimizer" not in cfg["titan"]
 
 
 def _cli(*args, **kw):

@@ -14,7 +14,8 @@ The model of each candidate has two parts:
    (``stage3_max_live_parameters``, the prefetch and reduce buckets); ZeRO-3 CPU offload adds the fp32
    gradient partition the CPU optimizer reads; HMS keeps on disk parameters, masters and optimizer state and
    holds in DRAM DeepSpeed's fp32 gradient partition (``grad_partitions_flat_buffer``, 4 bytes/param: the
-   largest term left, see issue 16; ``hms_asdt`` maps it to a file, ``titan.hms.gradient_buffer: "disk"``), one
+   largest term left, see issue 16; ``hms_gdisk`` and ``hms_asdt`` map it to a file, ``titan.hms.gradient_buffer:
+   "disk"``), one
    optimizer sub-group at a time (plus the master and state of the previous one while its write is in flight:
    ``titan.hms.pipeline_optimizer``) and the next one's read ahead, and its DRAM cache. ZeRO-Infinity
    (``zero_inf``) holds the parameter partitions and the fp32 gradient partition in CPU memory and
@@ -53,20 +54,26 @@ PIPELINE_DEPTH = 1
 # (results/hms_speed_rank.speed.md): zero3_cpu 2.532, hms_dram 4.050, zero_inf 4.473, hms 4.689; the run before it
 # (results/hms_speed_onerank.speed.md) had the same order of hms_dram, zero_inf and hms; tests/test_plan_zinf.py
 # checks the order against those files
-MODES = ("zero2", "zero3", "zero3_cpu", "hms_dram", "zero_inf", "hms", "hms_asdt", "hms_asdt_bf16")
+# hms_gdisk (hms with the gradient partitions in a file mapping) after hms: where the gradients fit in DRAM, hms keeps
+# them there; where they do not, it is the AdamW candidate that still fits (results/hms_scale_zinf.md: 291.1M under
+# 2 GiB at 1.13 GiB where hms stops at 227.3M), ahead of the titan-optimizer modes
+MODES = ("zero2", "zero3", "zero3_cpu", "hms_dram", "zero_inf", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
 # modes whose optimizer is offloaded (ZeRO-3 takes each gradient partition's norm in fp64 in backward)
-OFFLOAD_MODES = ("zero3_cpu", "zero_inf", "hms_dram", "hms", "hms_asdt", "hms_asdt_bf16")
+OFFLOAD_MODES = ("zero3_cpu", "zero_inf", "hms_dram", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
 # modes whose element-proportional bytes (partitions, masters, optimizer state) live on disk, and whose DRAM the
 # structure already sizes by what grows (the gradient partition where it is in DRAM, one sub-group, activations):
 # their calibration fits the process baseline only. A slope fitted on 0.01-0.2B-parameter shapes was noise
 # (-0.19, -0.34, +0.49 bytes/param) that 5B parameters turned into +2.3 GiB (issue 29: +68% at 25x4096). hms_dram
 # (its partitions in RAM are in the structure) likewise: its slope fit (1.22 bytes/param, baseline 0.02 GiB) put
 # gpt:8x768 at 1.32 GiB against 1.38 measured; the baseline alone at 1.39
-BASELINE_ONLY_MODES = ("hms_dram", "hms", "hms_asdt", "hms_asdt_bf16")
+BASELINE_ONLY_MODES = ("hms_dram", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
+# modes whose DeepSpeed fp32 gradient partitions are a file mapping (titan.hms.gradient_buffer "disk") on the CPU
+GRADS_ON_DISK_MODES = ("hms_gdisk", "hms_asdt", "hms_asdt_bf16")
 # a mode without runs of its own in the calibration file borrows another's process baseline (and stays "calibrated:
 # no"): hms_dram runs HMS's store and optimizer swapper with DeepSpeed's CPU parameter offload (a calibration file
-# from before hms_dram had runs of its own)
-CALIBRATION_OF = {"hms_dram": "hms"}
+# from before hms_dram had runs of its own); hms_gdisk is hms with its gradient partitions moved to a file mapping,
+# which the structure accounts for
+CALIBRATION_OF = {"hms_dram": "hms", "hms_gdisk": "hms"}
 # ZeRO-Infinity runs DeepSpeed's ZeRO-3 offload code as zero3_cpu does (the same partitions in CPU memory, the
 # same gradient partition): it shares zero3_cpu's fitted bytes/param and fits its own baseline
 # ZeRO-Infinity as launch/bench/hms_scale.py trains it (its ``zero_inf`` mode): ZeRO-3, optimizer state (fp32
@@ -87,7 +94,7 @@ STEP_TEMP_FILE = Path(__file__).with_name("step_temp.json")
 STEP_TEMP_COMMAND = ("python launch/bench/optim_step.py --what temp --sizes 67108864 --dtypes fp32 "
                      "--step-temp-json titan_ds/step_temp.json")
 MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "zero_inf": "adamw", "hms": "adamw",
-                  "hms_dram": "adamw",
+                  "hms_dram": "adamw", "hms_gdisk": "adamw",
                   "hms_asdt": "asdt_bf16", "hms_asdt_bf16": "asdt_8bit"}
 DESCRIPTION = {
     "zero2": "ZeRO-2, torch AdamW",
@@ -98,6 +105,8 @@ DESCRIPTION = {
     "hms_dram": "ZeRO-3 + titan HMS for the optimizer state (on disk), params in CPU memory (param_tier dram), "
                 "torch AdamW; needs no libaio",
     "hms": "ZeRO-3 + titan HMS (params, optimizer on disk), torch AdamW",
+    "hms_gdisk": "hms with DeepSpeed's fp32 gradient partitions in a file mapping (titan.hms.gradient_buffer disk), "
+                 "torch AdamW",
     "hms_asdt": "ZeRO-3 + titan HMS + titan optimizer (ASDT, bf16 state), gradient partitions in a file mapping",
     "hms_asdt_bf16": "hms_asdt with bf16 parameters (fp32 gradients and masters) and ASDT's momentum in 8 bits",
 }
@@ -194,9 +203,10 @@ def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_bat
             cfg["titan"]["hms"]["param_tier"] = "dram"
         if optimizer_dram_mb > 0:
             cfg["titan"]["hms"]["optimizer_dram_mb"] = int(optimizer_dram_mb)
+        if mode in GRADS_ON_DISK_MODES:
+            cfg["titan"]["hms"]["gradient_buffer"] = "disk"
         if mode == "hms_asdt":
             cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-3, "density": 0.1, "state_dtype": "bf16"}
-            cfg["titan"]["hms"]["gradient_buffer"] = "disk"
         if mode == "hms_asdt_bf16":
             # bf16 partitions; the gradients accumulate in fp32 (the master's dtype), so the optimizer reads them
             # from the file mapping in place; density 1 skips the top-k selection (most of the step of a 405M
@@ -204,7 +214,6 @@ def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_bat
             cfg["bf16"] = {"enabled": True}
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
             cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-5, "density": 1.0, "state_dtype": "8bit"}
-            cfg["titan"]["hms"]["gradient_buffer"] = "disk"
     return cfg
 
 
@@ -322,7 +331,7 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         dram.update(parameters=w * P / N, gradients=4 * P / N, optimizer=ZERO_INF_BUFFER_COUNT * 4 * sub)
         disk.update(optimizer=(4 + S) * P / N, gradients=4 * P / N)
     else:  # hms*: partitions, masters and optimizer state on disk; one sub-group in DRAM during the step
-        grads_on_disk = mode.startswith("hms_asdt") and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
+        grads_on_disk = mode in GRADS_ON_DISK_MODES and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
         dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
                    buffers=w * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
         if mode == "hms_dram":  # titan.hms.param_tier "dram": the partitions in CPU memory (offload_param cpu)

@@ -231,8 +231,9 @@ def _row(mode: str, spec: str, ranks: int, repeat, measured, as_run: dict, sourc
 
 
 def write_table(runs: Runs, out: Path, command: str) -> None:
-    """``<out>.md``/``.csv``: every validation run recorded in ``runs``, the held-out ZeRO-Infinity trials and the
-    width-4096 hms_scale trials, each beside the prediction for the code it ran (:data:`EARLIER_CODE`)."""
+    """``<out>.md``/``.csv``: every validation run recorded in ``runs``, the held-out ZeRO-Infinity trials, the
+    width-4096 hms_scale trials and the ``hms_gdisk`` bisection trials, each beside the prediction for the code it
+    ran (:data:`EARLIER_CODE`)."""
     rows = []
     for mode, spec, ranks, rep in VALIDATION:
         r = runs.rows.get((mode, spec, ranks, rep))
@@ -245,6 +246,9 @@ def write_table(runs: Runs, out: Path, command: str) -> None:
                              f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
     for t in hms_scale_trials(WIDE_TRIALS, "hms_asdt_bf16"):
         rows.append(_row("hms_asdt_bf16", f"gpt:{t['shape']}", 1, "-", t["measured_GiB"], t["as_run"],
+                         f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
+    for t in hms_scale_trials(ZINF_TRIALS[:1], "hms_gdisk"):  # plan has no runs of its own for it (borrows hms's)
+        rows.append(_row("hms_gdisk", f"gpt:{t['shape']}", 1, "-", t["measured_GiB"], t["as_run"],
                          f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
     keys = ["mode", "model", "params_M", "ranks", "repeat", "code", "predicted_GiB", "measured_GiB", "error_pct",
             "source"]
