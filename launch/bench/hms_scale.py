@@ -19,7 +19,7 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   AdamW spares vectors). Needs libaio (``apt-get install libaio-dev``): checked at start
   (:func:`async_io_status`); without it the mode is skipped with a reason row;
 - ``hms``: ZeRO-3 with titan HMS (parameters and optimizer state on disk), torch AdamW;
-- ``hms_gdisk``: ``hms`` (torch AdamW) with ``titan.hms.gradient_buffer: "disk"``: DeepSpeed's fp32 gradient
+- ``hms_gdisk``: ``hms`` (torch AdamW) with ``titan.hms.gradient_buffer: "disk"`` (plan's candidate of that name): DeepSpeed's fp32 gradient
   partitions in a file mapping as ``hms_balanced`` has them (``hms`` keeps them in DRAM, 4 bytes a parameter), so
   the AdamW row and the titan-optimizer row differ only in the optimizer;
 - ``hms_cpuadam``: ``hms`` stepping with DeepSpeed's ``DeepSpeedCPUAdam`` (its fused C++ op), built by DeepSpeed
@@ -98,7 +98,6 @@ MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cp
          "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16",
          "hms_dram_cpuadam_4k", "hms_balanced_4k", "hms_gdisk")
 BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_balanced_res": "hms", "hms_balanced_wb": "hms",
-             "hms_gdisk": "hms",
              "hms_cpuadam": "hms", "hms_dram_balanced": "hms",
              "hms_dram": "hms", "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
 CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res", "hms_dram_cpuadam_4k")
@@ -219,8 +218,6 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg.pop("zero_allow_untested_optimizer")
     if mode == "hms_balanced_wb":
         cfg["titan"]["hms"]["param_write_behind"] = True
-    if mode == "hms_gdisk":
-        cfg["titan"]["hms"]["gradient_buffer"] = "disk"
     if mode in ("hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced"):
         balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
         cfg["titan"]["optimizer"] = balanced
