@@ -6,7 +6,7 @@ import torch
 
 from tests.helpers.collectives import run_ranks
 from titan_ds.comm import REGISTRY, GradientReducer, Segment, build_compressor
-from titan_ds.comm.base import LocalCollective, check_layout, sketch_budget, topk_budget
+from titan_ds.comm.base import LocalCollective, ResidualStore, check_layout, sketch_budget, topk_budget
 
 LOSSY = ["topk", "tgss", "hge"]
 # every compressor that keeps residuals; randk is not exact on sparse input (it does not choose), nor is cltk on more
@@ -375,3 +375,31 @@ def test_randk_matches_the_reference_and_its_indices_are_shared_distinct_and_uni
     # Binomial(400, 1/20) per block of 16 (mean 20, sd 4.4), 625 blocks: every block chosen, none hugely often
     assert abs(float(hits.mean()) - 400 / ratio) < 0.05 * 400 / ratio
     assert 0.25 * 400 / ratio < float(hits.min()) and float(hits.max()) < 2.0 * 400 / ratio, (hits.min(), hits.max())
+
+
+def test_journal_in_one_buffer_rolls_back_exactly_and_drops_what_the_step_created():
+    """``ResidualStore.journal_``: the step's old values in one buffer (views), the same rollback as one clone a
+    parameter; a key created in the step is journaled as absent; ``adopt`` keeps the tensor itself."""
+    store = ResidualStore()
+    layout = [Segment("a", 0, 0, 5, 5), Segment("b", 0, 5, 3, 3)]
+    store.update_(torch.zeros(8), layout[:1], lambda v, x: v.add_(1.0))  # creates "a" (journaled as absent)
+    store.commit()
+    before = store.residuals["a"].clone()
+    store.journal_(layout, torch.device("cpu"))
+    assert store._journal["b"] is None  # one stored tensor to journal: slice_ clones it as before
+    store.update_(torch.ones(8), layout, lambda v, x: v.mul_(3.0).add_(x))
+    assert torch.equal(store.residuals["a"], before * 3 + 1)
+    store.rollback()
+    assert torch.equal(store.residuals["a"], before) and "b" not in store.residuals
+    store.update_(torch.ones(8), layout, lambda v, x: v.add_(x))
+    store.commit()
+    store.journal_(layout, torch.device("cpu"))  # two stored tensors now: one buffer holds both old values
+    assert store._journal["a"].untyped_storage().data_ptr() == store._journal["b"].untyped_storage().data_ptr()
+    store.commit()
+    t = torch.arange(4.0)
+    store.adopt("c", t)
+    assert store.residuals["c"] is t or store.residuals["c"].data_ptr() == t.data_ptr()
+    store.rollback()
+    assert "c" not in store.residuals
+    with pytest.raises(TypeError, match="fp32"):
+        store.adopt("d", torch.zeros(2, dtype=torch.float64))

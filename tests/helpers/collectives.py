@@ -6,6 +6,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from titan_ds.comm.base import check_splits
+
 __all__ = ["ThreadCollective", "run_ranks"]
 
 
@@ -44,9 +46,24 @@ class _ThreadRank:
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return self._exchange(t)
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(t)
-        return torch.cat([p.view(self.world_size, -1)[self.r] for p in parts])
+    def all_to_all(self, t: torch.Tensor, send: Optional[list[int]] = None,
+                   recv: Optional[list[int]] = None) -> torch.Tensor:
+        check_splits(t, self.world_size, send, recv)
+        if send is None:
+            parts = self._exchange(t)
+            return torch.cat([p.view(self.world_size, -1)[self.r] for p in parts])
+        parts = [list(torch.split(p, s)) for p, s in self._exchange_v(t, list(send))]
+        out = [parts[i][self.r] for i in range(self.world_size)]
+        assert [o.numel() for o in out] == list(recv), f"rank {self.r} expected {recv}, got {[o.numel() for o in out]}"
+        return torch.cat(out)
+
+    def _exchange_v(self, t: torch.Tensor, send: list[int]) -> list[tuple[torch.Tensor, list[int]]]:
+        g = self.group
+        g._slots[self.r] = (t.clone(), send)  # type: ignore[assignment]
+        g._barrier.wait()
+        out = [(s[0].clone(), s[1]) for s in g._slots]  # type: ignore[index]
+        g._barrier.wait()
+        return out
 
 
 def run_ranks(world: int, fn: Callable[[int, Any], Any]) -> list:

@@ -15,7 +15,7 @@ import torch
 
 __all__ = [
     "Collective", "LocalCollective", "CountingCollective", "Segment", "ResidualStore", "check_layout",
-    "Compressor", "topk_budget", "sketch_budget", "SketchCompressor", "all_finite", "nonfinite", "SparseSent",
+    "Compressor", "topk_budget", "sketch_budget", "SketchCompressor", "all_finite", "nonfinite", "SparseSent", "check_splits",
     "to_device_async",
 ]
 
@@ -87,10 +87,12 @@ def zero_where_sent_(t: torch.Tensor, sent: "torch.Tensor | SparseSent") -> None
 
 # ----------------------------------------------------------------------------------------- collectives
 class Collective(Protocol):
-    """The collectives a compressor may use, over the data-parallel group: a sum, a gather, and an all-to-all of
-    ``world_size`` equal pieces (piece ``j`` of ``t`` goes to rank ``j``; the result's piece ``i`` came from rank
-    ``i``; ``torch.distributed.all_to_all_single`` with equal splits). A compressor that uses ``all_to_all`` also
-    reads ``rank``, which every multi-rank collective here has."""
+    """The collectives a compressor may use, over the data-parallel group: a sum, a gather, and an all-to-all
+    (``torch.distributed.all_to_all_single``): piece ``j`` of ``t`` goes to rank ``j``, the result's piece ``i``
+    came from rank ``i``. Without splits the pieces are ``world_size`` equal ones; with them (host ints, elements
+    of the flat ``t``) this rank sends ``send[j]`` elements to rank ``j`` and receives ``recv[i]`` from rank ``i``
+    (``recv[i]`` must be what rank ``i`` sends here), so unequal pieces cross the wire unpadded. A compressor that
+    uses ``all_to_all`` also reads ``rank``, which every multi-rank collective here has."""
 
     world_size: int
 
@@ -98,7 +100,23 @@ class Collective(Protocol):
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor: ...
+    def all_to_all(self, t: torch.Tensor, send: Optional[list[int]] = None,
+                   recv: Optional[list[int]] = None) -> torch.Tensor: ...
+
+
+def check_splits(t: torch.Tensor, world: int, send: Optional[list[int]], recv: Optional[list[int]]) -> None:
+    """An all-to-all's splits: both or neither, ``world`` non-negative entries each, ``send`` summing to ``t``."""
+    if (send is None) != (recv is None):
+        raise ValueError("all_to_all takes both send and recv splits, or neither")
+    if send is None:
+        if t.numel() % world:
+            raise ValueError(f"all_to_all needs {world} equal pieces, got {t.numel()} elements")
+        return
+    assert recv is not None
+    if len(send) != world or len(recv) != world or min(send) < 0 or min(recv) < 0:
+        raise ValueError(f"all_to_all splits need {world} non-negative entries each, got send={send} recv={recv}")
+    if sum(send) != t.numel():
+        raise ValueError(f"all_to_all send splits add up to {sum(send)}, the tensor has {t.numel()} elements")
 
 
 class LocalCollective:
@@ -113,7 +131,9 @@ class LocalCollective:
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t.clone()]
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+    def all_to_all(self, t: torch.Tensor, send: Optional[list[int]] = None,
+                   recv: Optional[list[int]] = None) -> torch.Tensor:
+        check_splits(t, 1, send, recv)
         return t.clone()
 
 
@@ -137,10 +157,11 @@ class CountingCollective:
         self.calls += 1
         return self.inner.all_gather(t)
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+    def all_to_all(self, t: torch.Tensor, send: Optional[list[int]] = None,
+                   recv: Optional[list[int]] = None) -> torch.Tensor:
         self.bytes += t.numel() * t.element_size()
         self.calls += 1
-        return self.inner.all_to_all(t)
+        return self.inner.all_to_all(t) if send is None else self.inner.all_to_all(t, send, recv)
 
     @property
     def rank(self) -> int:
@@ -222,10 +243,33 @@ class ResidualStore:
             self._journal[seg.key] = r.clone()
         return r[seg.param_offset:seg.param_offset + seg.numel]
 
+    def journal_(self, layout: list[Segment], device: torch.device) -> None:
+        """Journal, before the caller changes them in place, the stored tensors of ``layout``'s segments not yet
+        journaled in this step, as views of **one** buffer (what :meth:`slice_` would clone one by one: the same
+        values, one allocation a bucket instead of one a parameter, which a long run's heap does not fragment)."""
+        todo: dict[str, torch.Tensor] = {}
+        for seg in layout:
+            if seg.key not in self._journal and seg.key not in todo:
+                if seg.key not in self.residuals:
+                    self._get(seg, device)  # created in this step: journaled as None (a rollback drops it)
+                    continue
+                todo[seg.key] = self._get(seg, device)
+        if len(todo) < 2:
+            return
+        buf = torch.empty(sum(r.numel() for r in todo.values()), dtype=torch.float32, device=device)
+        at = 0
+        for key, r in todo.items():
+            view = buf[at:at + r.numel()].view_as(r)
+            view.copy_(r)
+            self._journal[key] = view
+            at += r.numel()
+
     def update_(self, flat: torch.Tensor, layout: list[Segment],
                 fn: "Callable[[torch.Tensor, torch.Tensor], None]") -> None:
-        """``fn(stored, piece)`` for each segment: the stored slice (journaled like :meth:`write`, then changed in
-        place by ``fn``) beside the segment's piece of ``flat``, so a running state needs no full-size copy."""
+        """``fn(stored, piece)`` for each segment: the stored slice (journaled like :meth:`write`, in one buffer:
+        :meth:`journal_`, then changed in place by ``fn``) beside the segment's piece of ``flat``, so a running
+        state needs no full-size copy."""
+        self.journal_(layout, flat.device)
         for s in layout:
             fn(self.slice_(s, flat.device), flat[s.flat_offset:s.flat_offset + s.numel])
 
@@ -239,6 +283,15 @@ class ResidualStore:
         if key not in self._journal:
             self._journal[key] = None if old is None else old  # replaced, never modified in place: no copy
         self.residuals[key] = value.detach().float().clone()
+
+    def adopt(self, key: str, value: torch.Tensor) -> None:
+        """:meth:`put` without the copy: the store keeps ``value`` itself (fp32; the caller hands it over)."""
+        if value.dtype != torch.float32:
+            raise TypeError(f"adopt takes an fp32 tensor, got {value.dtype}")
+        old = self.residuals.get(key)
+        if key not in self._journal:
+            self._journal[key] = old
+        self.residuals[key] = value.detach()
 
     def scale_(self, factor: float) -> None:
         """Every stored tensor times ``factor``, journaled like :meth:`write` (the unscaled tensor becomes the

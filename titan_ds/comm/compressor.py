@@ -258,6 +258,7 @@ class GradientReducer:
         comm.all_reduce_sum(proj)
         mean = proj / (world * prescale)  # the sum of the ranks' g * prescale, as the mean of their g
         b2 = opts.beta2
+        self.second.journal_(layout, acc.device)
         for i, seg in enumerate(layout):
             key = sketch_key(seg)
             old = self.sketch.get(key)

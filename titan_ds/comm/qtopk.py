@@ -33,12 +33,15 @@ it receives grow with ``W`` (100x fewer than a dense ring all-reduce sent is 100
 ``j`` owns shard ``j``: whole chunks, ``[lo_j, hi_j)`` (:func:`shard_bounds`). With ``k`` values per chunk:
 
 5. every worker encodes each shard of ``acc`` as its own message (the chunks, hence the values, are those of the
-   whole-vector message) and sends piece ``j`` to rank ``j`` (one all-to-all; pieces padded to the largest);
+   whole-vector message) and sends piece ``j`` to rank ``j`` (one all-to-all with splits: each piece its own
+   size, unpadded, so that the last shard's shorter message and, at large ``W``, shards one chunk apart cost what
+   they are; a rank's own piece stays where it is);
 6. rank ``j`` decodes the ``W`` pieces of its shard and sums them in rank order, adds its shard residual ``e_j``,
    encodes that total again (``k2`` values per chunk, same ``bits`` and ``chunk``) and keeps
    ``e_j = total - decoded``: the second compression has its own error feedback (1-bit Adam's and DeepSpeed's
    compressed all-reduce do the same);
-7. the owners' messages are all-gathered and every worker decodes the whole sum.
+7. the owners' messages are all-gathered (unequal sizes: an all-to-all with splits carrying each owner's message
+   to every rank, since gloo's all-gather takes equal sizes only) and every worker decodes the whole sum.
 
 Received per worker: ``(W - 1)`` pieces of ``~1/W`` of a message in step 5 and as many in step 7: ~2x one
 message whatever ``W``, the volume of a ring all-reduce of it. The two together take the bytes of two messages at
@@ -60,7 +63,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .base import Collective, ResidualStore, Segment
+from .base import Collective, ResidualStore, Segment, SparseSent
 
 __all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "EXCHANGES", "MAX_CHUNK", "SCALE_DTYPES", "QTopKCompressor", "qtopk_budget",
            "qtopk_max_ratio", "qtopk_message_bytes", "reference_qtopk", "reference_sharded_qtopk", "shard_bounds",
@@ -226,6 +229,22 @@ class QTopKCompressor:
         padded = -(-n // self.chunk) * self.chunk
         return self._decode_into(torch.zeros(padded, dtype=torch.float32, device=device), msg, n, k, add=False)[:n]
 
+    def _entries(self, msg: torch.Tensor, n: int, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions + offset, values)`` of a message's real entries: :meth:`_dense`'s non-padding entries
+        without its ``n``-element tensor. Padding is selected only in the last chunk, and only when it holds
+        fewer than ``k`` real entries (their magnitudes beat the padding's -1): there the ``k`` entries are
+        ordered by position and the real ones (the first ``n mod chunk``) kept; every shape is known on the
+        host (no sync)."""
+        blocks = list(self.decode_blocks(msg, n, k))
+        pos = torch.cat([b[0] for b in blocks]) if blocks else msg.new_zeros(0, dtype=torch.int64)
+        val = torch.cat([b[1] for b in blocks]) if blocks else msg.new_zeros(0, dtype=torch.float32)
+        rem = n % self.chunk
+        if rem and k > rem:
+            order = torch.argsort(pos[-k:])[:rem]
+            pos = torch.cat([pos[:-k], pos[-k:][order]])
+            val = torch.cat([val[:-k], val[-k:][order]])
+        return pos + offset if offset else pos, val
+
     def reduce(self, acc: torch.Tensor, comm: Collective, seed: int, *, layout: list[Segment],
                ratio: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
         del seed  # the selection is this worker's own; residuals are the reducer's
@@ -240,7 +259,7 @@ class QTopKCompressor:
         summed = torch.zeros(-(-n // self.chunk) * self.chunk, dtype=torch.float32, device=acc.device)
         for part in comm.all_gather(msg):
             self._decode_into(summed, part, n, k, add=True)
-        return summed[:n], self._dense(msg, n, k, acc.device)  # sent: what the others decode of this worker's
+        return summed[:n], SparseSent(*self._entries(msg, n, k), n)  # sent: what the others decode of this worker's
 
     def _reduce_sharded(self, acc: torch.Tensor, comm: Collective, k: int, k2: int,
                         layout: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,37 +273,51 @@ class QTopKCompressor:
                     if hi > lo else 0
                     for lo, hi in bounds]
         lens, lens2 = sizes(k), sizes(k2)
-        size = max(lens)  # every piece padded to the largest: equal splits, the same on every rank
-        send = torch.zeros(world * size, dtype=torch.uint8, device=acc.device)
-        pieces = []
-        for j, (lo, hi) in enumerate(bounds):
-            pieces.append(self.encode(acc[lo:hi], k) if hi > lo else send[:0])
-            send[j * size:j * size + lens[j]] = pieces[-1]
-        recv = comm.all_to_all(send)  # piece i: rank i's message for this rank's shard
+
+        def others(split: list[int]) -> list[int]:  # this rank's own piece stays here: it never crosses the wire
+            return [0 if j == rank else x for j, x in enumerate(split)]
+
+        # unpadded pieces (an all-to-all with splits): rank j's shard message is lens[j] bytes from every rank
+        pieces = [self.encode(acc[lo:hi], k) if hi > lo else acc.new_zeros(0, dtype=torch.uint8) for lo, hi in bounds]
+        recv = comm.all_to_all(torch.cat([p for j, p in enumerate(pieces) if j != rank]), others(lens),
+                               others([lens[rank]] * world))
         lo, hi = bounds[rank]
         mine = hi - lo
         padded = -(-mine // self.chunk) * self.chunk
         total = torch.zeros(padded, dtype=torch.float32, device=acc.device)
+        at = 0
         for i in range(world if mine else 0):  # rank order: the same float sum whatever the arrival order
-            self._decode_into(total, recv[i * size:i * size + lens[rank]], mine, k, add=True)
+            if i == rank:
+                self._decode_into(total, pieces[rank], mine, k, add=True)
+            else:
+                self._decode_into(total, recv[at:at + lens[rank]], mine, k, add=True)
+                at += lens[rank]
         total = total[:mine]
         store, key = self.stores["shard_residuals"], _shard_key(layout, n, world, rank)
         kept = store.get(key)
         if kept is not None:
             total += kept
-        out = torch.zeros(max(lens2), dtype=torch.uint8, device=acc.device)
+        out = acc.new_zeros(0, dtype=torch.uint8)
         if mine:
-            msg = self.encode(total, k2)
-            out[:lens2[rank]] = msg
-            store.put(key, total - self._dense(msg, mine, k2, acc.device))
-        summed = torch.zeros(n, dtype=torch.float32, device=acc.device)
-        sent = torch.zeros(n, dtype=torch.float32, device=acc.device)
-        for j, part in enumerate(comm.all_gather(out)):
-            lo_j, hi_j = bounds[j]
+            out = self.encode(total, k2)
+            store.adopt(key, SparseSent(*self._entries(out, mine, k2), mine).subtract_from_(total))  # total: fresh
+        # the owners' messages to every other rank, unpadded (an all-gather of unequal pieces, as an all-to-all:
+        # gloo's all-gather takes equal sizes only); decoded in place (padded to whole chunks: a shard's padding
+        # lands past n, then cut), and what this worker sent as entries: no n-element temporaries besides the sum
+        gathered = comm.all_to_all(out.repeat(world - 1), others([lens2[rank]] * world), others(lens2))
+        summed = torch.zeros(-(-n // self.chunk) * self.chunk, dtype=torch.float32, device=acc.device)
+        entries = []
+        at = 0
+        for j, (lo_j, hi_j) in enumerate(bounds):
             if hi_j > lo_j:
-                summed[lo_j:hi_j] = self._dense(part[:lens2[j]], hi_j - lo_j, k2, acc.device)
-                sent[lo_j:hi_j] = self._dense(pieces[j], hi_j - lo_j, k, acc.device)
-        return summed, sent
+                part = out if j == rank else gathered[at:at + lens2[j]]
+                self._decode_into(summed[lo_j:], part, hi_j - lo_j, k2, add=False)
+                entries.append(self._entries(pieces[j], hi_j - lo_j, k, lo_j))
+            if j != rank:
+                at += lens2[j]
+        pos = torch.cat([e[0] for e in entries]) if entries else acc.new_zeros(0, dtype=torch.int64)
+        val = torch.cat([e[1] for e in entries]) if entries else acc.new_zeros(0, dtype=torch.float32)
+        return summed[:n], SparseSent(pos, val, n)
 
 
 def sharded_budgets(n: int, ratio: float, *, bits: int, chunk: int, gather_share: float,

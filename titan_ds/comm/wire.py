@@ -23,8 +23,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from .base import check_splits
+
 __all__ = ["DistCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_bytes", "WireCount", "count_collectives",
-           "SimCollective"]
+           "SimCollective", "split_bytes"]
 
 
 def ring_allreduce_bytes(nbytes: int, world: int) -> float:
@@ -66,9 +68,19 @@ class WireCount:
 
     def add(self, op: str, nbytes: int, world: int, **kw: Any) -> None:
         s, r = ring_bytes(op, nbytes, world, **kw)
-        self.sent += s
-        self.received += r
+        self.add_exact(op, s, r)
+
+    def add_exact(self, op: str, sent: float, received: float) -> None:
+        """A call whose bytes are known piece by piece (an all-to-all with unequal splits)."""
+        self.sent += sent
+        self.received += received
         self.calls[op] = self.calls.get(op, 0) + 1
+
+
+def split_bytes(send: list[int], recv: list[int], rank: int, element_size: int) -> tuple[float, float]:
+    """``(sent, received)`` by ``rank`` in an all-to-all with splits (elements): every piece but its own crosses
+    the wire once, from its sender straight to its receiver."""
+    return (float((sum(send) - send[rank]) * element_size), float((sum(recv) - recv[rank]) * element_size))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -88,7 +100,10 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             nbytes, extra = size(*args, **kwargs)
-            count.add(name, nbytes, world(kwargs.get("group")), **extra)
+            if "exact" in extra:
+                count.add_exact(name, *extra["exact"])
+            else:
+                count.add(name, nbytes, world(kwargs.get("group")), **extra)
             return original(*args, **kwargs)
 
         counted.__wrapped__ = original  # type: ignore[attr-defined]
@@ -104,7 +119,16 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
         return _nbytes(kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]), {}
 
     def a2a(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:  # all_to_all_single(output, input, ...)
-        return _nbytes(kwargs["input"] if "input" in kwargs else args[1]), {}
+        t = kwargs["input"] if "input" in kwargs else args[1]
+        send = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+        recv = kwargs.get("output_split_sizes", args[2] if len(args) > 2 else None)
+        if send is None and recv is None:
+            return _nbytes(t), {}
+        w, rank = world(kwargs.get("group")), dist.get_rank(group=kwargs.get("group"))
+        send = list(send) if send is not None else [t.shape[0] // w] * w
+        recv = list(recv) if recv is not None else [t.shape[0] // w] * w
+        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()  # splits count dim-0 rows
+        return _nbytes(t), {"exact": split_bytes(send, recv, rank, row)}
 
     def bcast(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
         src = kwargs["src"] if "src" in kwargs else args[1]
@@ -141,9 +165,16 @@ class DistCollective:
         self.dist.all_gather(out, t, group=self.group)
         return out
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(t)
-        self.dist.all_to_all_single(out, t, group=self.group)
+    def all_to_all(self, t: torch.Tensor, send: Optional[list[int]] = None,
+                   recv: Optional[list[int]] = None) -> torch.Tensor:
+        check_splits(t, self.world_size, send, recv)
+        if send is None:
+            out = torch.empty_like(t)
+            self.dist.all_to_all_single(out, t, group=self.group)
+            return out
+        out = t.new_empty(sum(recv))  # type: ignore[arg-type]
+        self.dist.all_to_all_single(out, t, output_split_sizes=list(recv), input_split_sizes=list(send),  # type: ignore[arg-type]
+                                    group=self.group)
         return out
 
 
@@ -201,8 +232,8 @@ class SimCollective:
             self._turn = (w + 1) % self.world_size
             self._cond.notify_all()
 
-    def _collective(self, w: int, op: str, t: torch.Tensor) -> Any:
-        self._slots[w] = (op, t.detach().clone())
+    def _collective(self, w: int, op: str, t: torch.Tensor, splits: Optional[tuple[list[int], list[int]]] = None) -> Any:
+        self._slots[w] = (op, t.detach().clone(), splits)
         if w == self.world_size - 1:
             self._result = self._compute()
         self._pass_turn(w)
@@ -210,8 +241,12 @@ class SimCollective:
         return self._result
 
     def _compute(self) -> Any:
+        if any(s is None for s in self._slots):
+            raise RuntimeError("virtual workers disagree on the collective: a worker did not call it")
+        if self._slots[0][0] == "all_to_all_v":  # type: ignore[index]
+            return self._compute_v()
         ops = {(s[0], tuple(s[1].shape), s[1].dtype) for s in self._slots if s is not None}
-        if len(ops) != 1 or any(s is None for s in self._slots):
+        if len(ops) != 1:
             raise RuntimeError(f"virtual workers disagree on the collective: {sorted(map(str, ops))}")
         op = self._slots[0][0]  # type: ignore[index]
         parts = [s[1] for s in self._slots]  # type: ignore[index]
@@ -227,6 +262,25 @@ class SimCollective:
         for p in parts[1:]:
             total += p  # rank order, once: every worker reads this same tensor
         return total
+
+    def _compute_v(self) -> list[torch.Tensor]:
+        """An all-to-all with splits: worker ``w`` receives, in rank order, the piece each worker sent it."""
+        slots = self._slots
+        W = self.world_size
+        if any(s[0] != "all_to_all_v" for s in slots) or len({s[1].dtype for s in slots}) != 1:  # type: ignore[index]
+            raise RuntimeError("virtual workers disagree on the collective: not all called all_to_all with splits")
+        for w in range(W):
+            for i in range(W):
+                if slots[w][2][1][i] != slots[i][2][0][w]:  # type: ignore[index]
+                    raise RuntimeError(f"all_to_all splits disagree: worker {w} expects {slots[w][2][1][i]} "
+                                       f"elements from worker {i}, which sends it {slots[i][2][0][w]}")
+        pieces = [list(torch.split(s[1], s[2][0])) for s in slots]  # type: ignore[index]
+        for w, c in enumerate(self.wire):
+            c.add_exact("all_to_all_single", *split_bytes(slots[w][2][0], slots[w][2][1], w,  # type: ignore[index]
+                                                           slots[w][1].element_size()))  # type: ignore[index]
+        self.calls += 1
+        self._slots = [None] * W
+        return [torch.cat([pieces[i][w] for i in range(W)]) for w in range(W)]
 
     def run(self, fn: Callable[[int, Any], Any]) -> list:
         """``fn(w, worker_view)`` for every worker (turn by turn); the results in worker order."""
@@ -271,7 +325,10 @@ class _SimWorker:
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [p.clone() for p in self.group._collective(self.w, "all_gather", t)]
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        if t.numel() % self.world_size:
-            raise ValueError(f"all_to_all needs {self.world_size} equal pieces, got {t.numel()} elements")
-        return self.group._collective(self.w, "all_to_all", t)[self.w].clone()
+    def all_to_all(self, t: torch.Tensor, send: Optional[list[int]] = None,
+                   recv: Optional[list[int]] = None) -> torch.Tensor:
+        check_splits(t, self.world_size, send, recv)
+        if send is None:
+            return self.group._collective(self.w, "all_to_all", t)[self.w].clone()
+        return self.group._collective(self.w, "all_to_all_v", t.reshape(-1),
+                                      (list(send), list(recv)))[self.w].clone()  # type: ignore[arg-type]
