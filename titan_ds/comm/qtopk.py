@@ -235,9 +235,7 @@ class QTopKCompressor:
         fewer than ``k`` real entries (their magnitudes beat the padding's -1): there the ``k`` entries are
         ordered by position and the real ones (the first ``n mod chunk``) kept; every shape is known on the
         host (no sync)."""
-        blocks = list(self.decode_blocks(msg, n, k))
-        pos = torch.cat([b[0] for b in blocks]) if blocks else msg.new_zeros(0, dtype=torch.int64)
-        val = torch.cat([b[1] for b in blocks]) if blocks else msg.new_zeros(0, dtype=torch.float32)
+        pos, val = _cat_entries(list(self.decode_blocks(msg, n, k)), msg)
         rem = n % self.chunk
         if rem and k > rem:
             order = torch.argsort(pos[-k:])[:rem]
@@ -315,9 +313,15 @@ class QTopKCompressor:
                 entries.append(self._entries(pieces[j], hi_j - lo_j, k, lo_j))
             if j != rank:
                 at += lens2[j]
-        pos = torch.cat([e[0] for e in entries]) if entries else acc.new_zeros(0, dtype=torch.int64)
-        val = torch.cat([e[1] for e in entries]) if entries else acc.new_zeros(0, dtype=torch.float32)
-        return summed[:n], SparseSent(pos, val, n)
+        return summed[:n], SparseSent(*_cat_entries(entries, acc), n)
+
+
+def _cat_entries(parts: list[tuple[torch.Tensor, torch.Tensor]],
+                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, values)`` pairs -> one pair (int64, fp32), empty ones on ``like``'s device for no parts."""
+    if not parts:
+        return like.new_zeros(0, dtype=torch.int64), like.new_zeros(0, dtype=torch.float32)
+    return torch.cat([p for p, _ in parts]), torch.cat([v for _, v in parts])
 
 
 def sharded_budgets(n: int, ratio: float, *, bits: int, chunk: int, gather_share: float,

@@ -127,7 +127,7 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
         w, rank = world(kwargs.get("group")), dist.get_rank(group=kwargs.get("group"))
         send = list(send) if send is not None else [t.shape[0] // w] * w
         recv = list(recv) if recv is not None else [t.shape[0] // w] * w
-        row = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()  # splits count dim-0 rows
+        row = t.numel() // max(1, t.shape[0]) * t.element_size() if t.dim() > 1 else t.element_size()  # dim-0 rows
         return _nbytes(t), {"exact": split_bytes(send, recv, rank, row)}
 
     def bcast(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
