@@ -409,11 +409,6 @@ def gradient_average(obj: Any) -> bool:
     return bool(obj.gradient_average)
 
 
-def flatten(obj: Any, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The engine's / ZeRO-1/2 optimizer's own ``flatten`` (``_flatten_dense_tensors``) of a gradient bucket."""
-    return obj.flatten(tensors)
-
-
 def zero_dp_group(opt: Any) -> Any:
     """The data-parallel process group of a ZeRO optimizer wrapper."""
     return getattr(opt, "dp_process_group", None)

@@ -68,14 +68,40 @@ def test_consume_works_in_the_callers_buffer_with_the_same_result():
         assert torch.equal(work.residuals.residuals["a"], keep.residuals.residuals["a"])
 
 
-def test_a_one_tensor_bucket_is_a_view_of_its_gradient_and_is_not_consumed():
+def test_the_hooks_flatten_into_a_fresh_buffer_with_deepspeeds_values():
     from torch._utils import _flatten_dense_tensors
 
-    from titan_ds.comm.hooks import _owned
+    from titan_ds.comm.hooks import _flatten
     g1, g2 = torch.randn(10), torch.randn(5)
-    one = _flatten_dense_tensors([g1])  # DeepSpeed's engine.flatten: a view for a single tensor
-    assert one.data_ptr() == g1.data_ptr() and not _owned(one, [g1])
-    assert _owned(_flatten_dense_tensors([g1, g2]), [g1, g2])
+    one = _flatten([g1])  # DeepSpeed's engine.flatten returns a view of g1 here: the reducer must not consume it
+    assert one.data_ptr() != g1.data_ptr() and torch.equal(one, _flatten_dense_tensors([g1]))
+    g3 = torch.randn(5, 3).t()  # not contiguous
+    two = _flatten([g1, g2, g3])
+    assert torch.equal(two, _flatten_dense_tensors([g1, g2, g3]))
+    half = _flatten([g1.bfloat16(), g2.bfloat16()])
+    assert half.dtype == torch.bfloat16 and torch.equal(half, _flatten_dense_tensors([g1.bfloat16(), g2.bfloat16()]))
+
+
+def _mapping_starts() -> set[int]:
+    with open("/proc/self/maps") as f:
+        return {int(line.split("-", 1)[0], 16) for line in f}
+
+
+def test_a_large_host_workspace_is_a_mapping_of_its_own_and_a_small_one_plain_zeros():
+    from titan_ds.comm.base import WORKSPACE_MMAP_BYTES, workspace_zeros
+    n = WORKSPACE_MMAP_BYTES // 4 * 3
+    big = workspace_zeros(n, "cpu")
+    assert big.shape == (n,) and big.dtype == torch.float32 and not big.any()
+    # its data starts a mapping (heap or allocator memory starts after a chunk header: never on a mapping's start)
+    assert big.data_ptr() in _mapping_starts()
+    big[-1] = 3.0
+    assert float(big.sum()) == 3.0
+    heap = torch.zeros(n)
+    assert heap.data_ptr() not in _mapping_starts()
+    small = workspace_zeros(16, "cpu", torch.bfloat16)
+    assert small.dtype == torch.bfloat16 and small.shape == (16,) and not small.any()
+    meta = workspace_zeros(n, "meta")  # an accelerator's buffer is torch.zeros on its device
+    assert meta.device.type == "meta" and meta.shape == (n,)
 
 
 def test_chunked_topk_selects_the_same_set_as_one_call():
@@ -88,3 +114,54 @@ def test_chunked_topk_selects_the_same_set_as_one_call():
         got = topk_indices(mag, k, chunk=chunk)
         assert got.numel() == k and set(got.tolist()) == set(want.tolist()), (k, chunk)
         assert {17, 5000, 9999} <= set(got.tolist()) or k < 3
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def test_a_pending_scale_reads_bit_for_bit_as_the_scaled_tensor_without_copying_it():
+    """``ResidualStore.scale_`` keeps the factor pending (no second full-size copy beside the journal's): every
+    read gives the bits of multiplying at once, chained scales round twice as two multiplications do, and a
+    skipped step takes the factor back with the tensors."""
+    gen = torch.Generator().manual_seed(3)
+    a0, b0 = torch.randn(8, generator=gen) * 1e3, torch.randn(10, generator=gen) / 7
+    store = ResidualStore()
+    store.write(torch.cat([a0, b0[2:6]]), [Segment("a", 0, 0, 8, 8), Segment("b", 2, 8, 4, 10)])
+    store.commit()
+    want = {"a": store.residuals["a"].clone(), "b": store.residuals["b"].clone()}
+    held = {k: v for k, v in store.residuals.items()}
+    store.scale_(0.3)
+    assert all(store.residuals[k] is held[k] for k in held)  # nothing materialized
+    for k in want:
+        assert torch.equal(_bits(store.get(k)), _bits(want[k] * 0.3))
+    acc, ref = torch.randn(12, generator=gen), None
+    ref = acc.clone()
+    layout = [Segment("a", 0, 0, 8, 8), Segment("b", 2, 8, 4, 10)]
+    store.add_into(acc, layout)
+    ref[:8] += want["a"] * 0.3
+    ref[8:] += (want["b"] * 0.3)[2:6]
+    assert torch.equal(_bits(acc), _bits(ref))
+    state = store.state_dict()
+    assert torch.equal(_bits(state["b"]), _bits(want["b"] * 0.3))
+    # a skipped step: the factor goes back with the tensors
+    store.rollback()
+    assert not store._factor and all(torch.equal(store.get(k), want[k]) for k in want)
+    # a factor pending across a committed step, then a second one and a partial write: two roundings, as eager
+    store.scale_(0.3)
+    store.commit()
+    store.scale_(1.7)
+    assert torch.equal(_bits(store.get("a")), _bits(want["a"] * 0.3 * 1.7))
+    store.write(torch.full((4,), 5.0), [Segment("b", 6, 0, 4, 10)])  # partial: applies the factor, then writes
+    eager_b = want["b"] * 0.3 * 1.7
+    eager_b[6:10] = 5.0
+    assert torch.equal(_bits(store.get("b")), _bits(eager_b)) and "b" not in store._factor
+    store.rollback()
+    assert torch.equal(_bits(store.get("b")), _bits(want["b"] * 0.3)) and store._factor == {"a": 0.3, "b": 0.3}
+    # a whole-parameter write replaces the tensor: no factor on the new one
+    store.write(torch.ones(8), [Segment("a", 0, 0, 8, 8)])
+    assert "a" not in store._factor and torch.equal(store.get("a"), torch.ones(8))
+    store.rollback()
+    fresh = ResidualStore()
+    fresh.load_state_dict(store.state_dict())
+    assert not fresh._factor and all(torch.equal(_bits(fresh.get(k)), _bits(store.get(k))) for k in want)

@@ -98,7 +98,8 @@ def test_the_shard_residuals_follow_too_and_a_skipped_step_takes_back_scale_and_
     for r in reds:
         r._call_seed(2)
         r.follow_lr(0.02)
-        scaled.append({n: {k: v.clone() for k, v in r.stores[n].residuals.items()} for n in ("residuals", "shard_residuals")})
+        scaled.append({n: {k: r.stores[n].get(k).clone() for k in r.stores[n].residuals}
+                       for n in ("residuals", "shard_residuals")})
         for st in r.stores.values():
             st.rollback()
     for w in range(world):

@@ -8,6 +8,7 @@ share.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -16,7 +17,7 @@ import torch
 __all__ = [
     "Collective", "LocalCollective", "CountingCollective", "Segment", "ResidualStore", "check_layout",
     "Compressor", "topk_budget", "sketch_budget", "SketchCompressor", "all_finite", "nonfinite", "SparseSent", "check_splits",
-    "to_device_async",
+    "to_device_async", "workspace_zeros", "WORKSPACE_MMAP_BYTES",
 ]
 
 
@@ -47,6 +48,24 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+# a host buffer of at least this many bytes is its own anonymous mapping (workspace_zeros)
+WORKSPACE_MMAP_BYTES = 1 << 20
+
+
+def workspace_zeros(numel: int, device: "torch.device | str", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``torch.zeros(numel)`` for the reducer's full-size per-step buffers (the flattened bucket that becomes the
+    residual, the sum, a shard's total, the journal). On the host, from :data:`WORKSPACE_MMAP_BYTES` on, the
+    buffer is an anonymous mapping of its own (zero pages from the kernel, given back when the tensor and its
+    views are freed) instead of glibc's heap, where buffers that live across a step (the residual, the journal)
+    and the step's temporaries interleave and the heap grows around them (docs/compress.md, "Peak RSS on 2
+    ranks"). On an accelerator, and for small buffers, it is ``torch.zeros``."""
+    device = torch.device(device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < WORKSPACE_MMAP_BYTES:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)  # the tensor keeps the mapping
 
 
 class SparseSent:
@@ -185,6 +204,9 @@ class Segment:
     shape: Optional[tuple[int, ...]] = None
 
 
+_SCALE_CHUNK = 1 << 20  # elements per temporary of a pending scale (ResidualStore.add_into)
+
+
 class ResidualStore:
     """Error-feedback residuals, one fp32 tensor per parameter (created on first use), addressed by offset.
 
@@ -202,6 +224,30 @@ class ResidualStore:
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
         self._journal: dict[str, Optional[torch.Tensor]] = {}  # key -> value at step start (None: created)
+        # key -> a pending multiplier of the stored tensor (:meth:`scale_`; absent: 1), and the keys' multipliers
+        # at the step's start for those changed in the step (rolled back with the tensors)
+        self._factor: dict[str, float] = {}
+        self._jfactor: dict[str, float] = {}
+
+    def _set_factor(self, key: str, factor: float) -> None:
+        if key not in self._jfactor:
+            self._jfactor[key] = self._factor.get(key, 1.0)
+        if factor == 1.0:
+            self._factor.pop(key, None)
+        else:
+            self._factor[key] = factor
+
+    def _materialize(self, key: str) -> None:
+        """Apply ``key``'s pending multiplier: the stored tensor becomes ``old * factor``, a new tensor (the old one
+        is journaled by reference, never changed in place), as :meth:`scale_` did eagerly."""
+        factor = self._factor.get(key)
+        if factor is None:
+            return
+        old = self.residuals[key]
+        if key not in self._journal:
+            self._journal[key] = old
+        self.residuals[key] = old * factor
+        self._set_factor(key, 1.0)
 
     def _get(self, seg: Segment, device: torch.device) -> torch.Tensor:
         r = self.residuals.get(seg.key)
@@ -214,9 +260,17 @@ class ResidualStore:
         return r
 
     def add_into(self, acc: torch.Tensor, layout: list[Segment]) -> None:
+        """``acc``'s segments += the stored values (a pending :meth:`scale_` applied on the way, in chunks: the
+        same bits as the scaled tensor, without it)."""
         for s in layout:
             r = self._get(s, acc.device)
-            acc[s.flat_offset:s.flat_offset + s.numel] += r[s.param_offset:s.param_offset + s.numel]
+            out, piece = acc[s.flat_offset:s.flat_offset + s.numel], r[s.param_offset:s.param_offset + s.numel]
+            factor = self._factor.get(s.key)
+            if factor is None:
+                out += piece
+                continue
+            for lo in range(0, s.numel, _SCALE_CHUNK):
+                out[lo:lo + _SCALE_CHUNK] += piece[lo:lo + _SCALE_CHUNK] * factor
 
     def write(self, new: torch.Tensor, layout: list[Segment]) -> None:
         """Store ``new``'s segments. A segment that is a whole parameter, written once in the step, is adopted
@@ -230,7 +284,10 @@ class ResidualStore:
                     self._get(s, new.device)  # raises: the model changed
                 self._journal[s.key] = old  # None: created in this step
                 self.residuals[s.key] = piece
+                self._set_factor(s.key, 1.0)
                 continue
+            if s.key in self.residuals:
+                self._materialize(s.key)
             r = self._get(s, new.device)
             if s.key not in self._journal:
                 self._journal[s.key] = r.clone()
@@ -238,6 +295,8 @@ class ResidualStore:
 
     def slice_(self, seg: Segment, device: torch.device) -> torch.Tensor:
         """The stored slice of ``seg``, journaled like :meth:`write`, for the caller to change in place."""
+        if seg.key in self.residuals:
+            self._materialize(seg.key)
         r = self._get(seg, device)
         if seg.key not in self._journal:
             self._journal[seg.key] = r.clone()
@@ -249,6 +308,8 @@ class ResidualStore:
         values, one allocation a bucket instead of one a parameter, which a long run's heap does not fragment)."""
         todo: dict[str, torch.Tensor] = {}
         for seg in layout:
+            if seg.key in self.residuals:
+                self._materialize(seg.key)  # a scaled key is journaled by reference: not copied below
             if seg.key not in self._journal and seg.key not in todo:
                 if seg.key not in self.residuals:
                     self._get(seg, device)  # created in this step: journaled as None (a rollback drops it)
@@ -256,7 +317,7 @@ class ResidualStore:
                 todo[seg.key] = self._get(seg, device)
         if len(todo) < 2:
             return
-        buf = torch.empty(sum(r.numel() for r in todo.values()), dtype=torch.float32, device=device)
+        buf = workspace_zeros(sum(r.numel() for r in todo.values()), device)
         at = 0
         for key, r in todo.items():
             view = buf[at:at + r.numel()].view_as(r)
@@ -274,8 +335,11 @@ class ResidualStore:
             fn(self.slice_(s, flat.device), flat[s.flat_offset:s.flat_offset + s.numel])
 
     def get(self, key: str) -> Optional[torch.Tensor]:
-        """The tensor kept under ``key`` (``None`` if there is none yet); do not modify it in place."""
-        return self.residuals.get(key)
+        """The tensor kept under ``key`` (``None`` if there is none yet; a new tensor where a :meth:`scale_` is
+        pending); do not modify it in place."""
+        r = self.residuals.get(key)
+        factor = self._factor.get(key)
+        return r if r is None or factor is None else r * factor
 
     def put(self, key: str, value: torch.Tensor) -> None:
         """Replace (or create) the whole tensor under ``key``, journaled like :meth:`write`."""
@@ -283,6 +347,7 @@ class ResidualStore:
         if key not in self._journal:
             self._journal[key] = None if old is None else old  # replaced, never modified in place: no copy
         self.residuals[key] = value.detach().float().clone()
+        self._set_factor(key, 1.0)
 
     def adopt(self, key: str, value: torch.Tensor) -> None:
         """:meth:`put` without the copy: the store keeps ``value`` itself (fp32; the caller hands it over)."""
@@ -292,20 +357,23 @@ class ResidualStore:
         if key not in self._journal:
             self._journal[key] = old
         self.residuals[key] = value.detach()
+        self._set_factor(key, 1.0)
 
     def scale_(self, factor: float) -> None:
-        """Every stored tensor times ``factor``, journaled like :meth:`write` (the unscaled tensor becomes the
-        journal's copy of a key not yet written in this step: no extra copy)."""
-        for key, old in list(self.residuals.items()):
-            if key not in self._journal:
-                self._journal[key] = old
-                self.residuals[key] = old * factor
-            else:
-                old.mul_(factor)
+        """Every stored value times ``factor``, journaled like :meth:`write`. Pending: the multiplier is applied
+        where the values are read (:meth:`add_into` adds ``r * factor`` in chunks; :meth:`get`, :meth:`state_dict`)
+        or before a tensor is changed in place, bit for bit the values of multiplying at once, without a second
+        full-size copy of the store beside the journal's (a whole parameter's residual is then replaced by
+        :meth:`write` and never scaled). A second multiplier on a pending one applies the first (the same
+        roundings as two multiplications)."""
+        for key in list(self.residuals):
+            self._materialize(key)
+            self._set_factor(key, factor)
 
     def commit(self) -> None:
         """The step was applied: its residual writes stand."""
         self._journal.clear()
+        self._jfactor.clear()
 
     def rollback(self) -> None:
         """The step is skipped: every residual goes back to its value at the step's start."""
@@ -314,7 +382,13 @@ class ResidualStore:
                 self.residuals.pop(key, None)
             else:
                 self.residuals[key] = old  # the journal's own copy (or, after put, the replaced tensor)
+        for key, factor in self._jfactor.items():
+            if factor == 1.0 or key not in self.residuals:
+                self._factor.pop(key, None)
+            else:
+                self._factor[key] = factor
         self._journal.clear()
+        self._jfactor.clear()
 
     def nbytes(self) -> int:
         """Bytes held now: the residuals and, mid-step, the journal."""
@@ -322,14 +396,16 @@ class ResidualStore:
         return sum(t.numel() * t.element_size() for t in held)
 
     def norm(self) -> float:
-        return float(sum(float(r.double().pow(2).sum()) for r in self.residuals.values()) ** 0.5)
+        return float(sum(float(self.get(k).double().pow(2).sum()) for k in self.residuals) ** 0.5)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
+        return {k: self.get(k).detach().cpu().clone() for k in self.residuals}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.residuals = {k: v.detach().clone().float() for k, v in state.items()}
         self._journal.clear()
+        self._factor.clear()
+        self._jfactor.clear()
 
 
 def check_layout(layout: list[Segment], numel: int) -> None:

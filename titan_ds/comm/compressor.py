@@ -37,7 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-from .base import CountingCollective, ResidualStore, Segment, check_layout, nonfinite, subtract_sent_, zero_where_sent_
+from .base import (CountingCollective, ResidualStore, Segment, check_layout, nonfinite, subtract_sent_, workspace_zeros,
+                   zero_where_sent_)
 from .dgc import DGCOptions, clip_segments_, ratio_at
 from .precondition import (RMSOptions, rms_mean_normalize_, rms_normalize_, rms_sketch_normalize_, sketch_key,
                            sketch_projections, sketch_signs)
@@ -211,9 +212,10 @@ class GradientReducer:
 
     def _compressed(self, flat: torch.Tensor, layout: list[Segment], comm: Any, seed: int, step: int,
                     prescale: float, consume: bool = False) -> torch.Tensor:
-        acc = flat.detach().float()  # a copy of a bf16/fp16 flat; flat's own storage when it is fp32
-        if not consume and acc.data_ptr() == flat.data_ptr():
-            acc = acc.clone()  # the caller keeps flat
+        if consume and flat.dtype == torch.float32:
+            acc = flat.detach()  # the caller's scratch becomes the working buffer (and then the residual)
+        else:  # the caller keeps flat, or it is bf16/fp16: an fp32 copy (base.workspace_zeros: its own mapping)
+            acc = workspace_zeros(flat.numel(), flat.device).copy_(flat.detach().reshape(-1))
         if self.dgc.local_clip is not None:
             clip_segments_(acc, layout, self.dgc.local_clip * prescale)
         if self.second is not None:  # local RMS preconditioning (precondition.py): acc <- g / sqrt(v_hat) * prescale

@@ -36,7 +36,7 @@ import torch
 from .. import deepspeed_compat as dsc
 from ..pillar import Pillar
 from ..replace_optimizer import replace_ds_optimizer_section, replace_passed_optimizer
-from .base import Segment
+from .base import Segment, workspace_zeros
 from .compressor import GradientReducer
 from .dgc import DGCOptions
 from .precondition import RMSOptions
@@ -49,13 +49,16 @@ log = logging.getLogger("titan_ds.comm")
 _REPORT_KEY = "compression"
 
 
-def _owned(flat: torch.Tensor, tensors) -> bool:
-    """Whether ``flat`` (DeepSpeed's flatten of ``tensors``) is a fresh buffer the reducer may work in: a bucket
-    of one tensor flattens to a *view* of that gradient, which DeepSpeed overwrites with the sum afterwards, so
-    the reducer must not keep (residuals) or change it."""
-    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
-    return all(not (lo <= t.data_ptr() < hi or t.data_ptr() <= lo < t.data_ptr() + t.numel() * t.element_size())
-               for t in tensors)
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A bucket's gradients, concatenated into a fresh buffer (``_flatten_dense_tensors``'s values; never a view,
+    also for a one-tensor bucket, where DeepSpeed's flatten returns the gradient itself), which the reducer then
+    works in and keeps as the residual (``consume``). On the host it is a buffer of its own mapping
+    (:func:`~titan_ds.comm.base.workspace_zeros`): kept past the step, a heap buffer would keep the heap's pages
+    around it (measured: docs/compress.md)."""
+    if not tensors:
+        raise RuntimeError("titan compression: an empty gradient bucket reached the reduce seam")
+    out = workspace_zeros(sum(t.numel() for t in tensors), tensors[0].device, tensors[0].dtype)
+    return torch.cat([t.detach().reshape(-1) for t in tensors], out=out)
 
 
 # ------------------------------------------------------------------------------- ZeRO-3 dispatcher
@@ -212,11 +215,11 @@ class CompressionHooks:
     def _z0_allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
         eng = self.engine
         self._count("engine.allreduce_bucket")
-        flat = dsc.flatten(eng, bucket)
+        flat = _flatten(list(bucket))
         layout = self._layout(list(bucket))
         comm = self._comm(dp_group)
         world = dp_world_size if dp_world_size is not None else comm.world_size
-        summed = self.reducer.reduce(flat, layout, comm, eng.global_steps, consume=_owned(flat, bucket),
+        summed = self.reducer.reduce(flat, layout, comm, eng.global_steps, consume=True,
                                      lr=self._lr())
         if dsc.gradient_average(eng):
             summed.div_(world)
@@ -248,13 +251,13 @@ class CompressionHooks:
         self._count("zero.allreduce_bucket" + ("" if rank is None else "(reduce)"))
         group = dsc.zero_dp_group(opt) if process_group is None else process_group
         comm = self._comm(group)
-        flat = dsc.flatten(opt, bucket)
+        flat = _flatten(list(bucket))
         prescale = 1.0
         if divide and dsc.gradient_average(opt):
             prescale = dsc.sequence_parallel_size(opt) / comm.world_size
             flat.div_(comm.world_size / dsc.sequence_parallel_size(opt))
         return self.reducer.reduce(flat, self._layout(list(bucket)), comm, self.engine.global_steps,
-                                   prescale=prescale, consume=_owned(flat, bucket), lr=self._lr())
+                                   prescale=prescale, consume=True, lr=self._lr())
 
     def _z12_predivide(self, tensor, communication_data_type):
         opt = self.engine.optimizer
@@ -262,7 +265,7 @@ class CompressionHooks:
             return tensor
         self._count("zero.gradient_reduction_w_predivide")
         comm = self._comm(dsc.zero_dp_group(opt))
-        flat = tensor.detach().clone()
+        flat = _flatten([tensor])
         prescale = 1.0
         if dsc.gradient_average(opt):
             prescale = dsc.sequence_parallel_size(opt) / comm.world_size
@@ -299,7 +302,7 @@ class CompressionHooks:
             segs.append(Segment(self._key(p), 0, off, t.numel(), t.numel(),
                                 shape if math.prod(shape) == t.numel() else None))
             off += t.numel()
-        flat = torch.cat([t.reshape(-1) for t in tensors]).div_(world)  # DeepSpeed pre-divides here too
+        flat = _flatten(list(tensors)).div_(world)  # DeepSpeed pre-divides here too
         summed = self.reducer.reduce(flat, segs, comm, self.engine.global_steps, prescale=1.0 / world,
                                      consume=True, lr=self._lr())
         out, off = [], 0

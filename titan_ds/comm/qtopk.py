@@ -63,7 +63,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .base import Collective, ResidualStore, Segment, SparseSent
+from .base import Collective, ResidualStore, Segment, SparseSent, workspace_zeros
 
 __all__ = ["BITS", "DEFAULT_BITS", "DEFAULT_CHUNK", "EXCHANGES", "MAX_CHUNK", "SCALE_DTYPES", "QTopKCompressor", "qtopk_budget",
            "qtopk_max_ratio", "qtopk_message_bytes", "reference_qtopk", "reference_sharded_qtopk", "shard_bounds",
@@ -254,7 +254,7 @@ class QTopKCompressor:
             return self._reduce_sharded(acc, comm, k1, k2, layout)
         k = qtopk_budget(n, ratio, bits=self.bits, chunk=self.chunk, scale_dtype=self.scale_dtype)
         msg = self.encode(acc, k)
-        summed = torch.zeros(-(-n // self.chunk) * self.chunk, dtype=torch.float32, device=acc.device)
+        summed = workspace_zeros(-(-n // self.chunk) * self.chunk, acc.device)
         for part in comm.all_gather(msg):
             self._decode_into(summed, part, n, k, add=True)
         return summed[:n], SparseSent(*self._entries(msg, n, k), n)  # sent: what the others decode of this worker's
@@ -282,7 +282,7 @@ class QTopKCompressor:
         lo, hi = bounds[rank]
         mine = hi - lo
         padded = -(-mine // self.chunk) * self.chunk
-        total = torch.zeros(padded, dtype=torch.float32, device=acc.device)
+        total = workspace_zeros(padded, acc.device)
         at = 0
         for i in range(world if mine else 0):  # rank order: the same float sum whatever the arrival order
             if i == rank:
@@ -303,7 +303,7 @@ class QTopKCompressor:
         # gloo's all-gather takes equal sizes only); decoded in place (padded to whole chunks: a shard's padding
         # lands past n, then cut), and what this worker sent as entries: no n-element temporaries besides the sum
         gathered = comm.all_to_all(out.repeat(world - 1), others([lens2[rank]] * world), others(lens2))
-        summed = torch.zeros(-(-n // self.chunk) * self.chunk, dtype=torch.float32, device=acc.device)
+        summed = workspace_zeros(-(-n // self.chunk) * self.chunk, acc.device)
         entries = []
         at = 0
         for j, (lo_j, hi_j) in enumerate(bounds):
