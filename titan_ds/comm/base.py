@@ -62,7 +62,7 @@ def workspace_zeros(numel: int, device: "torch.device | str", dtype: torch.dtype
     and the step's temporaries interleave and the heap grows around them (docs/compress.md, "Peak RSS on 2
     ranks"). On an accelerator, and for small buffers, it is ``torch.zeros``."""
     device = torch.device(device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < WORKSPACE_MMAP_BYTES:
         return torch.zeros(numel, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)  # the tensor keeps the mapping
@@ -238,8 +238,9 @@ class ResidualStore:
             self._factor[key] = factor
 
     def _materialize(self, key: str) -> None:
-        """Apply ``key``'s pending multiplier: the stored tensor becomes ``old * factor``, a new tensor (the old one
-        is journaled by reference, never changed in place), as :meth:`scale_` did eagerly."""
+        """Apply ``key``'s pending multiplier, if any: the stored tensor becomes ``old * factor``, a new tensor (the
+        old one is journaled by reference, never changed in place), as :meth:`scale_` did eagerly. A factor exists
+        only for a stored key (rollback and load drop the others)."""
         factor = self._factor.get(key)
         if factor is None:
             return
@@ -286,8 +287,7 @@ class ResidualStore:
                 self.residuals[s.key] = piece
                 self._set_factor(s.key, 1.0)
                 continue
-            if s.key in self.residuals:
-                self._materialize(s.key)
+            self._materialize(s.key)
             r = self._get(s, new.device)
             if s.key not in self._journal:
                 self._journal[s.key] = r.clone()
@@ -295,8 +295,7 @@ class ResidualStore:
 
     def slice_(self, seg: Segment, device: torch.device) -> torch.Tensor:
         """The stored slice of ``seg``, journaled like :meth:`write`, for the caller to change in place."""
-        if seg.key in self.residuals:
-            self._materialize(seg.key)
+        self._materialize(seg.key)
         r = self._get(seg, device)
         if seg.key not in self._journal:
             self._journal[seg.key] = r.clone()
@@ -308,8 +307,7 @@ class ResidualStore:
         values, one allocation a bucket instead of one a parameter, which a long run's heap does not fragment)."""
         todo: dict[str, torch.Tensor] = {}
         for seg in layout:
-            if seg.key in self.residuals:
-                self._materialize(seg.key)  # a scaled key is journaled by reference: not copied below
+            self._materialize(seg.key)  # a scaled key is journaled by reference: not copied below
             if seg.key not in self._journal and seg.key not in todo:
                 if seg.key not in self.residuals:
                     self._get(seg, device)  # created in this step: journaled as None (a rollback drops it)
