@@ -179,3 +179,64 @@ def test_build_ops_builds_titans_kernel_too_outside_the_cap(monkeypatch):
     code = calls[0][-1]
     assert "CPUAdamBuilder().load" in code and "AsyncIOBuilder().load" in code
     assert "from titan_ds.optim import core_cpu; core_cpu.available()" in code
+
+
+def test_timeline_option_records_each_phase_of_the_timed_steps_and_writes_a_second_table(tmp_path, monkeypatch):
+    """--timeline: the trial asks launch/train.py for its timeline, keeps each phase's mean over the timed steps
+    (the warm-up step left out, titan_ds.hms.timeline.breakdown's accounting) and the thread count it ran with;
+    the speed table gets a phase table beside it."""
+    import argparse
+    import types
+    from pathlib import Path
+
+    from titan_ds.hms.timeline import breakdown
+
+    seen = {}
+
+    def fake_run(cmd, cap, log, env=None, **kw):
+        seen["cmd"], seen["env"] = list(cmd), env
+        arg = lambda flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+        spans, metrics = [], []
+        for step, (fwd, opt) in enumerate([(5.0, 9.0), (1.0, 2.0), (3.0, 4.0)]):  # step 0: the warm-up
+            t = 100.0 * step
+            spans += [dict(phase="wall", lane="steps", start=t, end=t + fwd + opt + 1, step=step),
+                      dict(phase="forward", lane="main", start=t, end=t + fwd, step=step),
+                      dict(phase="param fetch", lane="main", start=t, end=t + 0.5, step=step),
+                      dict(phase="step", lane="main", start=t + fwd + 1, end=t + fwd + 1 + opt, step=step),
+                      dict(phase="opt read", lane="main", start=t + fwd + 1, end=t + fwd + 1.25, step=step)]
+            metrics.append(dict(step=step, step_s=fwd + opt + 1, loss=1.0,
+                                hms=dict(bytes_read=1 << 30, bytes_written=1 << 29)))
+        if "--timeline-out" in cmd:
+            Path(arg("--timeline-out")).write_text(json.dumps({"meta": {}, "spans": spans}))
+        Path(arg("--metrics-out")).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        Path(arg("--summary-out")).write_text(json.dumps(dict(val_loss=1.0, train_loss_last10=1.0, optimizer="ASDT",
+                                                              trainable_params=10, peak_rss=1 << 30)))
+        return types.SimpleNamespace(peak_anon_bytes=1 << 30, max_usage_bytes=1 << 30, wall_s=30.0, returncode=0,
+                                     oom_killed=False, timed_out=False, ok=True)
+
+    monkeypatch.setattr(bench, "run_capped_clean", fake_run)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    kw = dict(path=str(tmp_path), steps=3, warmup=1, timeout=60, logs=tmp_path / "logs")
+    plain = bench.trial("hms_balanced", 1, 64, 2.0, **kw)
+    assert "--timeline-out" not in seen["cmd"] and "phases" not in plain and plain["omp_threads"] == 3
+    r = bench.trial("hms_balanced", 1, 64, 2.0, timeline=True, **kw)
+    assert "--timeline-out" in seen["cmd"]
+    spans = json.loads(Path(seen["cmd"][seen["cmd"].index("--timeline-out") + 1]).read_text())["spans"]
+    want = [breakdown(spans, s) for s in (1, 2)]
+    assert r["phases"] == pytest.approx({k: (want[0][k] + want[1][k]) / 2 for k in want[0]})
+    assert r["phases"]["forward"] == pytest.approx(1.5) and r["phases"]["param fetch"] == pytest.approx(0.5)
+    assert r["phases"]["opt compute"] == pytest.approx(2.75) and r["phases"]["wall"] == pytest.approx(6.0)
+
+    monkeypatch.setattr(bench, "_speeds", lambda: (100.0, 1.0))
+    monkeypatch.setattr(bench, "_DISK", {"raw_read_GBps": 2.0, "raw_write_GBps": 1.0, "source": "t"})
+    st = bench.SpeedTrials(tmp_path / "o.speed.jsonl")
+    rows = bench.speed_rows(st, ["hms_balanced"], 2.0, 1, 64, 1, 2, 1, {}, path=str(tmp_path), timeout=60,
+                            logs=tmp_path / "logs", timeline=True)
+    assert rows[0]["threads"] == 3 and rows[0]["phases"]["wall"] == pytest.approx(6.0)
+    a = argparse.Namespace(speed_cap=2.0, speed_repeats=1, speed_warmup=1, speed_steps=2, cmdline="x")
+    bench.write_speed(rows, tmp_path / "o", a)
+    md = (tmp_path / "o.speed.md").read_text()
+    assert "#### Where the step goes" in md
+    table = md.split("#### Where the step goes")[1]
+    assert "| mode | param fetch | forward | backward | param write |" in table
+    assert "| hms_balanced | 0.500 | 1.500 |" in table

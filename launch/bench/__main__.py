@@ -219,6 +219,15 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_900m_avx512.speed.md", _f(
         "907.7M under 4 GiB, titan_balanced's optimizer, 2026-12-05: {step_s} s/step, {x_bound}x the larger bound",
         "mode", "hms_balanced")),
+    Result("hms-scale", "results/hms_900m_1206_t1.speed.md", _f(
+        "907.7M under 4 GiB, titan_balanced's optimizer, 2026-12-06, 1 thread, timeline: {step_s} s/step, {x_bound}x "
+        "the larger bound", "mode", "hms_balanced")),
+    Result("hms-scale", "results/hms_900m_1206_t2.speed.md", _f(
+        "907.7M under 4 GiB, the same with 2 threads: {step_s} s/step, {x_bound}x the larger bound (the compute "
+        "bound at 2 threads)", "mode", "hms_balanced")),
+    Result("hms-scale", "results/hms_5b_balanced_1206.speed.md", _f(
+        "5.04B under 8 GiB, titan_balanced's optimizer, 2026-12-06, timeline: {step_s} s/step, {x_bound}x the larger "
+        "bound", "mode", "hms_balanced")),
     Result("hms-scale", "results/hms_900m_wb.speed.md", _f(
         "907.7M under 4 GiB, titan_balanced's optimizer, param_write_behind: {step_s} s/step (1 run)", "mode",
         "hms_balanced_wb")),

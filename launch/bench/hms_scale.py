@@ -260,10 +260,12 @@ def set_lr(cfg: dict, lr: float) -> bool:
 
 def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, steps: int, timeout: float,
           logs: Path, aio: dict | None = None, lock: str | None = None, warmup: int = 1, tag: str = "",
-          lr: float | None = None) -> dict:
+          lr: float | None = None, timeline: bool = False) -> dict:
     """Train once under the cap; the outcome and its measurements. ``aio``: ZeRO-Infinity's aio block; ``lock``:
     held around the run (:func:`timed_lock`); ``warmup``: first steps left out of s/step; ``tag``: file names;
-    ``lr``: the optimizer's peak lr (None: the mode's own)."""
+    ``lr``: the optimizer's peak lr (None: the mode's own); ``timeline``: record the step's spans
+    (``launch/train.py --timeline-out``) and keep each phase's seconds, the mean over the timed steps
+    (:func:`titan_ds.hms.timeline.breakdown`), as ``phases``."""
     out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width)}
     if lr is not None:
         out["lr"] = lr
@@ -284,12 +286,17 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
            "--summary-out", str(summary), "--metrics-out", str(work / f"{name}.metrics.jsonl")]
     if client_lr:
         cmd += ["--lr", str(lr)]
+    tl_path = work / f"{name}.timeline.json"
+    tl_path.unlink(missing_ok=True)
+    if timeline:
+        cmd += ["--timeline-out", str(tl_path)]
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
     env.setdefault("OMP_NUM_THREADS", "2")
     if mode.endswith("_4k"):
         env["TITAN_HMS_HUGE_PAGES"] = "0"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    out["omp_threads"] = int(env["OMP_NUM_THREADS"])
     logs.mkdir(parents=True, exist_ok=True)
     if mode in CPU_ADAM_MODES:
         build_ops(env)
@@ -319,6 +326,11 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
             if per:
                 out[f"GiB_{k}_per_step"] = sum(per) / len(per) / GiB
         out["loss_all"] = [json.loads(x)["loss"] for x in (work / f"{name}.metrics.jsonl").read_text().splitlines()]
+        if timeline and tl_path.exists() and hist:
+            from titan_ds.hms.timeline import breakdown
+            spans = json.loads(tl_path.read_text())["spans"]
+            per = [breakdown(spans, h["step"]) for h in hist]
+            out["phases"] = {k: statistics.fmean(p[k] for p in per) for k in per[0]}
         out.update(trainable=s["trainable_params"], step_s=sum(steps_s) / max(1, len(steps_s)), peak_rss_GiB=s["peak_rss"] / GiB,
                    disk_GiB=hms.get("disk_bytes", 0) / GiB, val_loss=s["val_loss"])
     shutil.rmtree(nvme, ignore_errors=True)
@@ -417,6 +429,10 @@ def speed_rows(st: SpeedTrials, modes: list[str], cap: float, layers: int, width
                 row["lr"] = f"{ok[0]['lr']:g}"
             if "loss_all" in ok[0]:  # the first run's train loss at each step, warm-up included
                 row["losses"] = " ".join(f"{x:.2f}" for x in ok[0]["loss_all"])
+            if "phases" in ok[0]:
+                row["phases"] = ok[0]["phases"]
+            if "omp_threads" in ok[0]:
+                row["threads"] = ok[0]["omp_threads"]
             if "GiB_read_per_step" in ok[0]:
                 row["io_bound_s"], row["compute_bound_s"] = bounds(ok[0])
                 row["x_bound"] = row["step_s"] / max(row["io_bound_s"], row["compute_bound_s"])
@@ -554,6 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=None,
                     help="peak lr of every mode's optimizer (default: each mode's own); give a new --out for it")
     ap.add_argument("--lock", default=None, help="flock this file around each trial (e.g. /tmp/titan_timed.lock)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="speed runs record the step's timeline (seconds per phase, a second table)")
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
     add_store_args(ap)
     a = ap.parse_args(argv)
@@ -592,7 +610,7 @@ def main(argv: list[str] | None = None) -> None:
         st = SpeedTrials(out.with_suffix(".speed.jsonl"), a.reuse_stale)
         st.no_run = a.no_run
         srows = speed_rows(st, modes, a.speed_cap, *speed, a.speed_warmup, a.speed_steps, a.speed_repeats, skip,
-                           **kw)
+                           **kw, **({"timeline": True} if a.timeline else {}))
         write_speed(srows, out, a)
     trials = Trials(out.with_suffix(".trials.jsonl"), a.reuse_stale)
     trials.no_run = a.no_run
@@ -694,8 +712,23 @@ def write_speed(rows: list[dict], out: Path, a) -> None:
                      f"{disk['source']}, {disk.get('date', '')}); compute_bound_s: 6 x params x 128 tokens at "
                      "the fp32 matmul GFLOP/s measured by this process; x_bound: step_s / the larger. losses: the "
                      "first run's train loss at each step, warm-up included; lr: set by --lr (else the mode's own).")
+    if any("threads" in r for r in rows):
+        keys[-1:-1] = ["threads"]
     _write_table(out.parent / f"{out.name}.speed", "HMS vs DeepSpeed's offload: s/step at one shape", rows, keys,
                  notes, a)
+    timed = [r for r in rows if r.get("phases")]
+    if timed:
+        from titan_ds.hms.timeline import BACKGROUND, INNER, TOP
+        cols = [c for c in ("param fetch", "forward", "backward") + INNER[1:] + ("opt compute", "idle", "wall")
+                + BACKGROUND if c in timed[0]["phases"]]
+        md = ("\n#### Where the step goes (timeline, the first run, mean over its timed steps; s)\n\n"
+              "Each span counted once, in its innermost phase (titan_ds/hms/timeline.py: forward and backward "
+              "less the parameter fetches and gradient writes inside them; opt compute: the engine's step less the "
+              "swappers' waits; the (bg) columns run on the writer threads beside the main lane, not in wall).\n\n"
+              + _md([dict(mode=r["mode"], **r["phases"]) for r in timed], ["mode"] + cols))
+        path = out.parent / f"{out.name}.speed.md"
+        path.write_text(path.read_text() + md)
+        print(md)
 
 
 def write(rows: list[dict], out: Path, a) -> None:

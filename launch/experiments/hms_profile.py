@@ -56,6 +56,40 @@ LABELS = [
 ]
 
 
+# the main thread's samples under the training loop, by the DeepSpeed / titan function they are in (checked in order
+# on the whole stack, the first that matches names the sample): where the step's CPU goes at the level one can change
+FUNCTIONS = [
+    ("titan optimizer kernel (core_cpu)", r"core_cpu"),
+    ("titan optimizer, outside the kernel (the warm-up's first quantization and placement, mostly)",
+     r"titan_ds/optim/"),
+    ("ZeRO-3 unscale_and_clip_grads (the sub-group's gradient scaled in place)", r"unscale_and_clip_grads"),
+    ("ZeRO-3 partition_grads (the copy into the gradient buffer, and the norms)", r"partition_grads"),
+    ("optimizer-state swap-in (_prepare_sub_group)", r"_prepare_sub_group|swap_in_optimizer_state"),
+    ("optimizer-state swap-out (_release_sub_group)", r"_release_sub_group|swap_out_optimizer_state"),
+    ("parameter partition writes", r"_partitioned_params_swap_out|swap_out_partitioned_params"),
+    ("IPG buckets / reduce-scatter", r"__add_grad_to_ipg_bucket|reduce_independent_p_g_buckets|reduce_scatter"),
+    ("parameter fetch / release (ZeRO-3 hooks)",
+     r"fetch_sub_module|release_sub_module|_ensure_availability|pre_sub_module_forward|post_sub_module"),
+    ("forward matmuls (zero/linear.py)", r"^forward \(deepspeed/runtime/zero/linear\.py"),
+    ("backward matmuls (zero/linear.py)", r"^backward \(deepspeed/runtime/zero/linear\.py"),
+]
+
+
+def by_function(samples, rate: int) -> dict[str, float]:
+    """CPU seconds of the main thread's samples under the training loop, by :data:`FUNCTIONS` (the rest: "other")."""
+    out = collections.Counter()
+    for thread, frames, n in samples:
+        if role(thread) != "main" or not _in_steps(frames):
+            continue
+        name = next((lab for lab, rx in FUNCTIONS if any(re.search(rx, f) for f in frames)), "other in the step")
+        out[name] += n
+    return {k: v / rate for k, v in out.most_common()}
+
+
+def _in_steps(frames: list[str]) -> bool:
+    return any(re.search(r"^(forward|backward|step) \(deepspeed/runtime/engine\.py", f) for f in frames)
+
+
 def role(thread: str) -> str:
     for prefix, name in (("titan-hms-io", "io workers"), ("titan-hms-writer-param", "param writer"),
                          ("titan-hms-writer", "opt writer"), ("titan-hms-prefetch", "prefetch")):
@@ -72,12 +106,17 @@ def label(frames: list[str]) -> str:
     return "other"
 
 
+# py-spy 0.4.3 names a frame by its qualified name ("DeepSpeedEngine.forward (...)", "f.<locals>.g (...)"), 0.4.2
+# by the bare one the labels above expect: the qualifier is dropped
+_QUALIFIER = re.compile(r"^[\w<>.]*\.(?=[\w<>]+ \()")
+
+
 def parse(collapsed: Path) -> list[tuple[str, list[str], int]]:
     out = []
     for line in collapsed.read_text(errors="replace").splitlines():  # py-spy writes raw bytes of native frames
         stack, _, n = line.rpartition(" ")
         parts = stack.split(";")
-        out.append((parts[0], parts[1:], int(n)))
+        out.append((parts[0], [_QUALIFIER.sub("", f) for f in parts[1:]], int(n)))
     return out
 
 
@@ -87,12 +126,27 @@ def summarize(samples, rate: int) -> tuple[dict, dict]:
     for thread, frames, n in samples:
         r = role(thread)
         if r == "main":
-            r = "main (steps)" if any(re.search(r"^(forward|backward|step) \(deepspeed/runtime/engine\.py", f)
-                                          for f in frames) else "main (init/other)"
+            r = "main (steps)" if _in_steps(frames) else "main (init/other)"
         by_role[r] += n
         by_label[r][label(frames)] += n
     return ({k: v / rate for k, v in by_role.items()},
             {k: {lab: v / rate for lab, v in c.most_common()} for k, c in by_label.items()})
+
+
+def role_tables(collapsed: Path, rate: int, steps: int) -> list[str]:
+    """The tables of ``collapsed``'s samples: by thread role and work, and the main thread's step samples by
+    function (:data:`FUNCTIONS`, also per step: the run's ``steps`` steps, warm-up included)."""
+    samples = parse(collapsed)
+    by_role, by_label = summarize(samples, rate)
+    lines = ["| role | CPU s | top work (CPU s) |", "|---|---|---|"]
+    for k, v in sorted(by_role.items(), key=lambda kv: -kv[1]):
+        top = "; ".join(f"{lab} {s:.1f}" for lab, s in list(by_label[k].items())[:6])
+        lines.append(f"| {k} | {v:.1f} | {top} |")
+    lines += ["", f"The main thread under the training loop, by function (CPU s over the {steps} steps, warm-up "
+              "included, and per step; an OpenMP worker's matmul share is not sampled, only the main thread's "
+              "wait in it):", "", "| function | CPU s | per step |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.1f} | {v / steps:.1f} |" for k, v in by_function(samples, rate).items()]
+    return lines
 
 
 def main(argv=None) -> None:
@@ -104,11 +158,18 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rate", type=int, default=50)
-    ap.add_argument("--py-spy", required=True)
+    ap.add_argument("--py-spy", default=None, help="a py-spy binary (required unless --summarize-only)")
     ap.add_argument("--lock", default=None)
     ap.add_argument("--set", action="append", default=[], help="titan.hms KEY=JSON override (repeatable)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="run nothing: print the tables of OUT.collapsed.txt (--rate, --warmup, --steps as it ran)")
     a = ap.parse_args(argv)
+    if a.summarize_only:
+        print("\n".join(role_tables(Path(str(a.out) + ".collapsed.txt"), a.rate, a.warmup + a.steps)))
+        return
+    if not a.py_spy:
+        raise SystemExit("--py-spy PATH: a py-spy binary (e.g. pip install --target DIR py-spy; DIR/bin/py-spy)")
     layers, width = map(int, a.shape.split("x"))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +211,6 @@ def main(argv=None) -> None:
     spans = json.loads(tl.read_text())
     shutil.copy(tl, str(out) + ".timeline.json")
     phases = [breakdown(spans["spans"], m["step"]) for m in timed]
-    by_role, by_label = summarize(parse(coll), a.rate)
     lines = [f"### HMS profile: {a.mode} {a.shape} under {a.cap:g} GiB", "",
              f"Command: `PYTHONPATH=$PWD python launch/experiments/hms_profile.py {' '.join(sys.argv[1:])}`",
              f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; "
@@ -169,9 +229,7 @@ def main(argv=None) -> None:
               "On-CPU seconds by thread role over the whole run (py-spy samples / rate; `main (steps)`: samples "
               "under the training loop; other roles include initialisation):", "",
               "| role | CPU s | top work (CPU s) |", "|---|---|---|"]
-    for k, v in sorted(by_role.items(), key=lambda kv: -kv[1]):
-        top = "; ".join(f"{lab} {s:.1f}" for lab, s in list(by_label[k].items())[:6])
-        lines.append(f"| {k} | {v:.1f} | {top} |")
+    lines += role_tables(coll, a.rate, a.warmup + a.steps)
     Path(str(out) + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
