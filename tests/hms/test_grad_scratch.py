@@ -7,6 +7,7 @@ import torch
 
 from tests.hms.test_pipeline import _swapper
 from titan_ds.hms.store import TensorStore, Tier
+from titan_ds.hms.swapper import HMSOptimizerSwapper
 
 
 def test_sub_groups_share_one_gradient_buffer_with_their_own_values(tmp_path):
@@ -73,3 +74,35 @@ def test_a_sub_group_laid_out_back_to_back_in_zero3s_buffer_steps_on_it_without_
     assert sw.grads_in_place == 2 and torch.equal(flat[:3000], want[0] * 0.5)
     assert torch.equal(flat[3000:4000], want[1][:1000])  # the copied sub-group left the buffer alone
     store.close()
+
+
+def test_the_next_subgroups_gradient_range_is_advised_page_aligned_and_only_in_the_file_mapping(monkeypatch, tmp_path):
+    """_advise_gradient asks the kernel for the pages under a sub-group's gradient views in the file mapping
+    (madvise WILLNEED from the page holding the first value to the end of the last), nothing for views of another
+    buffer or a sub-group without views."""
+    import ctypes
+    import mmap
+    import types
+
+    from titan_ds.hms import swapper as sw_mod
+
+    calls = []
+
+    def fake(addr, length, advice):
+        calls.append((addr.value, length.value, advice))
+        return 0
+    monkeypatch.setattr(sw_mod, "_MADVISE", fake)
+    path = tmp_path / "g.bin"
+    path.write_bytes(b"\0" * (4 * 10000))
+    mapped = torch.from_file(str(path), shared=True, size=10000, dtype=torch.float32)
+    other = torch.zeros(10000)
+    sw = types.SimpleNamespace(grad_file=types.SimpleNamespace(mapped=mapped), grads_advised=0,
+                               _grad_views={"a": [(0, mapped[3000:3500]), (500, mapped[3500:5000])],
+                                            "b": [(0, other[:100])], "c": []})
+    for pid in ("a", "b", "c", "d"):
+        HMSOptimizerSwapper._advise_gradient(sw, pid)
+    base, page = mapped.data_ptr(), mmap.PAGESIZE
+    start, end = base + 3000 * 4, base + 5000 * 4
+    assert calls == [(start // page * page, end - start // page * page, mmap.MADV_WILLNEED)]
+    assert sw.grads_advised == 1
+    assert isinstance(sw_mod._libc_madvise(), (type(None), ctypes._CFuncPtr))

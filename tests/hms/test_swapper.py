@@ -198,6 +198,9 @@ def test_gradient_buffer_on_disk_trains_the_same(tmp):
     # every sub-group stepped on ZeRO-3's buffer itself (its pieces lie there back to back): no copy, same bits
     assert ref["grads_in_place"] > 0 and gd["grads_in_place"] > 0
     assert ref["hms"]["bytes_written"] == gd["hms"]["bytes_written"] > 0
+    # the next sub-group's gradient pages were asked back from the file ahead of its step (madvise WILLNEED), one
+    # advice per sub-group and step; DeepSpeed's anonymous CPU buffer ("dram") is never advised
+    assert gd["grads_advised"] >= gd["subgroups"] and ref["grads_advised"] == 0
 
 
 def test_bf16_parameters_with_disk_gradients_train_the_same(tmp):

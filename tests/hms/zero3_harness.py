@@ -283,6 +283,7 @@ def main():
         res["grad_buffer_mapped"] = gb.untyped_storage().filename is not None
         res["grad_keys"] = sum("/grad/" in k for k in engine.titan.reports["hms"].store.keys())
         res["grads_in_place"] = engine.titan.reports["hms"].opt_swapper.grads_in_place
+        res["grads_advised"] = engine.titan.reports["hms"].opt_swapper.grads_advised
         res["store_bytes_written"] = engine.titan.reports["hms"].store.stats.bytes_written
         res["store_bytes_read"] = engine.titan.reports["hms"].store.stats.bytes_read
         res["master_files"] = sum(k.endswith("/fp32") for k in engine.titan.reports["hms"].store.keys())

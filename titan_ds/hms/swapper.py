@@ -33,7 +33,9 @@ With :func:`titan_ds.hms.timeline.enable` both swappers record their waits and w
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import time
 from collections import deque
@@ -50,6 +52,21 @@ from .store import TensorStore, Tier
 from .timeline import current as _timeline
 
 __all__ = ["HMSParamSwapper", "HMSOptimizerSwapper", "PartitionedParamStatus"]
+
+
+def _libc_madvise():
+    """libc's ``madvise(addr, length, advice)`` (0 on success), or None where there is none (not Linux/glibc)."""
+    if not hasattr(mmap, "MADV_WILLNEED"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
 
 log = logging.getLogger("titan_ds.hms")
 
@@ -390,6 +407,7 @@ class HMSOptimizerSwapper:
         # largest), dropped at the step's end (flush): _gradient_into
         self._grad_scratch: Optional[torch.Tensor] = None
         self.grads_in_place = 0  # sub-group steps whose gradient was ZeRO-3's buffer itself (_gradient_in_place)
+        self.grads_advised = 0  # sub-groups whose gradient pages in the file mapping were asked for ahead
         # the sub-groups' fp32 masters read from their partitions, alternately into two buffers kept for the step
         # (_master_buffer), once reuse_master_buffers was called
         self._masters: list[Optional[torch.Tensor]] = [None, None]
@@ -498,6 +516,27 @@ class HMSOptimizerSwapper:
                 *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
         for key in keys:
             self.store.prefetch(key)
+        self._advise_gradient(pid)
+
+    def _advise_gradient(self, pid) -> None:
+        """``gradient_buffer: "disk"``: ask the kernel to read the next sub-group's gradient pages back into the page
+        cache now (``madvise(MADV_WILLNEED)`` on their range of the file mapping: asynchronous readahead), while
+        this sub-group steps. Under a cap the pages written in backward have mostly been written back and dropped by
+        the step, and without this the first touch of each (ZeRO-3's in-place unscale) faulted them back 4 KiB at a
+        time on the main thread. Advice only: the values are the file's either way."""
+        views = self._grad_views.get(pid)
+        mapped = getattr(self.grad_file, "mapped", None)
+        if not views or mapped is None or _MADVISE is None:
+            return
+        base = mapped.untyped_storage().data_ptr()
+        if any(v.untyped_storage().data_ptr() != base for _, v in views):
+            return
+        start = min(v.data_ptr() for _, v in views)
+        end = max(v.data_ptr() + v.numel() * v.element_size() for _, v in views)
+        page = mmap.PAGESIZE
+        lo = start // page * page
+        if _MADVISE(ctypes.c_void_p(lo), ctypes.c_size_t(end - lo), mmap.MADV_WILLNEED) == 0:
+            self.grads_advised += 1
 
     def flush_gradients(self) -> None:
         """Gradient writes are synchronous: nothing to flush."""
