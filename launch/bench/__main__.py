@@ -228,6 +228,9 @@ RESULTS: list[Result] = [
     Result("hms-scale", "results/hms_5b_balanced_1206.speed.md", _f(
         "5.04B under 8 GiB, titan_balanced's optimizer, 2026-12-06, timeline: {step_s} s/step, {x_bound}x the larger "
         "bound", "mode", "hms_balanced")),
+    Result("hms-scale", "results/hms_5b_advise.speed.md", _f(
+        "5.04B under 8 GiB with the gradient read-ahead (madvise), 5 timed steps: {step_s} s/step", "mode",
+        "hms_balanced")),
     Result("hms-scale", "results/hms_900m_wb.speed.md", _f(
         "907.7M under 4 GiB, titan_balanced's optimizer, param_write_behind: {step_s} s/step (1 run)", "mode",
         "hms_balanced_wb")),
