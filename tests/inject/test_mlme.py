@@ -107,6 +107,7 @@ def test_apply_publishes_report(monkeypatch):
     assert isinstance(ctx.model.blocks[0].attn.core, TiledAttention)
     by = {e.policy: e.detail for e in ctx.reports["mlme"].entries}
     assert by["mlme.attention"]["kernel"].startswith("cpu: torch_sdpa")  # the report says which kernel runs
+    assert "cuda: sdpa_flash (fp16/bf16, no mask) or sdpa_efficient" in by["mlme.attention"]["kernel"]
     assert by["mlme.stripe_ffn"] == {"stripe": "budget", "tokens_per_stripe": 16 * 2**20 // (2 * 4 * 64 * 4),
                                      "dtype": "float32", "saves": "input"}
 

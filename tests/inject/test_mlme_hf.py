@@ -126,3 +126,56 @@ def test_hf_recompute_ffn_in_backward(build, monkeypatch):
     assert g_replay.keys() == g_lazy.keys()
     for n in g_replay:
         assert torch.equal(g_replay[n], g_lazy[n]), n
+
+
+@pytest.fixture
+def cuda_path(monkeypatch):
+    """The CUDA path on CPU tensors: every attention call described as an H100's, and HF's mask passed to SDPA as it
+    is (off the CPU it is never read on the host). What runs is SDPA restricted to flash + memory-efficient (on the
+    CPU: PyTorch's CPU flash kernel, which takes masks)."""
+    from titan_ds.inject import mlme
+    from titan_ds.kernels import attention
+    of = attention.AttentionCall.of
+
+    def cuda_of(*a, **kw):
+        c = of(*a, **kw)
+        return attention.AttentionCall("cuda", c.dtype, c.tq, c.tk, c.head_dim, c.causal, c.mask, (9, 0))
+
+    monkeypatch.delenv("TITAN_KERNELS", raising=False)
+    monkeypatch.setattr(attention.AttentionCall, "of", staticmethod(cuda_of))
+    monkeypatch.setattr(mlme, "_MASK_READ_ON", ())
+    used = []
+    sdpa = attention._fused_sdpa
+    monkeypatch.setattr(attention, "_fused_sdpa", lambda *a, **kw: used.append(kw.get("dense")) or sdpa(*a, **kw))
+    return used
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_hf_parity_on_the_cuda_path_with_padding(build, cuda_path):
+    """Right padding through the CUDA path: HF's 4-D mask handed to SDPA unread; logits of real tokens and every
+    gradient equal the unmodified model's."""
+    model = build()
+    eager = copy.deepcopy(model)
+    apply_mlme(model, MLMEConfig(tile=16, stripe_ffn=7, chunked_loss=False))
+    ids = torch.randint(0, 97, (2, 37))
+    mask = torch.ones(2, 37, dtype=torch.long)
+    mask[1, 20:] = 0
+    logits0, grads0 = _loss_and_grads(eager, ids, mask)
+    logits1, grads1 = _loss_and_grads(model, ids, mask)
+    assert len(cuda_path) == 2 and all(d is not None and d.shape == (2, 1, 37, 37) for d in cuda_path)
+    keep = mask.bool()
+    torch.testing.assert_close(logits1[keep], logits0[keep], atol=ATOL, rtol=RTOL)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], atol=ATOL, rtol=RTOL, msg=lambda m: f"grad {n}: {m}")
+
+
+def test_hf_mask_is_not_read_on_the_host_off_the_cpu():
+    """On meta (a GPU stand-in) HF's mask is passed on, never read: no host read, no host copy."""
+    from tests.helpers.meta import META, NoHostCopies
+    from titan_ds.inject.mlme import hf_tiled_attention
+    q, k, v = (torch.empty(2, 2, 9, 32, device=META, requires_grad=True) for _ in range(3))
+    mask = torch.empty(2, 1, 9, 9, dtype=torch.bool, device=META)
+    with NoHostCopies():
+        out, _ = hf_tiled_attention(torch.nn.Module(), q, k, v, mask, scaling=0.2)
+        out.sum().backward()
+    assert out.shape == (2, 9, 2, 32) and q.grad.device == META

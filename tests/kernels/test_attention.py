@@ -168,3 +168,150 @@ def test_masks_forced_reference_and_other_devices_run_the_reference(unset_backen
     monkeypatch.setenv("TITAN_KERNELS", "reference")  # the oracle stays reachable on the CPU
     assert attention_kernel(q, k, v) == "reference"
     assert type(tiled_attention(q, k, v, causal=True).grad_fn).__name__ == "_TiledAttentionFnBackward"
+
+
+# ---------------------------------------------------------------------------------------------- CUDA dispatch
+import logging  # noqa: E402
+
+from tests.helpers.meta import META, NoHostCopies  # noqa: E402
+from titan_ds.kernels import attention as attention_mod  # noqa: E402
+from titan_ds.kernels.attention import AttentionCall, choose_kernel, sdpa_mask_args  # noqa: E402
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+CUDA_CASES = [  # dtype, Tq, Tk, D, causal, mask, compute capability -> kernel
+    (BF16, 128, 128, 64, True, "none", (9, 0), "sdpa_flash"),
+    (FP16, 100, 100, 128, False, "none", (8, 0), "sdpa_flash"),
+    (FP16, 128, 128, 256, True, "none", None, "sdpa_flash"),
+    (BF16, 17, 33, 64, False, "none", (9, 0), "sdpa_flash"),
+    (BF16, 128, 128, 64, True, "padding", (9, 0), "sdpa_efficient"),  # flash takes no mask
+    (BF16, 128, 128, 64, False, "dense", (9, 0), "sdpa_efficient"),
+    (FP32, 128, 128, 64, True, "none", (9, 0), "sdpa_efficient"),  # flash takes fp16/bf16 only
+    (BF16, 17, 33, 64, True, "none", (9, 0), "sdpa_efficient"),  # FA-2 aligns non-square causal bottom-right
+    (FP16, 128, 128, 64, True, "none", (7, 5), "sdpa_efficient"),  # a T4: no flash
+    (BF16, 128, 128, 24, True, "padding", (9, 0), "sdpa_efficient"),
+    (BF16, 128, 128, 64, True, "none", (7, 5), "reference"),  # bf16 before Ampere
+    (torch.float64, 128, 128, 64, True, "none", (9, 0), "reference"),
+    (FP32, 128, 128, 30, True, "none", (9, 0), "reference"),  # memory-efficient wants D % 4 == 0 in fp32
+    (BF16, 128, 128, 20, True, "padding", (9, 0), "reference"),  # ... and D % 8 == 0 in 16-bit
+]
+
+
+@pytest.mark.parametrize("dtype,tq,tk,d,causal,mask,cap,expected", CUDA_CASES)
+def test_cuda_calls_choose_sdpa_flash_or_memory_efficient(dtype, tq, tk, d, causal, mask, cap, expected):
+    call = AttentionCall("cuda", dtype, tq, tk, d, causal, mask, cap)
+    kernel, why = choose_kernel(call, "")
+    assert kernel == expected, why
+    assert why  # every choice says why (the log line and the fallback warning carry it)
+
+
+def test_triton_attention_only_when_asked_for():
+    call = AttentionCall("cuda", BF16, 128, 128, 64, True, "padding", (9, 0))
+    assert choose_kernel(call, "")[0] == "sdpa_efficient"  # never by default, whether Triton imports or not
+    assert choose_kernel(call, "triton")[0] == "triton"
+    assert choose_kernel(AttentionCall("cuda", BF16, 9, 9, 64, False, "dense"), "triton")[0] == "reference"
+    assert choose_kernel(call, "reference")[0] == "reference"
+    with pytest.raises(ValueError, match="unknown kernel request 'cuda'"):
+        choose_kernel(call, "cuda")
+
+
+def test_cpu_and_meta_choices_are_unchanged():
+    assert choose_kernel(AttentionCall("cpu", FP32, 9, 9, 32, True))[0] == "torch_sdpa"
+    assert choose_kernel(AttentionCall("cpu", FP32, 9, 9, 32, True, "padding"))[0] == "reference"
+    assert choose_kernel(AttentionCall("meta", BF16, 9, 9, 32, True))[0] == "reference"
+    q = torch.empty(2, 3, 9, 32, device=META, dtype=BF16)
+    call = AttentionCall.of(q, q, q, causal=True, key_padding_mask=torch.ones(2, 9, dtype=torch.bool))
+    assert call == AttentionCall("meta", BF16, 9, 9, 32, True, "padding", None)
+
+
+@pytest.fixture
+def as_cuda(monkeypatch, unset_backend):
+    """Describe every call as a CUDA call on an H100: what runs is the CUDA path (SDPA, flash + memory-efficient
+    only), on the tensors given (on the CPU that is PyTorch's CPU flash kernel, which takes masks; on meta, shapes)."""
+    of = AttentionCall.of
+
+    def cuda_of(*a, **kw):
+        call = of(*a, **kw)
+        return AttentionCall("cuda", call.dtype, call.tq, call.tk, call.head_dim, call.causal, call.mask, (9, 0))
+
+    monkeypatch.setattr(attention_mod.AttentionCall, "of", staticmethod(cuda_of))
+    monkeypatch.setattr(attention_mod, "_LOGGED", set())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("masks", ["none", "padding", "dense", "padding+dense"])
+def test_cuda_path_matches_the_reference_with_masks(as_cuda, causal, masks):
+    """The SDPA call of the CUDA path (mask built by sdpa_mask_args, causality folded in) gives the reference's output
+    and every gradient; padded keys get exactly no gradient. Right-padded lengths 29, 7, 1 of T = 29."""
+    B, H, T, D = 3, 2, 29, 32
+    q, k, v = _inputs(B, H, T, T, D, noncontig=True)
+    kpm = torch.arange(T)[None, :] < torch.tensor([29, 7, 1])[:, None] if "padding" in masks else None
+    dense = None
+    if "dense" in masks:
+        dense = torch.rand(B, 1, T, T) > 0.3
+        dense[..., 0] = True  # every row sees a key
+    g = torch.randn(B, H, T, D)
+    kw = dict(causal=causal, key_padding_mask=kpm, attn_mask=dense)
+    assert attention_mod.attention_kernel(q, k, v, **kw) == "sdpa_efficient"  # fp32 on "CUDA"
+    out = tiled_attention(q, k, v, tile=8, **kw)
+    assert type(out.grad_fn).__name__ == "ScaledDotProductFlashAttentionForCpuBackward0"  # SDPA's fused kernel ran
+    ours = (out, *torch.autograd.grad(out, (q, k, v), g))
+    ref = _grads(lambda a, b, c: tiled_attention_reference(a, b, c, tile=8, **kw), q, k, v, g)
+    _assert_all_close(ours, ref)
+    if kpm is not None:
+        assert torch.all(ours[2][1, :, 7:] == 0) and torch.all(ours[2][2, :, 1:] == 0)
+
+
+def test_sdpa_mask_args_keep_padding_broadcast():
+    kpm = torch.tensor([[True] * 5 + [False] * 2])
+    mask, is_causal = sdpa_mask_args(False, kpm, None, 7, 7, kpm.device)
+    assert mask.shape == (1, 1, 1, 7) and not is_causal  # O(B * Tk), not a (Tq, Tk) matrix
+    mask, is_causal = sdpa_mask_args(True, kpm, None, 7, 7, kpm.device)
+    assert mask.shape == (1, 1, 7, 7) and not is_causal and torch.equal(mask[0, 0], torch.ones(7, 7).tril().bool() &
+                                                                        kpm)
+    assert sdpa_mask_args(True, None, None, 7, 7, kpm.device) == (None, True)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
+@pytest.mark.parametrize("masks", ["none", "padding", "dense"])
+def test_cuda_path_on_meta(as_cuda, dtype, masks):
+    """The SDPA call the CUDA path makes, on meta tensors (shapes and dtypes; no host read, no host copy)."""
+    q, k, v = (torch.empty(2, 3, 9, 32, device=META, dtype=dtype, requires_grad=True) for _ in range(3))
+    kw = {"causal": True}
+    if masks == "padding":
+        kw["key_padding_mask"] = torch.empty(2, 9, dtype=torch.bool, device=META)
+    if masks == "dense":
+        kw["attn_mask"] = torch.empty(2, 1, 9, 9, dtype=torch.bool, device=META)
+    expected = "sdpa_flash" if masks == "none" and dtype != FP32 else "sdpa_efficient"
+    assert attention_mod.attention_kernel(q, k, v, **kw) == expected
+    with NoHostCopies():
+        out = tiled_attention(q, k, v, **kw)
+        out.sum().backward()
+    assert out.shape == q.shape and out.dtype == dtype and out.device == META
+    assert all(t.grad.shape == t.shape and t.grad.dtype == dtype for t in (q, k, v))
+
+
+def test_cuda_path_falls_back_to_the_reference_when_sdpa_refuses(as_cuda, monkeypatch, caplog):
+    q, k, v = _inputs(1, 2, 9, 9, 32)
+    sdpa = F.scaled_dot_product_attention
+
+    def refuse(*a, **kw):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refuse)
+    with caplog.at_level(logging.INFO, logger="titan_ds.kernels"):
+        out = tiled_attention(q, k, v, causal=True)
+        tiled_attention(q, k, v, causal=True)
+    assert type(out.grad_fn).__name__ == "_TiledAttentionFnBackward"
+    torch.testing.assert_close(out, sdpa(q, k, v, is_causal=True), atol=ATOL, rtol=RTOL)
+    refused = [r for r in caplog.records if "refused both" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING  # once, and it says what runs instead
+    chosen = [r.getMessage() for r in caplog.records if "-> sdpa_efficient" in r.getMessage()]
+    assert len(chosen) == 1 and "cuda float32 causal" in chosen[0]
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # other errors are not swallowed
+        tiled_attention(q, k, v, causal=True)

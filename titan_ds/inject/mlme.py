@@ -18,6 +18,9 @@ nothing and counts as done (logged). ``recompute_blocks`` matches HF decoder lay
 ``transformer.h.{i}``). The chunked loss on an HF causal LM is in :mod:`titan_ds.inject.hf_loss`; an HF model of
 another family raises, naming the supported ones.
 HF attention dropout is not supported by the tiled kernel: a module with attention dropout > 0 raises at apply time.
+Which kernel runs the attention (SDPA's flash or memory-efficient kernel on CUDA, PyTorch's CPU flash kernel, the
+reference) is decided per call in :mod:`titan_ds.kernels.attention`; the report's ``kernel`` states the rule per
+device and each distinct kind of call logs its choice once.
 """
 from __future__ import annotations
 
@@ -116,6 +119,9 @@ def _split_hf_mask(mask: Tensor, causal_default: bool, tq: int, tk: int):
     return False, None, mask
 
 
+_MASK_READ_ON = ("cpu",)  # devices where HF's mask is read to recognise causal + key padding (_split_hf_mask)
+
+
 def hf_tiled_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                        attention_mask: Optional[Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                        is_causal: Optional[bool] = None, **kwargs: Any):
@@ -140,6 +146,11 @@ def hf_tiled_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
     tq, tk = query.shape[2], key.shape[2]
     if attention_mask is None:
         out = tiled_attention(query, key, value, causal=causal and tq > 1, scale=scaling, tile=tile)
+    elif query.device.type not in _MASK_READ_ON:
+        # off the CPU the mask goes to SDPA as it is (HF built it for SDPA): recognising its form would read it on the
+        # host (a sync per layer on a GPU)
+        dense = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        out = tiled_attention(query, key, value, attn_mask=dense, scale=scaling, tile=tile)
     else:
         causal, kpm, dense = _split_hf_mask(attention_mask, causal, tq, tk)
         out = tiled_attention(query, key, value, causal=causal, key_padding_mask=kpm, attn_mask=dense,

@@ -7,9 +7,10 @@ lazily, after :func:`require_triton` has succeeded. The backend of every op in `
 * ``TITAN_KERNELS=reference`` -- the pure-PyTorch reference (any device; the CPU fallback and the test oracle);
 * ``TITAN_KERNELS=triton``    -- the Triton kernel; needs Triton and a CUDA tensor, or ``TRITON_INTERPRET=1``
   (the Triton interpreter, fp32 only, for CPU tests on tiny shapes); raises an actionable error otherwise;
-* unset / empty               -- Triton on CUDA tensors when Triton imports, the reference everywhere else (an op
-  may have a faster exact kernel of PyTorch's own for CPU tensors: attention runs torch's CPU flash SDPA kernel,
-  ``attention.attention_kernel``; ``reference`` switches that off too).
+* unset / empty               -- Triton on CUDA tensors when Triton imports, the reference everywhere else. An op
+  may have an exact kernel of PyTorch's own that it prefers: attention (``attention.attention_kernel``) runs
+  PyTorch's SDPA -- its flash / memory-efficient kernels on CUDA, its CPU flash kernel on CPU tensors -- and its
+  Triton kernel only under ``TITAN_KERNELS=triton``; ``reference`` switches those off too.
 
 Any other value raises ``ValueError`` naming the choices.
 """

@@ -16,21 +16,32 @@ Saved for backward: q, k, v, O, LSE (O(T * D) per head, not O(T^2)). Backward, w
 3. for every visible tile pair (i, j): recompute S, P = exp(S - LSE_i);  dV_j += P^T dO_i;  dP = dO_i V_j^T;
    dS = P * (dP - Delta_i);  dQ_i += dS K_j * scale;  dK_j += dS^T Q_i * scale.
 
-Three kernels behind :func:`tiled_attention`, chosen per call by :func:`attention_kernel` (``TITAN_KERNELS``, see
-``_guard.py``):
+Kernels behind :func:`tiled_attention`, chosen per call by :func:`attention_kernel` (the pure decision is
+:func:`choose_kernel` on an :class:`AttentionCall`; ``TITAN_KERNELS``, see ``_guard.py``):
 
-* ``"triton"``: a Triton kernel (``_attention_triton.py``) with this contract, on CUDA; it supports ``causal`` and
-  ``key_padding_mask`` but not a dense ``attn_mask``, which always runs on the reference;
+* ``"sdpa_flash"`` / ``"sdpa_efficient"``: on CUDA tensors (default), ``F.scaled_dot_product_attention`` restricted
+  to its FlashAttention-2 and memory-efficient kernels (``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``, so
+  never the math kernel that saves the (Tq, Tk) probabilities): flash for fp16/bf16 without a mask, memory-efficient
+  for fp32 or with a key padding / dense mask (passed as a boolean ``attn_mask``, causality folded into it). Both are
+  exact and save O(T * D) per head. A call neither takes (fp64, odd head dims, old GPUs) runs the reference, with a
+  warning once; which kernel a kind of call runs is logged once (``titan_ds.kernels``). Attention dropout is not
+  supported (the reference, the oracle, has none), on any kernel;
 * ``"torch_sdpa"``: on CPU tensors with no mask (``causal`` or not) and ``TITAN_KERNELS`` unset, PyTorch's CPU
-  flash-attention kernel (``F.scaled_dot_product_attention`` restricted to ``SDPBackend.FLASH_ATTENTION``): the same
-  algorithm (tiles, online softmax, O and the log-sum-exp saved, exact), in C++ -- it saves exactly the reference's
-  bytes (q, k, v, O, LSE; measured in ``tests/kernels/test_attention.py``) at a fraction of the Python loop's time
-  (results/mlme_speed.md). With masks the reference runs (it returns 0, not NaN, for a row with no visible key);
-* ``"reference"``: this file's pure-PyTorch loop (any device; the test oracle; ``TITAN_KERNELS=reference``).
+  flash-attention kernel (SDPA restricted to ``SDPBackend.FLASH_ATTENTION``): the same algorithm (tiles, online
+  softmax, O and the log-sum-exp saved, exact), in C++ -- it saves exactly the reference's bytes (q, k, v, O, LSE;
+  measured in ``tests/kernels/test_attention.py``) at a fraction of the Python loop's time (results/mlme_speed.md).
+  With masks the reference runs (it returns 0, not NaN, for a row with no visible key);
+* ``"triton"``: titan's Triton kernel (``_attention_triton.py``), only with ``TITAN_KERNELS=triton`` (CUDA, or CPU
+  under ``TRITON_INTERPRET=1``): it has never been measured on a GPU against SDPA, so it is not a default; it
+  supports ``causal`` and ``key_padding_mask`` but not a dense ``attn_mask``, which runs on the reference;
+* ``"reference"``: this file's pure-PyTorch loop (any device, ``meta`` included; the test oracle;
+  ``TITAN_KERNELS=reference``).
 """
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,12 +50,16 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ._guard import kernel_backend, requested_backend, triton_available
+from ._guard import kernel_backend, requested_backend
 
 __all__ = ["tiled_attention", "tiled_attention_reference", "eager_attention", "TiledAttention", "attention_kernel",
-           "kernels_by_device", "KERNELS", "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
+           "AttentionCall", "choose_kernel", "sdpa_mask_args", "kernels_by_device", "KERNELS", "SDPA_KERNELS",
+           "MIN_HEAD_DIM", "MAX_HEAD_DIM"]
 
-KERNELS = ("triton", "torch_sdpa", "reference")
+log = logging.getLogger("titan_ds.kernels")
+
+SDPA_KERNELS = ("sdpa_flash", "sdpa_efficient")  # CUDA: SDPA restricted to these two backends
+KERNELS = SDPA_KERNELS + ("torch_sdpa", "triton", "reference")
 _SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the CPU flash kernel's dtypes
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # the contract is 32..128; the reference is exact for any D in this range
@@ -166,47 +181,189 @@ def tiled_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, causal: bool =
     return _TiledAttentionFn.apply(q, k, v, key_padding_mask, attn_mask, causal, scale, tile)
 
 
+# ---------------------------------------------------------------------------------------------- dispatch
+@dataclass(frozen=True)
+class AttentionCall:
+    """What the dispatcher knows about one call, without tensor data: the device type, dtype, lengths, head dim,
+    causality, the mask's kind (``"none"``, ``"padding"``: a (B, Tk) key padding mask, ``"dense"``: a 4-D mask)
+    and, on CUDA, the compute capability (None: unknown, taken as 8.0 or newer). Built by :meth:`of` from
+    tensors, or written out in a test to describe a CUDA call on a machine without one."""
+
+    device: str
+    dtype: torch.dtype
+    tq: int
+    tk: int
+    head_dim: int
+    causal: bool = False
+    mask: str = "none"
+    capability: Optional[tuple[int, int]] = None
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, key_padding_mask: Optional[Tensor] = None,
+           attn_mask: Optional[Tensor] = None) -> "AttentionCall":
+        types = {t.device.type for t in (q, k, v)}
+        device = types.pop() if len(types) == 1 else "mixed"
+        cap = torch.cuda.get_device_capability(q.device) if device == "cuda" else None
+        mask = "dense" if attn_mask is not None else "padding" if key_padding_mask is not None else "none"
+        return cls(device, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], bool(causal), mask, cap)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _cuda_kernel(call: AttentionCall) -> tuple[str, str]:
+    """SDPA's flash kernel, else its memory-efficient one, else the reference; with the reason (PyTorch's
+    ``sdp_utils.cpp`` gates: flash takes fp16/bf16, no mask, head dim <= 256, causal only for Tq == Tk (FA-2
+    aligns a non-square causal mask bottom-right, SDPA top-left), sm80+; memory-efficient takes fp32 too and any
+    mask, head dim a multiple of 8 (fp16/bf16) or 4 (fp32), sm50+; bf16 needs sm80+ in both)."""
+    cap = call.capability or (8, 0)
+    dt = str(call.dtype).replace("torch.", "")
+    if call.dtype not in _HALF + (torch.float32,):
+        return "reference", f"SDPA's flash and memory-efficient kernels take float16/bfloat16/float32, not {dt}"
+    if call.dtype == torch.bfloat16 and cap < (8, 0):
+        return "reference", f"SDPA's fused kernels need compute capability 8.0+ for bfloat16, this GPU is {cap}"
+    no_flash = (dt if call.dtype not in _HALF else "an attention mask" if call.mask != "none" else
+                f"head dim {call.head_dim} > 256" if call.head_dim > 256 else
+                f"causal with {call.tq} queries != {call.tk} keys" if call.causal and call.tq != call.tk else
+                f"compute capability {cap} < 8.0" if cap < (8, 0) else "")
+    if not no_flash:
+        return "sdpa_flash", "fp16/bf16 without a mask"
+    align = 8 if call.dtype in _HALF else 4
+    if call.head_dim % align == 0 and cap >= (5, 0):
+        return "sdpa_efficient", f"flash refuses {no_flash}"
+    return "reference", (f"flash refuses {no_flash}, and memory-efficient needs a head dim that is a multiple of "
+                         f"{align} (got {call.head_dim}) and compute capability 5.0+ (got {cap})")
+
+
+def choose_kernel(call: AttentionCall, requested: str = "") -> tuple[str, str]:
+    """``(kernel, reason)`` for a described call: one of :data:`KERNELS` (module docstring). Pure: no tensors, no
+    environment (``requested`` is ``TITAN_KERNELS``: ``""``, ``"reference"`` or ``"triton"``)."""
+    if requested == "reference":
+        return "reference", "TITAN_KERNELS=reference"
+    if requested == "triton":
+        if call.mask == "dense":
+            return "reference", "the Triton kernel takes no dense attn_mask"
+        return "triton", "TITAN_KERNELS=triton"
+    if requested:
+        raise ValueError(f"unknown kernel request {requested!r}; choose '', 'reference' or 'triton'")
+    if call.device == "cuda":
+        return _cuda_kernel(call)
+    if call.device == "cpu" and call.mask == "none" and call.dtype in _SDPA_DTYPES:
+        return "torch_sdpa", "CPU flash kernel, no mask"
+    if call.device == "cpu":
+        return "reference", "a mask on the CPU (the reference returns 0, not NaN, for a row with no visible key)" \
+            if call.mask != "none" else f"{call.dtype} on the CPU"
+    return "reference", f"tensors on {call.device}"
+
+
 def attention_kernel(q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None,
-                     attn_mask: Optional[Tensor] = None) -> str:
-    """The kernel :func:`tiled_attention` runs for these tensors and masks: one of :data:`KERNELS` (module docstring)."""
-    if attn_mask is None and kernel_backend(q, k, v, op="attention") == "triton":
-        return "triton"
-    if (key_padding_mask is None and attn_mask is None and requested_backend() == ""
-            and all(t.device.type == "cpu" and t.dtype in _SDPA_DTYPES for t in (q, k, v))):
-        return "torch_sdpa"
-    return "reference"
+                     attn_mask: Optional[Tensor] = None, causal: bool = False) -> str:
+    """The kernel :func:`tiled_attention` runs for these tensors and masks: one of :data:`KERNELS` (module docstring).
+
+    Raises :class:`~titan_ds.kernels._guard.KernelBackendError` when ``TITAN_KERNELS=triton`` cannot run here."""
+    return _choose(q, k, v, causal, key_padding_mask, attn_mask)[0]
+
+
+def _choose(q: Tensor, k: Tensor, v: Tensor, causal: bool, kpm: Optional[Tensor],
+            dense: Optional[Tensor]) -> tuple[str, str, AttentionCall]:
+    call = AttentionCall.of(q, k, v, causal=causal, key_padding_mask=kpm, attn_mask=dense)
+    requested = requested_backend()
+    kernel, why = choose_kernel(call, requested)
+    if kernel == "triton":
+        kernel_backend(q, k, v, op="attention")  # raises, saying what to install or set, where Triton cannot run
+    return kernel, why, call
+
+
+_LOGGED: set = set()
+
+
+def _log_choice(call: AttentionCall, kernel: str, why: str) -> None:
+    """One log line per distinct kind of call: which kernel runs it and why (a CUDA call on the reference warns)."""
+    key = (call.device, call.dtype, call.mask, call.causal, call.tq == call.tk, kernel)
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    level = logging.WARNING if kernel == "reference" and call.device == "cuda" else logging.INFO
+    log.log(level, "titan attention: %s %s %s%s -> %s (%s)", call.device, str(call.dtype).replace("torch.", ""),
+            "causal " if call.causal else "", f"mask {call.mask}", kernel, why)
+
+
+def sdpa_mask_args(causal: bool, kpm: Optional[Tensor], dense: Optional[Tensor], tq: int, tk: int,
+                   device: torch.device) -> tuple[Optional[Tensor], bool]:
+    """``(attn_mask, is_causal)`` for ``F.scaled_dot_product_attention`` meaning what ``causal``, the (B, Tk) key
+    padding mask and the 4-D dense mask mean to :func:`tiled_attention` (True = may attend). SDPA takes
+    ``is_causal`` only without a mask, so causal with a mask becomes part of the mask. A padding mask alone stays
+    (B, 1, 1, Tk), broadcast, O(B Tk); with ``causal`` it is (B, 1, Tq, Tk) booleans."""
+    mask = None if kpm is None else kpm[:, None, None, :]
+    if dense is not None:
+        mask = dense if mask is None else mask & dense
+    if mask is None:
+        return None, causal
+    if causal:
+        mask = mask & torch.ones(tq, tk, dtype=torch.bool, device=device).tril()
+    return mask, False
+
+
+_NO_KERNEL = ("No available kernel", "No viable backend")  # SDPA's messages on CUDA and on the CPU
+
+
+def _fused_sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, kpm: Optional[Tensor], dense: Optional[Tensor],
+                scale: float, tile: int) -> Tensor:
+    """SDPA restricted to its flash and memory-efficient kernels (never the math kernel, which saves the (Tq, Tk)
+    probabilities); where SDPA refuses both, the reference, with a warning once."""
+    mask, is_causal = sdpa_mask_args(causal, kpm, dense, q.shape[2], k.shape[2], q.device)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    except RuntimeError as e:
+        if not any(m in str(e) for m in _NO_KERNEL):
+            raise
+        key = ("refused", q.device.type, q.dtype, mask is None, causal, q.shape[-1])
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            log.warning("titan attention: SDPA refused both its flash and memory-efficient kernels for %s %s, head "
+                        "dim %d, %s (%s); running titan's reference tiled attention (exact, O(L) memory, slower)",
+                        q.device.type, str(q.dtype).replace("torch.", ""), q.shape[-1],
+                        "no mask" if mask is None else f"mask {tuple(mask.shape)}", str(e).splitlines()[0])
+    return _TiledAttentionFn.apply(q, k, v, kpm, dense, causal, scale, tile)
 
 
 def kernels_by_device() -> dict[str, str]:
-    """What an unmasked ``mlme.attention="tiled"`` call runs on each device type here (for the MLME report)."""
+    """What ``mlme.attention="tiled"`` runs on each device type here (for the MLME report)."""
     requested = requested_backend()
-    cpu = "reference" if requested == "reference" else "triton (interpreter)" if requested == "triton" else \
-        "torch_sdpa (CPU flash kernel)"
-    cuda = "reference" if requested == "reference" or not (requested == "triton" or triton_available()) else "triton"
-    return {"cpu": cpu, "cuda": cuda}
+    if requested == "reference":
+        return {"cpu": "reference", "cuda": "reference"}
+    if requested == "triton":
+        return {"cpu": "triton (interpreter)", "cuda": "triton (TITAN_KERNELS=triton)"}
+    return {"cpu": "torch_sdpa (CPU flash kernel; reference with a mask)",
+            "cuda": "sdpa_flash (fp16/bf16, no mask) or sdpa_efficient (fp32, or a mask)"}
 
 
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                     key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                     scale: Optional[float] = None, tile: int = 128) -> Tensor:
-    """Exact attention in tiles on the kernel :func:`attention_kernel` picks (``TITAN_KERNELS``, device, masks).
+    """Exact attention on the kernel :func:`attention_kernel` picks (``TITAN_KERNELS``, device, dtype, masks).
 
     ``key_padding_mask``: (B, Tk) bool, True for real tokens. ``attn_mask``: 4-D bool broadcastable to
-    (B, H, Tq, Tk), True where attention is allowed (reference backend only). A query row that can see no
-    key returns 0 (SDPA returns NaN there). ``tile`` is the Triton kernel's and the reference's tile; PyTorch's
-    CPU kernel picks its own.
+    (B, H, Tq, Tk), True where attention is allowed. A query row that can see no key returns 0 on the reference
+    and on PyTorch's CPU kernels (checked); on CUDA what SDPA returns there is not checked here. ``tile`` is the
+    reference's and the Triton kernel's tile; PyTorch's kernels pick their own. Each distinct kind of call logs
+    its kernel once (logger ``titan_ds.kernels``).
     """
-    kernel = attention_kernel(q, k, v, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+    kernel, why, call = _choose(q, k, v, causal, key_padding_mask, attn_mask)
+    _log_choice(call, kernel, why)
     if kernel == "reference":
         return tiled_attention_reference(q, k, v, causal=causal, key_padding_mask=key_padding_mask,
                                          attn_mask=attn_mask, scale=scale, tile=tile)
-    _check(q, k, v, key_padding_mask, None, causal, tile)
+    _check(q, k, v, key_padding_mask, attn_mask, causal, tile)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if kernel == "torch_sdpa":
         # FLASH_ATTENTION only: were it unusable, SDPA raises rather than fall back to the math kernel, which would
         # save the (Tq, Tk) probabilities
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if kernel in SDPA_KERNELS:
+        return _fused_sdpa(q, k, v, causal=causal, kpm=key_padding_mask, dense=attn_mask, scale=scale, tile=tile)
     from ._attention_triton import triton_attention  # imported only once Triton is known to be usable
     return triton_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, tile=tile)
 
