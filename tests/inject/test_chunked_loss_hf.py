@@ -282,3 +282,25 @@ def test_installed_transformers_is_in_the_range_the_package_declares():
               for name, reqs in extras.items()}
     assert ranges["hf"] and ranges["test"] == ranges["hf"], ranges
     assert ranges["hf"][0].contains(transformers.__version__), (transformers.__version__, ranges["hf"])
+
+
+@pytest.mark.parametrize("items", ["none", "int", "cpu_tensor", "device_tensor"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_hf_chunked_loss_step_on_meta(items, shift):
+    """The HF chunked loss (what the patched forward computes from the captured hidden states), its parameters and
+    inputs on meta: a step after the first reads nothing on the host and copies nothing from it. The Trainer's
+    ``num_items_in_batch`` may be an int, a 0-d CPU tensor (divides as a scalar: no copy) or a device tensor."""
+    from tests.helpers.meta import META, NoHostCopies
+    head = CapturingHead(32, V, bias=False, device=META)
+    hidden = torch.empty(B, T, 32, device=META, requires_grad=True)
+    labels = torch.randint(0, V, (B, T), device=META)
+    n = {"none": None, "int": 70, "cpu_tensor": torch.tensor(70), "device_tensor": torch.tensor(70).to(META)}[items]
+    kw = {"num_items_in_batch": n, "shift_labels": labels if shift else None}
+
+    def step():
+        hf_loss._causal_lm_loss(hidden, head, labels, {"chunk": 16, "vocab_chunk": 50}, **kw).backward()
+
+    step()
+    with NoHostCopies():
+        step()
+    assert hidden.grad.device == head.weight.grad.device == META

@@ -128,7 +128,9 @@ def _causal_lm_loss(hidden: Tensor, head: nn.Linear, labels: Tensor, opts: dict,
                                         reduction=reduction, chunk=opts["chunk"],
                                         vocab_chunk=opts["vocab_chunk"], out_dtype=torch.float32)  # as HF's
     if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
+        if torch.is_tensor(num_items_in_batch) and not (num_items_in_batch.device.type == "cpu" and
+                                                        num_items_in_batch.dim() == 0):
+            # a 0-d CPU tensor divides a device tensor as a scalar; copying it would be a blocking host-to-device copy
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
