@@ -83,6 +83,26 @@ def test_saves_no_more_than_input():
     assert peaks[1] <= peaks[0], peaks
 
 
+def test_pre_activation_changes_nothing_under_the_lazy_replay():
+    """stripe_ffn_saves only matters where StripeFFN's forward runs with grad: with recompute_blocks and the lazy
+    replay (titan_exact's section) it never does, so "pre_activation" and "input" save the same bytes and give the
+    same bits (why ds_configs/titan_exact.json does not set it)."""
+    x = torch.randint(0, 256, (2, CFG.block_size))
+    peaks, grads = [], []
+    for saves in ("input", "pre_activation"):
+        torch.manual_seed(0)
+        m = GPT(CFG)
+        report = apply_mlme(m, MLMEConfig(recompute_blocks=True, stripe_ffn=32, stripe_ffn_saves=saves))
+        assert {e.detail["saves"] for e in report.entries if e.policy == "mlme.stripe_ffn"} == {saves}
+        with SavedTensorMeter() as meter:
+            m(x, x).backward()
+        peaks.append(meter.peak)
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert peaks[0] == peaks[1], peaks
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+
+
 class _ScaledBlock(nn.Module):
     """A block that reads its MLP's output: LayerScale (gamma's gradient needs the value), or a norm after the sum."""
 
