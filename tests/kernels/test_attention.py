@@ -224,6 +224,14 @@ def test_cpu_and_meta_choices_are_unchanged():
     assert call == AttentionCall("meta", BF16, 9, 9, 32, True, "padding", None)
 
 
+def test_report_names_the_kernel_per_device(unset_backend, monkeypatch):
+    assert attention_mod.kernels_by_device()["cuda"].startswith("sdpa_flash")
+    monkeypatch.setenv("TITAN_KERNELS", "triton")
+    assert attention_mod.kernels_by_device()["cuda"] == "triton (TITAN_KERNELS=triton)"
+    monkeypatch.setenv("TITAN_KERNELS", "reference")
+    assert attention_mod.kernels_by_device() == {"cpu": "reference", "cuda": "reference"}
+
+
 @pytest.fixture
 def as_cuda(monkeypatch, unset_backend):
     """Describe every call as a CUDA call on an H100: what runs is the CUDA path (SDPA, flash + memory-efficient

@@ -39,6 +39,7 @@ Kernels behind :func:`tiled_attention`, chosen per call by :func:`attention_kern
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -203,12 +204,17 @@ class AttentionCall:
            attn_mask: Optional[Tensor] = None) -> "AttentionCall":
         types = {t.device.type for t in (q, k, v)}
         device = types.pop() if len(types) == 1 else "mixed"
-        cap = torch.cuda.get_device_capability(q.device) if device == "cuda" else None
+        cap = _capability(q.device.index) if device == "cuda" else None
         mask = "dense" if attn_mask is not None else "padding" if key_padding_mask is not None else "none"
         return cls(device, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], bool(causal), mask, cap)
 
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: Optional[int]) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _cuda_kernel(call: AttentionCall) -> tuple[str, str]:
