@@ -135,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "writes (titan_ds.hms.timeline; rank 0)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--count-wire", action="store_true",
-                   help="count every torch.distributed collective of the training steps (titan_ds/comm/wire.py: "
+                   help="count every collective from initialize to the last step, DeepSpeed's included (titan_ds/comm/wire.py: "
                         "ring costs, sent and received); the summary gets wire_per_rank and peak_rss_per_rank")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model under titan_ds.zero_init (ZeRO-3: partitioned, and with titan.hms streamed "
@@ -235,6 +235,9 @@ def main(argv=None) -> dict:
     scheduler = None if "scheduler" in ds else \
         (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.steps)))
     args.deepspeed_config = None
+    wire, counting = WireCount(), contextlib.ExitStack()
+    if args.count_wire:  # every collective from initialize's broadcast to the last step (DeepSpeed's, titan's),
+        counting.enter_context(count_collectives(wire))  # not the final summary's
     engine, _, _, _ = titan_ds.initialize(args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                           config=ds)
     rank = engine.global_rank
@@ -266,9 +269,6 @@ def main(argv=None) -> dict:
     last: dict = {}
     if args.val_every and start == 0:  # the untrained baseline, so a curve (and a test) can show the drop
         val_history.append((0, validate(engine, corpus, args, val_mb)))
-    wire, counting = WireCount(), contextlib.ExitStack()
-    if args.count_wire:  # the training steps' collectives (DeepSpeed's, titan's), not the final summary's
-        counting.enter_context(count_collectives(wire))
     for step in range(start + 1, args.steps + 1):
         x, y = batches.get(step)
         if tl is not None:

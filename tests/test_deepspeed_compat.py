@@ -63,7 +63,8 @@ def _tiny(stage: int, extra: dict | None = None):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_each_private_attribute_exists_on_a_live_engine(dist_env, stage):
     engine = _tiny(stage)
-    owners = {"DeepSpeedEngine": engine}
+    import deepspeed.comm.comm as ds_comm
+    owners = {"DeepSpeedEngine": engine, "TorchBackend": ds_comm.cdb}
     if stage:
         owners[type(engine.optimizer).__name__] = engine.optimizer
     for cls, obj in owners.items():

@@ -216,7 +216,7 @@ class PlasticityConfig(_Strict):
 # the choices of titan.compression.method: the names in titan_ds/comm/registry.py, nowhere else
 _CompressionMethod = Literal[tuple(_COMPRESSORS)]  # type: ignore[valid-type]
 # titan.compression keys every method takes; each method lists the others it uses in its class's config_keys
-_EVERY_METHOD = {"method", "warmup_steps"}
+_EVERY_METHOD = {"method", "warmup_steps", "allow_dense_parameter_gather"}
 # the local RMS preconditioner (titan_ds/comm/precondition.py) runs before any codec: every method but "none"
 _PRECONDITION_KEYS = {"precondition", "precondition_beta1", "precondition_beta2", "precondition_eps",
                       "residuals_follow_lr"}
@@ -266,6 +266,11 @@ class CompressionConfig(_Strict):
     the step that sends it. Bit for bit nothing changes under a constant lr; false: residuals in gradient units.
     A key that the chosen method does not use is an error, not ignored.
 
+    Under ZeRO 1-3 DeepSpeed all-gathers the parameters densely (every step at 1-2, in forward and backward at 3),
+    outside the gradient path titan compresses, so a rank receives at least half (ZeRO-3: all) the bytes of plain
+    ZeRO-0 all-reduce whatever the compressor: ``initialize`` refuses the combination, naming the bound, unless
+    ``allow_dense_parameter_gather`` is true (the run is then compressed on the gradient path only).
+
     ``sync_every=H > 1`` switches to **local updates** (DiLoCo; titan_ds/comm/diloco.py, docs/compress.md): every
     rank takes H steps of its own optimizer with no gradient all-reduce, then the ranks exchange their parameter
     change ``anchor - params`` through ``method``/``ratio``/``error_feedback`` (``none``: dense) and apply an outer
@@ -299,6 +304,7 @@ class CompressionConfig(_Strict):
     outer_lr: float = Field(default=0.7, gt=0)
     outer_momentum: float = Field(default=0.9, ge=0, lt=1)
     outer_nesterov: bool = True
+    allow_dense_parameter_gather: bool = False
 
     @property
     def local_updates(self) -> bool:

@@ -196,6 +196,8 @@ INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "DeepSpeedZeroOptimizer": ("ipg_buckets", "bit16_groups", "single_partition_of_fp32_groups", "averaged_gradients",
                                "real_dp_process_group", "partition_size", "round_robin_bit16_groups",
                                "round_robin_bit16_offsets", "dp_process_group", "gradient_average"),
+    # the collectives the backend binds once, in its constructor (deepspeed/comm/torch.py: TorchBackend.__init__)
+    "TorchBackend": ("all_gather_function", "reduce_scatter_function"),
     "DeepSpeedZeroOptimizer_Stage3": ("fp32_partitioned_groups_flat", "fp16_groups",
                                       "fp16_partitioned_groups_flat_numel", "fp16_partitioned_groups_flat",
                                       "sub_group_process_groups",
@@ -304,6 +306,21 @@ def override(obj: Any, name: str, fn: Any, what: str = "") -> Patch:
         raise RuntimeError(f"{type(obj).__name__}.{name} is already overridden on this instance (titan installed "
                            f"twice?)")
     return Patch(what or f"{type(obj).__name__}.{name}", obj, name, fn)
+
+
+def backend_bound_collectives(wrapper_of: Callable[[Any], Optional[Callable[..., Any]]]) -> list[Patch]:
+    """Patches (not applied) that replace the ``torch.distributed`` functions DeepSpeed's running backend bound at
+    start-up (``cdb.all_gather_function``, ``cdb.reduce_scatter_function``: ZeRO's parameter all-gathers and
+    gradient reduce-scatters go through them, not through ``torch.distributed``'s names) by ``wrapper_of(fn)``;
+    none where no backend runs yet, where it bound nothing, or where ``wrapper_of`` gives None."""
+    cdb = getattr(_module("deepspeed.comm.comm"), "cdb", None)
+    out = []
+    for attr in INSTANCE_ATTRIBUTES["TorchBackend"]:
+        fn = getattr(cdb, attr, None) if cdb is not None else None
+        wrapper = wrapper_of(fn) if fn is not None else None
+        if wrapper is not None:
+            out.append(Patch(f"TorchBackend.{attr} (counted)", cdb, attr, wrapper))
+    return out
 
 
 def z0_allreduce_bucket(engine: Any, fn: Callable[..., Any]) -> Patch:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["replace_passed_optimizer", "replace_ds_optimizer_section"]
+__all__ = ["replace_passed_optimizer", "replace_ds_optimizer_section", "built_optimizer"]
 
 log = logging.getLogger("titan_ds")
 
@@ -69,3 +69,15 @@ def replace_ds_optimizer_section(ds_config: dict[str, Any], section: dict[str, A
     """The ds_config's ``"optimizer"`` section becomes ``section`` (DeepSpeed builds that one instead)."""
     log.info("titan: the ds_config's optimizer %s is replaced by %s (%s)", ds_config.get("optimizer"), section, why)
     ds_config["optimizer"] = section
+
+
+def built_optimizer(optimizer: Any, model: torch.nn.Module, model_parameters: Any = None) -> Any:
+    """``optimizer`` as DeepSpeed would hold it: an optimizer passed to ``initialize`` as it is, and a callable
+    (``initialize(optimizer=lambda params: AdamW(params))``, valid DeepSpeed) called the way DeepSpeed's engine
+    calls it, on ``model_parameters`` or else the model's parameters (``engine._configure_optimizer``). Building a
+    torch optimizer allocates no state (that comes at its first step), so a pillar may build it to read its type
+    and hyperparameters, and hand DeepSpeed the built one."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        return optimizer
+    params = model_parameters if model_parameters is not None else model.parameters()
+    return optimizer(params)

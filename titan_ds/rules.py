@@ -103,7 +103,27 @@ def _compression(v: View) -> list[str]:
                    "gradients; switch one off")
     if v.ds_config.get("sparse_gradients"):
         out.append("sparse_gradients=true sends sparse embedding gradients around titan.compression; remove it")
+    if cfg.method != "none" and stage in (1, 2, 3) and not cfg.allow_dense_parameter_gather:
+        out.append(dense_gather_error(stage, cfg.method))
     return out
+
+
+def received_bound(stage: int) -> float:
+    """The most a compressed gradient exchange can save under ZeRO ``stage`` in bytes received per rank against
+    plain ZeRO-0 all-reduce (ring: ``2 (W-1)/W`` gradient bytes a parameter), since DeepSpeed all-gathers the
+    parameters densely outside it (``(W-1)/W`` parameter bytes a parameter every step at 1-2, twice at 3: forward
+    and backward), with gradients and parameters of the same width (fp32 both, or bf16/fp16 both): 2x at ZeRO 1-2,
+    1x at 3, whatever the compressor."""
+    return {0: float("inf"), 1: 2.0, 2: 2.0, 3: 1.0}[stage]
+
+
+def dense_gather_error(stage: int, method: str) -> str:
+    return (f"titan.compression.method={method!r} under zero_optimization.stage={stage}: DeepSpeed all-gathers the "
+            f"parameters densely {'in every forward and backward' if stage == 3 else 'after every step'}, outside "
+            f"the gradient exchange titan compresses, so each rank receives at least "
+            f"{'as many bytes as' if stage == 3 else 'half the bytes of'} plain ZeRO-0 all-reduce: at most "
+            f"{received_bound(stage):g}x fewer whatever the ratio. Set zero_optimization.stage to 0 for the compressed exchange to hold its ratio, "
+            f"or set titan.compression.allow_dense_parameter_gather to true to run it anyway")
 
 
 def _local_updates(v: View) -> list[str]:
@@ -165,6 +185,9 @@ def _precondition(v: View) -> list[str]:
                        f"momentum, not {section.get('type')!r}")
     passed = v.optimizer
     if passed is not None and v.titan.optimizer is None:
+        from .replace_optimizer import built_optimizer
+        params = v.model_parameters if isinstance(v.model_parameters, (list, tuple)) else None  # (not consumed)
+        passed = built_optimizer(passed, v.model, params)  # a factory: what it builds, to check its type
         if isinstance(passed, torch.optim.SGD) and pre == "rms_mean":
             out.append(f"{head} needs Adam/AdamW passed to initialize (titan builds the SGD with momentum beta1 from "
                        f"it); initialize() was given an SGD")

@@ -229,10 +229,12 @@ def test_ds_config_adamw_becomes_sgd_and_lends_its_beta2():
     assert opts == RMSOptions(beta2=0.95, eps=1e-6)
     assert "zero_allow_untested_optimizer" not in ds  # ZeRO-0: DeepSpeed takes any optimizer
     ds2 = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
-    _sgd_for_precondition(_ctx(ds2))
+    dense_gather = {"method": "topk", "ratio": 50, "precondition": "rms", "allow_dense_parameter_gather": True}
+    _sgd_for_precondition(_ctx(ds2, compression=dense_gather))
     assert ds2["zero_allow_untested_optimizer"] is True  # SGD is not in DeepSpeed's ZeRO list
     with pytest.raises(TitanConfigError, match="zero_allow_untested_optimizer=False"):
-        _sgd_for_precondition(_ctx({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": False}))
+        _sgd_for_precondition(_ctx({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": False},
+                                   compression=dense_gather))
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}}
     opts = _sgd_for_precondition(_ctx(ds, compression={"method": "topk", "precondition": "rms",
                                                          "precondition_beta2": 0.99}))
@@ -276,3 +278,35 @@ def test_refusals_name_the_fix():
                                         optimizer={"name": "asdt"}), ds_config={}, model=None, world_size=2)
     with pytest.raises(TitanConfigError, match="cannot run with titan.optimizer"):
         _sgd_for_precondition(ctx)
+
+
+@pytest.mark.parametrize("stage,bound", [(1, "2x"), (2, "2x"), (3, "1x")])
+def test_compression_under_zero_1_to_3_is_refused_unless_allowed(stage, bound):
+    """DeepSpeed's dense parameter all-gather caps what a compressed gradient exchange saves (rules.received_bound):
+    initialize refuses before anything is changed, naming the bound and both fixes; the opt-in runs it."""
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
+    with pytest.raises(TitanConfigError, match=f"at most {bound} fewer") as e:
+        prepare(_ctx(dict(ds)))
+    assert "zero_optimization.stage to 0" in str(e.value) and "allow_dense_parameter_gather" in str(e.value)
+    assert ds["optimizer"]["type"] == "AdamW"  # validated before anything was touched
+    prepare(_ctx(dict(ds), compression={"method": "topk", "ratio": 50, "precondition": "rms",
+                                        "allow_dense_parameter_gather": True}))
+    prepare(_ctx({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))  # ZeRO-0: no refusal
+
+
+def test_an_optimizer_factory_is_accepted_and_becomes_sgd():
+    """``initialize(optimizer=lambda params: AdamW(params, ...))`` is valid DeepSpeed: under precondition it is
+    built (on the parameters DeepSpeed would give it), lends its betas and eps, and becomes SGD; a factory of an
+    optimizer titan cannot turn into SGD is refused by name."""
+    model = torch.nn.Linear(4, 3)
+    ctx = InitContext(titan=TitanConfig(compression={"method": "topk", "ratio": 50, "precondition": "rms"}),
+                      ds_config={}, model=model, world_size=2,
+                      optimizer=lambda params: torch.optim.AdamW(params, lr=2e-3, betas=(0.8, 0.9), eps=1e-7))
+    opts = prepare(ctx)[-1].reducer.precondition
+    assert isinstance(ctx.optimizer, torch.optim.SGD) and ctx.optimizer.param_groups[0]["lr"] == 2e-3
+    assert [p for g in ctx.optimizer.param_groups for p in g["params"]] == list(model.parameters())
+    assert opts == RMSOptions(beta2=0.9, eps=1e-7, beta1=0.8)
+    bad = InitContext(titan=TitanConfig(compression={"method": "topk", "ratio": 50, "precondition": "rms"}),
+                      ds_config={}, model=model, world_size=2, optimizer=lambda params: torch.optim.Adagrad(params))
+    with pytest.raises(TitanConfigError, match="was given Adagrad"):
+        prepare(bad)

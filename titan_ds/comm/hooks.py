@@ -35,7 +35,7 @@ import torch
 
 from .. import deepspeed_compat as dsc
 from ..pillar import Pillar
-from ..replace_optimizer import replace_ds_optimizer_section, replace_passed_optimizer
+from ..replace_optimizer import built_optimizer, replace_ds_optimizer_section, replace_passed_optimizer
 from .base import Segment, workspace_zeros
 from .compressor import GradientReducer
 from .dgc import DGCOptions
@@ -372,6 +372,12 @@ def rms_options(ctx: Any) -> RMSOptions:
         if mean:
             sgd.update(momentum=pick_beta1(beta1), dampening=pick_beta1(beta1))
         replace_ds_optimizer_section(ds, {"type": "SGD", "params": sgd}, why)
+    if ctx.optimizer is not None and not isinstance(ctx.optimizer, torch.optim.Optimizer):
+        # a factory (valid DeepSpeed): built here, on the parameters DeepSpeed would give it, so that its Adam
+        # lends its betas and becomes SGD like a passed one; DeepSpeed gets the built optimizer
+        if ctx.model_parameters is not None and not isinstance(ctx.model_parameters, (list, tuple)):
+            ctx.model_parameters = list(ctx.model_parameters)  # an iterator: DeepSpeed reads it again after us
+        ctx.optimizer = built_optimizer(ctx.optimizer, ctx.model, ctx.model_parameters)
     passed = ctx.optimizer
     if isinstance(passed, (torch.optim.Adam, torch.optim.AdamW)):
         g0 = passed.param_groups[0]

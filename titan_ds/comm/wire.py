@@ -2,10 +2,10 @@
 
 One table of per-worker costs (:func:`ring_bytes`), used by both places that move data:
 
-* the real path: :func:`count_collectives` wraps ``torch.distributed``'s collectives for the duration of a
-  ``with`` block (``deepspeed.comm`` looks them up on ``torch.distributed`` at every call, so DeepSpeed's own
-  traffic, titan's, and ``all_gather_object``'s tensors all pass through it) and adds each call to a
-  :class:`WireCount`;
+* the real path: :func:`count_collectives` wraps the collectives for the duration of a ``with`` block, at
+  ``torch.distributed``, at ``distributed_c10d`` and where DeepSpeed's backend bound them at start-up, so
+  DeepSpeed's own traffic (ZeRO's parameter all-gathers and gradient reduce-scatters, the initial broadcast),
+  titan's, and ``all_gather_object``'s tensors all pass through it, and adds each call to a :class:`WireCount`;
 * the simulator (:class:`SimCollective`, ``W`` virtual workers in one process): the same :class:`WireCount`.
 
 Costs are those of ring algorithms (bandwidth term only, latency ignored): all-reduce ``2 (W-1)/W * n`` sent and
@@ -87,26 +87,52 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_COUNTING = threading.local()  # depth of counted calls on this thread: only the outermost call counts
+
+
 @contextlib.contextmanager
 def count_collectives(count: WireCount) -> Iterator[WireCount]:
-    """Count every ``torch.distributed`` collective this process calls inside the block into ``count``."""
+    """Count every collective this process calls inside the block into ``count``: DeepSpeed's, titan's and
+    ``all_gather_object``'s.
+
+    Three places are wrapped, so no path goes around the counter: the names on ``torch.distributed``, the same
+    names in ``torch.distributed.distributed_c10d`` (which torch's own helpers such as ``all_gather_object`` and
+    the coalescing paths call through), and the functions DeepSpeed's backend bound when it started
+    (``TorchBackend.all_gather_function`` / ``reduce_scatter_function``: bound once, so a patch of
+    ``torch.distributed`` made after ``deepspeed.init_distributed`` never saw ZeRO's parameter all-gathers and
+    gradient reduce-scatters; :func:`titan_ds.deepspeed_compat.backend_bound_collectives`). A call that goes
+    through another counted name (``all_gather_into_tensor`` calls ``all_gather_single``) counts once: only the
+    outermost counted call on a thread is added. Entered before ``deepspeed.initialize``, it also counts the
+    engine's initial parameter broadcast. A backend started inside the block keeps the wrappers it bound; after the
+    block they pass calls through uncounted."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from .. import deepspeed_compat as dsc
+
+    active = True
 
     def world(group: Any) -> int:
         return dist.get_world_size(group=group)
 
-    def wrap(name: str, size: Callable[..., tuple[int, dict[str, Any]]]) -> Callable[..., Any]:
-        original = getattr(dist, name)
-
+    def wrap(name: str, original: Callable[..., Any], size: Callable[..., tuple[int, dict[str, Any]]]
+             ) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            nbytes, extra = size(*args, **kwargs)
-            if "exact" in extra:
-                count.add_exact(name, *extra["exact"])
-            else:
-                count.add(name, nbytes, world(kwargs.get("group")), **extra)
-            return original(*args, **kwargs)
+            depth = getattr(_COUNTING, "depth", 0)
+            if active and depth == 0:
+                nbytes, extra = size(*args, **kwargs)
+                if "exact" in extra:
+                    count.add_exact(name, *extra["exact"])
+                else:
+                    count.add(name, nbytes, world(kwargs.get("group")), **extra)
+            _COUNTING.depth = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _COUNTING.depth = depth
 
         counted.__wrapped__ = original  # type: ignore[attr-defined]
+        counted._titan_counted = True  # type: ignore[attr-defined]
         return counted
 
     def first(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
@@ -116,7 +142,10 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
         return _nbytes(kwargs["tensor"] if "tensor" in kwargs else args[1]), {}
 
     def into(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
-        return _nbytes(kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]), {}
+        for key in ("input_tensor", "input"):
+            if key in kwargs:
+                return _nbytes(kwargs[key]), {}
+        return _nbytes(args[1]), {}
 
     def a2a(*args: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:  # all_to_all_single(output, input, ...)
         t = kwargs["input"] if "input" in kwargs else args[1]
@@ -137,15 +166,31 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
         return first(*args, **kwargs)[0], {"is_root": rank == src, "is_last": rank == (src - 1) % w}
 
     table = {"all_reduce": first, "all_gather": gather, "all_gather_into_tensor": into,
-             "reduce_scatter_tensor": into, "all_to_all_single": a2a, "broadcast": bcast}
-    saved = {name: getattr(dist, name) for name in table}
-    try:
+             "all_gather_single": into, "reduce_scatter_tensor": into, "reduce_scatter_single": into,
+             "all_to_all_single": a2a, "broadcast": bcast}
+    # the op each is counted as (ring_bytes' names): the newer "_single" spellings are the same collectives
+    op_of = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+    wrappers: dict[Any, Callable[..., Any]] = {}  # original function -> its counted wrapper
+    patches = []
+    for module in (dist, c10d):
         for name, size in table.items():
-            setattr(dist, name, wrap(name, size))
-        yield count
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "_titan_counted", False):
+                continue
+            if original not in wrappers:
+                wrappers[original] = wrap(op_of.get(name, name), original, size)
+            patches.append(dsc.Patch(f"torch.distributed.{name} (counted)", module, name, wrappers[original]))
+    def counted_of(fn: Any) -> Optional[Callable[..., Any]]:
+        if getattr(fn, "_titan_counted", False):  # bound inside an earlier count: the function it wraps
+            fn = fn.__wrapped__
+        return wrappers.get(fn)
+
+    patches += dsc.backend_bound_collectives(counted_of)
+    try:
+        with dsc.applied(patches):
+            yield count
     finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+        active = False
 
 
 class DistCollective:
