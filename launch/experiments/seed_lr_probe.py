@@ -1,4 +1,4 @@
-"""Answered (2026-11-30): raising ASDT's lr 3e-4 -> 1e-3 made titan_full (now titan_all.json) worse, +1.535 vs +1.332 nats; in results/seed_lr_probe.md and docs/limits.md.
+"""Answered (2026-11-30): raising ASDT's lr 3e-4 -> 1e-3 made titan_full (now titan_all.json) worse, +1.535 vs +1.332 nats; in docs/limits.md (the probe rewrites its table, results/seed_lr_probe.md, which is not committed).
 
 Probe (2026-11-30): the seed table's titan_full profile of then (now ``ds_configs/titan_all.json``) with
 ASDT's learning rate raised from 3e-4 to 1e-3.
