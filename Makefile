@@ -40,7 +40,7 @@ demo: $(SHM_OP) $(CORE_OP)
 	$(PY) launch/demo.py --steps $(STEPS) --out results/tmp/demo
 
 demo2: $(SHM_OP)
-	$(VENV)/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/titan_full.json \
+	$(VENV)/bin/deepspeed --num_gpus 2 launch/train.py --deepspeed_config launch/experiments/configs/titan_full.json \
 	  --steps $(STEPS) --val-batches 16 --summary-out results/demo2/summary.json --plot results/demo2/demo.png
 
 # Two pytest workers (pytest-xdist), one thread each: the 2-core CI machine runs the tiers in ~half the time.

@@ -1,8 +1,8 @@
 """Fine-tune a Hugging Face causal LM with the HF ``Trainer``, DeepSpeed and titan (``titan_ds.install()``).
 
-    deepspeed --num_gpus 1 examples/hf_trainer.py --deepspeed ds_configs/hf_asdt.json --model tiny-llama --steps 20
-    deepspeed --num_gpus 1 examples/hf_trainer.py --deepspeed ds_configs/hf_trd.json --model /path/to/hf/folder
-    python examples/hf_trainer.py --deepspeed ds_configs/hf_exact.json --model tiny-gpt2   # one process, no launcher
+    deepspeed --num_gpus 1 examples/hf_trainer.py --deepspeed ds_configs/hf_asdt_8bit.json --model tiny-llama --steps 20
+    deepspeed --num_gpus 1 examples/hf_trainer.py --deepspeed ds_configs/hf_asdt_8bit.json --model /path/to/hf/folder
+    python examples/hf_trainer.py --deepspeed ds_configs/hf_plain.json --model tiny-gpt2   # one process, no launcher
 
 Shipped profiles: ``hf_plain.json`` (no titan section: plain DeepSpeed with the Trainer's AdamW),
 ``hf_exact.json`` (MLME only: SDPA attention, StripeFFN, block recompute, chunked loss; the loss is the model's

@@ -1,7 +1,7 @@
 """Train the reference GPT on the byte-level corpus with DeepSpeed + titan_ds.
 
     deepspeed launch/train.py --deepspeed_config ds_configs/baseline_adamw.json
-    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/titan_2rank.json --steps 100
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/compress_rms_sketch.json --steps 100
     python launch/train.py --deepspeed_config ds_configs/baseline_adamw.json --steps 20   # 1 rank, no launcher
 
 With a ``"titan"`` section the pillars it names are applied by ``titan_ds.initialize``; without one this is plain

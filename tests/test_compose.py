@@ -12,8 +12,8 @@ from tests.helpers.launch import ROOT, clean_env, run_deepspeed, run as run_grou
 
 TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4",
         "--val-batches", "1", "--no-progress"]
-FULL = json.loads((ROOT / "ds_configs" / "titan_all.json").read_text())
-HMS = json.loads((ROOT / "ds_configs" / "titan_zero3_nvme.json").read_text())
+FULL = json.loads((ROOT / "launch" / "experiments" / "configs" / "titan_all.json").read_text())
+HMS = json.loads((ROOT / "launch" / "experiments" / "configs" / "titan_zero3_nvme.json").read_text())
 
 
 def _profile(tmp: Path, stage: int, hms: bool, compression: bool) -> Path:

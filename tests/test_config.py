@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.configs import all_configs
 from titan_ds import TITANConfig, TitanConfig, TitanConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def test_from_path_and_bad_files(tmp_path):
         TitanConfig.from_ds_config({"titan": [1, 2]})
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", all_configs(), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     cfg = json.loads(path.read_text())
     TitanConfig.from_ds_config(cfg)  # raises on any problem

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.configs import config_path
 from tests.helpers.deps import require
 
 require("transformers")
@@ -31,7 +32,7 @@ def _example():
 
 def _run(tmp_path, config: str, model: str) -> dict:
     try:
-        return _example().main(["--deepspeed", str(ROOT / "ds_configs" / config), "--model", model,
+        return _example().main(["--deepspeed", str(config_path(config)), "--model", model,
                                 "--steps", str(STEPS), "--seq", "64", "--lr", "3e-3", "--eval-blocks", "8",
                                 "--output-dir", str(tmp_path)])
     finally:
@@ -126,8 +127,8 @@ def test_hf_finetune_trd_rank_rows(tmp_path):
     spec = importlib.util.spec_from_file_location("hf_finetune", ROOT / "launch" / "bench" / "hf_finetune.py")
     hf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hf)
-    shipped = json.loads((ROOT / "ds_configs" / "hf_trd.json").read_text())
-    assert hf._row_config("titan_asdt", tmp_path) == ROOT / "ds_configs" / "hf_asdt.json"
+    shipped = json.loads((ROOT / "launch" / "experiments" / "configs" / "hf_trd.json").read_text())
+    assert hf._row_config("titan_asdt", tmp_path) == ROOT / "launch" / "experiments" / "configs" / "hf_asdt.json"
     made = json.loads(hf._row_config("titan_trd_r48", tmp_path).read_text())
     assert made["titan"]["trd"]["rank"] == 48 and shipped["titan"]["trd"]["rank"] != 48
     made["titan"]["trd"]["rank"] = shipped["titan"]["trd"]["rank"]

@@ -24,7 +24,7 @@ BASELINE = json.loads((ROOT / "ds_configs" / "baseline_adamw.json").read_text())
 # optimizer section); ASDT's sparse sign update (density 0.25)
 FAMILIES = {"adamw": BASELINE,
             "asdt_adaptive_8bit": dict(BASELINE, titan={"optimizer": BALANCED["titan"]["optimizer"]}),
-            "asdt_sign": json.loads((ROOT / "ds_configs" / "asdt.json").read_text())}
+            "asdt_sign": json.loads((ROOT / "tests" / "configs" / "asdt.json").read_text())}
 # checks that the child really ran on `threads` intra-op threads, then runs launch/train.py's main
 CHILD = ("import runpy, sys, torch; threads = int(sys.argv.pop(1)); "
          "assert torch.get_num_threads() == threads, torch.get_num_threads(); "

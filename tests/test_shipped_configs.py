@@ -1,4 +1,4 @@
-"""Every shipped ds_configs/*.json trains a tiny GPT for three steps through titan_ds.initialize (1 rank); the
+"""Every config (ds_configs/, tests/configs/, launch/experiments/configs/: tests/helpers/configs.py) trains a tiny GPT for three steps through titan_ds.initialize (1 rank); the
 ones with gradient compression refuse one rank with a clear error (they run on 2 ranks in test_compose.py and
 the benchmarks)."""
 import json
@@ -10,11 +10,12 @@ import torch
 
 import titan_ds
 from launch.bench.harness import localise_paths
+from tests.helpers.configs import all_configs
 from titan_ds.config import TitanConfig, TitanConfigError
 from titan_ds.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
+CONFIGS = all_configs()  # the user profiles, the test configs and the experiments' configs
 TINY = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
 
 

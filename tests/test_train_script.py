@@ -16,7 +16,7 @@ TINY = ["--layers", "2", "--width", "64", "--heads", "4", "--context", "32", "--
 DROP_6_STEPS, DROP_12_STEPS = 0.02, 0.07
 
 
-def _train(tmp, *extra, cfg="ds_configs/demo.json"):
+def _train(tmp, *extra, cfg="tests/configs/demo.json"):
     cmd = [sys.executable, "launch/train.py", "--deepspeed_config", cfg, *TINY, *extra]
     # clean_env() runs it on one intra-op thread: the resume test compares runs bit for bit
     r = run_group(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
@@ -44,7 +44,7 @@ def test_resume_is_bit_exact(tmp_path):
     assert (s0, s6) == (0, 6) and v6 == a["val_loss"]
     assert v6 < v0 - DROP_6_STEPS, (v0, v6)
     assert (tmp_path / "new" / "p.png").stat().st_size > 10_000
-    monitor = ROOT / "results" / "tmp" / "monitor" / "demo" / "Train_loss.csv"  # ds_configs/demo.json's csv_monitor
+    monitor = ROOT / "results" / "tmp" / "monitor" / "demo" / "Train_loss.csv"  # tests/configs/demo.json's csv_monitor
     assert monitor.is_file() and len(monitor.read_text().splitlines()) >= 3
     mem = a["memory"]
     for k in ("parameters", "gradients", "optimizer_state", "activations", "peak_rss"):
@@ -53,7 +53,7 @@ def test_resume_is_bit_exact(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_zero2(tmp_path):
-    r = run_deepspeed("launch/train.py", "--deepspeed_config", "ds_configs/demo.json", *TINY, "--steps", "12",
+    r = run_deepspeed("launch/train.py", "--deepspeed_config", "tests/configs/demo.json", *TINY, "--steps", "12",
                       "--val-every", "100", "--summary-out", str(tmp_path / "s.json"), num_ranks=2)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     s = json.loads((tmp_path / "s.json").read_text())
@@ -67,7 +67,7 @@ def test_gradient_accumulation_steps_take_the_same_sequences(tmp_path):
     losses and the final validation (on the same batches) are those of one micro-batch of all of them, to
     rounding, with the saved activations of half the sequences. (Without TRD: a recomputed block saves its
     reconstructed TRD weights again in backward, a per-step term that does not halve with the sequences.)"""
-    cfg = json.loads((ROOT / "ds_configs" / "demo.json").read_text())
+    cfg = json.loads((ROOT / "tests" / "configs" / "demo.json").read_text())
     cfg.pop("csv_monitor", None)
     cfg["titan"].pop("trd")
     runs = {}

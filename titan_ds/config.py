@@ -593,7 +593,8 @@ def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any], None]) -> 
         return json.loads(json.dumps(config))  # deep copy; also rejects non-JSON values early
     path = Path(config)
     if not path.is_file():
-        raise TitanConfigError([f"ds_config path {str(path)!r} does not exist or is not a file"])
+        from .moved_configs import moved_message
+        raise TitanConfigError([moved_message(path) or f"ds_config path {str(path)!r} does not exist or is not a file"])
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

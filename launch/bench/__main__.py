@@ -292,7 +292,7 @@ RESULTS: list[Result] = [
         "--steps 10 (and TITAN_CORE_COMPILE=0 for the eager column)"),
     Result("optimizer-step", "results/optim_step_sparse/after.md", _f(
         "ASDT sparse strategy, density 0.1, 8-bit: {M_s_2^24} M elements/s at 2^24, temporaries {temp_B_el_2^24} "
-        "B/element", "optimizer", "asdt_adaptive_8bit_d0.1"), "bash results/optim_step_sparse/run.sh"),
+        "B/element", "optimizer", "asdt_adaptive_8bit_d0.1"), "bash launch/experiments/optim_step_sparse.sh"),
     Result("speed", "results/speed.md", _f(
         "titan_balanced {tokens_s} tokens/s, {vs_plain} plain's (100 steps, median of 3 alternated repeats)", "row",
         "titan_balanced")),
@@ -365,6 +365,9 @@ def build_index() -> str:
         cmd = (r.command or _command(text)).replace("|", "\\|")
         lines.append(f"| {r.suite} | [{r.path}]({Path(r.path).relative_to('results')}) | `{cmd}` | {date} | "
                      f"{_git(r.path, '%h')} | {r.headline(r.path)} |")
+    from launch.bench.results_tree import doc_links, index_section
+    roots = [r.path for r in RESULTS] + [o for _, outs in TABLES.values() for o in outs] + sorted(doc_links())
+    lines += index_section(roots)
     return "\n".join(lines) + "\n"
 
 

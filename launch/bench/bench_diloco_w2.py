@@ -9,7 +9,7 @@ schedule, seed 0), so the bytes are those :func:`titan_ds.comm.wire.count_collec
 bytes per rank receives ``b``), every collective of the training steps included, per rank:
 
 * ``dense_allreduce``: plain DeepSpeed (ds_configs/baseline_adamw.json), a gradient all-reduce every step;
-* ``diloco_qtopk``: ``titan.compression`` of ``ds_configs/compress_diloco_qtopk.json`` (H = 20, ``qtopk`` 2 bits,
+* ``diloco_qtopk``: ``titan.compression`` of ``launch/experiments/configs/compress_diloco_qtopk.json`` (H = 20, ``qtopk`` 2 bits,
   chunk 256, ratio 5: 20 x 5 = 100x fewer bytes received than the dense rows at W = 2, as
   ``bench_diloco.py --target 100`` sets it for an all-gathered message: ``target / H * W / 2``);
 * ``diloco_topk``: the same with ``topk`` at ratio 5 (``--topk``).
@@ -34,7 +34,7 @@ MiB = 2.0 ** 20
 
 def diloco_section(method: str) -> dict:
     """The shipped qtopk DiLoCo section; ``topk``: the same H, ratio and outer step with plain top-k."""
-    comp = json.loads((ROOT / "ds_configs" / "compress_diloco_qtopk.json").read_text())["titan"]["compression"]
+    comp = json.loads((ROOT / "launch" / "experiments" / "configs" / "compress_diloco_qtopk.json").read_text())["titan"]["compression"]
     if method == "topk":
         comp = {k: v for k, v in comp.items() if k not in ("bits", "chunk")} | {"method": "topk"}
     return comp

@@ -1,7 +1,7 @@
 """Run ds_configs side by side on the seed workload and write a CSV + markdown table.
 
     python launch/bench/compare.py --steps 300 --out results/baseline \
-        ds_configs/baseline_adamw.json ds_configs/demo.json
+        ds_configs/baseline_adamw.json tests/configs/demo.json
 
 The first config is the baseline row (plain DeepSpeed with torch AdamW). Every row trains the same GPT
 (6 layers, width 256, context 128, micro-batch 16), on the same data and seed, for the same number of steps.

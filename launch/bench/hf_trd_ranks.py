@@ -5,7 +5,7 @@
 
 For each rank, the dense pretrained model (``hf_finetune.py``'s SmolLM2-135M-Instruct folder) gets titan's TRD with
 its default ``include`` (the block linears ``q/k/v/o_proj``, ``gate/up/down_proj``) and ``init: "tr_svd"``, the
-same code ``titan_ds.initialize`` runs for ``ds_configs/hf_trd.json``; the row reports the weight compression on the
+same code ``titan_ds.initialize`` runs for ``launch/experiments/configs/hf_trd.json``; the row reports the weight compression on the
 replaced linears (dense weights / ring weights, counted from the modules), the whole model's parameters, the
 relative reconstruction error ``||W - W_tr|| / ||W||`` by projection (mean over the 30 layers), and the held-out
 loss on the same corpus and blocks as ``hf_finetune.py`` (``examples/hf_trainer.py``'s data: transformers'

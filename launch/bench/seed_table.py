@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     p.add_argument("--train-args", default="--val-batches 32")
     a = p.parse_args(argv)
     names = a.profiles.split(",")
-    rows = [(n, json.loads((ROOT / "ds_configs" / f"{n}.json").read_text())) for n in names]
+    rows = [(n, json.loads(next(p for d in ("ds_configs", "launch/experiments/configs") if (p := ROOT / d / f"{n}.json").exists()).read_text())) for n in names]
     cmd = "python launch/bench/seed_table.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     results = compare(rows, steps=a.steps, out=a.out, num_ranks=a.ranks, extra_args=a.train_args.split(),
                       title="Seed table: plain DeepSpeed vs titan profiles (seed workload)", command=cmd)

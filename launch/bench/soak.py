@@ -61,8 +61,8 @@ def soak_config(work: Path) -> dict[str, Any]:
     """Every pillar: ``titan_all.json``'s TRD, MLME, ASDT, BSPS and compression on ZeRO-3 with the HMS NVMe
     offload of ``titan_zero3_nvme.json``. Compression under ZeRO-3 uses TGSS (HGE's ZeRO-3 path is the same
     reduce-scatter seam; the soak is about lifetimes, not the method)."""
-    full = json.loads((ROOT / "ds_configs" / "titan_all.json").read_text())
-    cfg = json.loads((ROOT / "ds_configs" / "titan_zero3_nvme.json").read_text())
+    full = json.loads((ROOT / "launch" / "experiments" / "configs" / "titan_all.json").read_text())
+    cfg = json.loads((ROOT / "launch" / "experiments" / "configs" / "titan_zero3_nvme.json").read_text())
     nvme = str(work / "nvme")
     for k in ("offload_param", "offload_optimizer"):
         cfg["zero_optimization"][k]["nvme_path"] = nvme

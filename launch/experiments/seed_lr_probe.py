@@ -1,6 +1,6 @@
-"""Answered (2026-11-30): raising ASDT's lr 3e-4 -> 1e-3 made titan_full (now titan_all.json) worse, +1.535 vs +1.332 nats; in results/seed_lr_probe.md and docs/limits.md.
+"""Answered (2026-11-30): raising ASDT's lr 3e-4 -> 1e-3 made titan_full (now titan_all.json) worse, +1.535 vs +1.332 nats; in docs/limits.md (the probe rewrites its table, results/seed_lr_probe.md, which is not committed).
 
-Probe (2026-11-30): the seed table's titan_full profile of then (now ``ds_configs/titan_all.json``) with
+Probe (2026-11-30): the seed table's titan_full profile of then (now ``launch/experiments/configs/titan_all.json``) with
 ASDT's learning rate raised from 3e-4 to 1e-3.
 
     python launch/experiments/seed_lr_probe.py --steps 200 --out results/seed_lr_probe
@@ -33,7 +33,7 @@ def main() -> None:
     p.add_argument("--lrs", default="3e-4,1e-3")
     p.add_argument("--train-args", default="--val-batches 32")
     a = p.parse_args()
-    load = lambda n: json.loads((ROOT / "ds_configs" / f"{n}.json").read_text())  # noqa: E731
+    load = lambda n: json.loads((ROOT / "launch" / "experiments" / "configs" / f"{n}.json").read_text())  # noqa: E731
     rows = [("baseline_zero2", load("baseline_zero2"))]
     for lr in a.lrs.split(","):
         cfg = copy.deepcopy(load("titan_all"))

@@ -197,10 +197,10 @@ def test_qtopk_config_keys_reach_the_reducer_and_refusals_name_the_fix():
     import json
 
     from tests.helpers.launch import ROOT
-    shipped = TitanConfig.from_ds_config(ROOT / "ds_configs/compress_diloco_qtopk.json").compression
+    shipped = TitanConfig.from_ds_config(ROOT / "launch/experiments/configs/compress_diloco_qtopk.json").compression
     assert (shipped.method, shipped.bits, shipped.chunk, shipped.sync_every) == ("qtopk", 2, 256, 20)
     assert shipped.sync_every * shipped.ratio * 2 / 2 == 100  # H x ratio x 2 / W received at W=2 (bench_diloco)
-    assert json.loads((ROOT / "ds_configs/compress_diloco_qtopk.json").read_text())["gradient_clipping"] == 0.0
+    assert json.loads((ROOT / "launch/experiments/configs/compress_diloco_qtopk.json").read_text())["gradient_clipping"] == 0.0
 
 
 def test_bench_diloco_builds_qtopk_through_the_registry():

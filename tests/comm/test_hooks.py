@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.configs import all_configs
 from tests.helpers.launch import run_on_free_port
 from titan_ds.comm import hooks
 from titan_ds.config import TitanConfig, TitanConfigError
@@ -80,7 +81,7 @@ def test_unused_keys_are_errors():
         TitanConfig(compression={"method": "dgc"})
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("compress*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", all_configs("compress*.json"), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = TitanConfig.from_ds_config(path)
     assert cfg is not None and cfg.compression is not None

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.configs import config_path
 from titan_ds.config import HMSConfig, TitanConfig, TitanConfigError
 from titan_ds.hms.install import _make_folder, configure_ds_config, folder_problems
 
@@ -111,7 +112,7 @@ def test_hms_config_fields_validated():
 
 @pytest.mark.parametrize("name", ["hms.json", "titan_zero3_nvme.json"])
 def test_shipped_hms_configs(name, tmp_path):
-    cfg = json.loads((ROOT / "ds_configs" / name).read_text())
+    cfg = json.loads(config_path(name).read_text())
     t = TitanConfig.from_ds_config(cfg)
     assert t.hms is not None
     ds = {k: v for k, v in cfg.items() if k != "titan"}

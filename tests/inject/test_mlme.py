@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.configs import all_configs
 from titan_ds.config import MLMEConfig, TitanConfig, TitanConfigError
 from titan_ds.inject.mlme import SDPAttention, apply_mlme, mlme_policies
 from titan_ds.inject.policy import apply_policies
@@ -126,7 +127,7 @@ def test_config_validation():
         TitanConfig(mlme={"stripe_ffn": 0})
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("mlme*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", all_configs("mlme*.json"), ids=lambda p: p.name)
 def test_shipped_configs_load_and_apply(path):
     titan = TitanConfig.from_ds_config(json.loads(path.read_text()))
     assert titan.mlme is not None
@@ -136,7 +137,7 @@ def test_shipped_configs_load_and_apply(path):
 
 def test_through_titan_initialize(dist_env):
     import titan_ds
-    cfg = json.loads((ROOT / "ds_configs" / "mlme.json").read_text())
+    cfg = json.loads((ROOT / "tests" / "configs" / "mlme.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 2
     model = GPT(TINY)
     engine, *_ = titan_ds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)

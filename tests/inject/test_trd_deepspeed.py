@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from titan_ds.inject.trd import TensorRingLinear
+from tests.helpers.configs import all_configs
 
 from tests.inject.test_trd import Tiny
 
@@ -176,7 +177,7 @@ def _parse(line: str):
     return int(rank), local, full, losses
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "ds_configs").glob("trd*.json")),
+@pytest.mark.parametrize("path", all_configs("trd*.json"),
                          ids=lambda p: p.name)
 def test_shipped_trd_configs_train_the_gpt(path):
     """Each shipped TRD config, as launch/train.py uses it: GPT, an AdamW *instance* with decay groups (remapped

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import bsps_states
+from tests.helpers.configs import all_configs
 
 import titan_ds
 from titan_ds.config import TitanConfig, TitanConfigError
@@ -249,7 +250,7 @@ def test_lion_is_dense(dist_env):
     assert all(g["density"] == 1.0 for g in ctx.optimizer.param_groups)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "ds_configs").glob("asdt*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", all_configs("asdt*.json"), ids=lambda p: p.name)
 def test_shipped_configs_load_and_build(dist_env, path):
     from titan_ds.engine import InitContext, prepare
     from titan_ds.optim import install

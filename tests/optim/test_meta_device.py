@@ -23,7 +23,7 @@ from titan_ds.optim.bsps import Plasticity
 from titan_ds.optim.install import build_optimizer, build_plasticity
 from titan_ds.optim.layout import Layout, Piece
 
-CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+from tests.helpers.configs import all_configs, config_path  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -182,7 +182,7 @@ def test_bsps_modes_on_meta(update, _signals_stay_on_device):
 
 def _shipped():
     out = []
-    for path in sorted(CONFIGS.glob("*.json")):
+    for path in all_configs():
         titan = TitanConfig.from_ds_config(str(path))
         if titan is not None and titan.optimizer is not None:
             out.append(pytest.param(path.name, id=path.stem))
@@ -193,7 +193,7 @@ def _shipped():
 def test_shipped_optimizer_sections_on_meta(name, _signals_stay_on_device):
     """The optimizer section of every shipped ds_config (hf_asdt_8bit, titan_balanced, asdt, ...) as titan builds
     it, stepping on meta: after backward, or in the gradient hooks when the config says so."""
-    ds = json.loads((CONFIGS / name).read_text())
+    ds = json.loads(config_path(name).read_text())
     titan = TitanConfig.from_ds_config(ds)
     cfg = titan.optimizer
     model = _model(torch.bfloat16 if cfg.weight_dtype == "bf16" else torch.float32)

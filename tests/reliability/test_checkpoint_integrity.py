@@ -135,7 +135,7 @@ def test_disk_full_during_save_is_a_clear_error_and_loses_nothing(dist_env, smal
     assert fresh.load_checkpoint(str(small_disk), tag="a")[0] is not None  # the earlier one is still good
 
 
-TRAIN = [sys.executable, "launch/train.py", "--deepspeed_config", "ds_configs/demo.json", "--layers", "2",
+TRAIN = [sys.executable, "launch/train.py", "--deepspeed_config", "tests/configs/demo.json", "--layers", "2",
          "--width", "64", "--heads", "4", "--context", "32", "--micro-batch", "4", "--val-batches", "1",
          "--no-progress"]
 

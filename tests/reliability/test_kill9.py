@@ -84,7 +84,7 @@ def test_kill9_during_hms_write_then_resume_bit_exact(tmp_path):
 @pytest.mark.heavy
 def test_kill9_on_two_ranks_mid_checkpoint_and_at_random_then_resume_bit_exact(tmp_path):
     steps = 20  # compression warms up for 10 steps: the checkpoints after step 10 carry HGE residuals
-    train = ["launch/train.py", "--deepspeed_config", "ds_configs/titan_2rank.json", *SMALL, "--steps", str(steps)]
+    train = ["launch/train.py", "--deepspeed_config", "tests/configs/titan_2rank.json", *SMALL, "--steps", str(steps)]
     ref = tmp_path / "ref.jsonl"
     r = run_group([DS, "--num_gpus", "2", "--master_port", str(free_port()), *train, "--metrics-out", str(ref)],
                   cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
