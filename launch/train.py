@@ -240,6 +240,7 @@ def main(argv=None) -> dict:
         counting.enter_context(count_collectives(wire))  # not the final summary's
     engine, _, _, _ = titan_ds.initialize(args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                           config=ds)
+    wire_init = {"sent": wire.sent, "received": wire.received}  # initialize's own collectives (the broadcast)
     rank = engine.global_rank
     world = engine.world_size
     corpus = load_corpus(args.data)
@@ -346,7 +347,8 @@ def main(argv=None) -> dict:
         "val_history": val_history,
     }
     if args.count_wire:
-        summary.update(_per_rank({"sent": wire.sent, "received": wire.received, "calls": dict(wire.calls)},
+        summary.update(_per_rank({"sent": wire.sent, "received": wire.received, "calls": dict(wire.calls),
+                                   "init": wire_init},
                                  peak_rss_bytes(), world))
     if rank == 0:
         log.info("final validation loss %.4f", val)
