@@ -256,6 +256,12 @@ def _install_nonfinite_guard(engine: Any) -> None:
 
     def step(*a: Any, **kw: Any):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not grads and (engine.world_size == 1 or getattr(opt, "step_in_backward", False)):
+            # no rank holds a gradient (ASDT's step in backward updated and freed each one in its hook): nothing
+            # to check, and no flag to read back from the device
+            opt.overflow = False
+            return inner_step(*a, **kw)
+        # the one host read of a ZeRO-0 step: whether to step at all is decided on the host
         bad = torch.zeros(1, device=engine.device)
         if grads:
             bad += (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float()
