@@ -1,0 +1,110 @@
+"""A whole training step of the shipped configs with the model on ``meta``, and no host read after the first.
+
+On a GPU a read of a device value on the host (``.item()``, ``bool(t)``, ``int(t)``, a blocking host-to-device
+copy) waits for every kernel queued before it, so a step with one cannot run ahead of the device. Here the engine
+of each config is built by ``titan_ds.initialize`` (DeepSpeed's ``initialize`` with the titan section: MLME's
+tiled or SDPA attention, StripeFFN, chunked loss and block recompute; ASDT from the optimizer section) around a
+GPT whose parameters are on ``meta``, and steps through the Quick Start's ``trainer.step`` (forward, backward,
+``engine.step`` with titan's lifecycle callbacks and non-finite guard, the per-step metrics and memory
+accounting). Steps 2 and 3 run under :class:`~tests.helpers.meta.HostReads`, which lists every host read and
+blocking copy by call site; the set must be exactly :data:`REMAINING` (each with its reason), so a new read fails,
+and so does a removed one until it is taken off the list.
+
+The stand-ins (every one a place where meta is not a GPU): DeepSpeed's CPU accelerator answers ``meta`` for its
+device, so the engine keeps the model there and puts its own tensors there (the collectives of a one-rank gloo
+group accept meta tensors); stochastic rounding draws from a CPU generator (meta has none, as in
+tests/optim/test_meta_device.py); and MLME's replace-time check of StripeFFN against the original MLP, a one-off
+comparison of values at initialize that meta cannot make, is skipped (tests/inject/test_mlme.py runs it).
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import titan_ds
+import titan_ds.optim.asdt as asdt_mod
+from tests.helpers.meta import META, HostReads, all_meta
+from titan_ds.inject.mlme import StripeFFNPolicy
+from titan_ds.models import GPT, GPTConfig
+from titan_ds.trainer import TitanTrainer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+SMALL = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)  # head dim 16: tiled attention's least
+
+# Host reads left in a step, by call site, with why they are there. The test asserts the set seen is exactly this.
+_DS_CLIP = ("deepspeed/runtime/utils.py:clip_grad_norm_",
+            "DeepSpeed 0.19.8's fp32 ZeRO-0 gradient clipping builds max_norm and 1.0 as device tensors from Python "
+            "floats every step (torch.tensor(..., device=)): two blocking copies, in DeepSpeed's code")
+_GUARD = ("titan_ds/engine.py:step",
+          "the ZeRO-0 non-finite guard decides on the host whether the client optimizer steps at all (one flag "
+          "read); skipping on the device needs the optimizer to take the flag, as fused AdamW's found_inf")
+REMAINING = {
+    "titan_balanced.json": dict([_DS_CLIP, _GUARD]),
+    "titan_memory.json": dict([_DS_CLIP, _GUARD]),
+    # step in backward: ASDT clips on the device (the engine's clipping is 0) and no gradient is left to check
+    "hf_asdt_8bit.json": {},
+}
+
+
+@pytest.fixture
+def meta_accelerator(monkeypatch, dist_env):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    deepspeed.init_distributed()  # (gloo, on the CPU) before the accelerator names meta as its device
+    acc = get_accelerator()
+    monkeypatch.setattr(acc, "device_name", lambda device_index=None: "meta")
+    monkeypatch.setattr(acc, "current_device_name", lambda: "meta")
+    monkeypatch.setattr(acc, "device", lambda device_index=None: META)
+    real = asdt_mod._device_generator
+    monkeypatch.setattr(asdt_mod, "_device_generator",
+                        lambda device, seed: torch.Generator().manual_seed(seed)
+                        if torch.device(device).type == "meta" else real(device, seed))
+    monkeypatch.setattr(StripeFFNPolicy, "_verify", staticmethod(lambda *a: None))
+
+
+def _ds_config(name):
+    ds = json.loads((CONFIGS / name).read_text())
+    # the HF Trainer fills "auto" (micro-batch, clipping: TrainingArguments' max_grad_norm 1.0)
+    fill = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+    for k, v in list(ds.items()):
+        if v == "auto":
+            if k in fill:
+                ds[k] = fill[k]
+            else:
+                del ds[k]
+    ds["train_micro_batch_size_per_gpu"] = 2
+    return ds
+
+
+def _batch():
+    x = torch.randint(0, SMALL.vocab_size, (2, SMALL.block_size), device=META)
+    return {"input_ids": x, "labels": torch.randint(0, SMALL.vocab_size, (2, SMALL.block_size), device=META)}
+
+
+def _loss(engine, b):
+    return engine(b["input_ids"], b["labels"])
+
+
+@pytest.mark.parametrize("name", sorted(REMAINING))
+def test_shipped_config_steps_on_meta_without_host_reads(name, meta_accelerator):
+    with torch.device(META):
+        model = GPT(SMALL)
+    ds = _ds_config(name)
+    gas = ds["gradient_accumulation_steps"]  # trainer.step is one micro-batch; the optimizer steps every gas
+    engine, opt, _, _ = titan_ds.initialize(model=model, config=ds)
+    trainer = TitanTrainer(engine, opt)
+    assert engine.device == META and all_meta(list(engine.module.parameters()))
+    with HostReads():  # the first step builds the optimizer state (it may copy small tables once); its reads
+        for _ in range(gas):  # are answered (meta has no values), not checked
+            trainer.step(_batch(), _loss)
+    reads = HostReads()
+    with reads:
+        for _ in range(2 * gas):
+            loss, m = trainer.step(_batch(), _loss)
+    assert reads.where() == set(REMAINING[name]), reads.sites
+    assert loss.device == META and m.loss is loss
+    assert isinstance(m.extra["asdt_changed_elements"], torch.Tensor)  # read when logged, not in the step
+    assert m.extra["asdt_changed_elements"].device == META
+    assert all_meta(list(engine.module.parameters()), [dict(st) for st in opt.state.values()])
+    assert opt.state and all(st["step"] == 3 for st in opt.state.values())
