@@ -33,15 +33,14 @@ CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 SMALL = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)  # head dim 16: tiled attention's least
 
 # Host reads left in a step, by call site, with why they are there. The test asserts the set seen is exactly this.
-_DS_CLIP = ("deepspeed/runtime/utils.py:clip_grad_norm_",
-            "DeepSpeed 0.19.8's fp32 ZeRO-0 gradient clipping builds max_norm and 1.0 as device tensors from Python "
-            "floats every step (torch.tensor(..., device=)): two blocking copies, in DeepSpeed's code")
+# (DeepSpeed's fp32 ZeRO-0 clipping, deepspeed/runtime/utils.py:clip_grad_norm_, made two blocking copies a step;
+# titan_ds.engine.clip_fp32_grads replaces it, bit for bit: see the test at the end.)
 _GUARD = ("titan_ds/engine.py:step",
           "the ZeRO-0 non-finite guard decides on the host whether the client optimizer steps at all (one flag "
           "read); skipping on the device needs the optimizer to take the flag, as fused AdamW's found_inf")
 REMAINING = {
-    "titan_balanced.json": dict([_DS_CLIP, _GUARD]),
-    "titan_memory.json": dict([_DS_CLIP, _GUARD]),
+    "titan_balanced.json": dict([_GUARD]),
+    "titan_memory.json": dict([_GUARD]),
     # step in backward: ASDT clips on the device (the engine's clipping is 0) and no gradient is left to check
     "hf_asdt_8bit.json": {},
 }
@@ -108,3 +107,32 @@ def test_shipped_config_steps_on_meta_without_host_reads(name, meta_accelerator)
     assert m.extra["asdt_changed_elements"].device == META
     assert all_meta(list(engine.module.parameters()), [dict(st) for st in opt.state.values()])
     assert opt.state and all(st["step"] == 3 for st in opt.state.values())
+
+
+# clipping on (every gradient scaled); on with a norm small enough that the 1e-6 in max_norm / (norm + 1e-6) shows;
+# off (coefficient 1)
+@pytest.mark.parametrize("max_norm, scale", [(0.05, 1.0), (1e-4, 1e-5), (1e6, 1.0)])
+def test_device_clip_is_deepspeeds_clip_bit_for_bit(max_norm, scale, dist_env):
+    """titan's ZeRO-0 clipping (no host-to-device copy) against DeepSpeed's ``clip_grad_norm_``: the same norm and
+    the same gradients, bit for bit, on odd and non-contiguous shapes."""
+    import deepspeed
+    from deepspeed.runtime.utils import clip_grad_norm_
+    deepspeed.init_distributed()
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 13), (5,), (3, 4, 5), (1,)]
+    grads = [torch.randn(s, generator=g) * 10 ** i * scale for i, s in enumerate(shapes)]
+    grads.append(torch.randn(9, 6, generator=g).t())  # non-contiguous
+    ps, qs = [], []
+    for gr in grads:
+        for out in (ps, qs):
+            p = torch.nn.Parameter(torch.zeros(gr.shape))
+            p.grad = gr.clone()
+            out.append(p)
+    ps.append(torch.nn.Parameter(torch.zeros(3)))  # no gradient: skipped by both
+    qs.append(torch.nn.Parameter(torch.zeros(3)))
+    want = clip_grad_norm_(ps, max_norm)
+    got = titan_ds.engine.clip_fp32_grads(qs, max_norm)
+    assert torch.equal(got, want)
+    for p, q, gr in zip(ps, qs, grads):
+        assert torch.equal(p.grad, q.grad)
+        assert torch.equal(q.grad, gr) == (max_norm > 1e3)  # a test that can tell clipping from none
