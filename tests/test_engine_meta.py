@@ -3,8 +3,9 @@
 On a GPU a read of a device value on the host (``.item()``, ``bool(t)``, ``int(t)``, a blocking host-to-device
 copy) waits for every kernel queued before it, so a step with one cannot run ahead of the device. Here the engine
 of each config is built by ``titan_ds.initialize`` (DeepSpeed's ``initialize`` with the titan section: MLME's
-tiled or SDPA attention, StripeFFN, chunked loss and block recompute; ASDT from the optimizer section) around a
-GPT whose parameters are on ``meta``, and steps through the Quick Start's ``trainer.step`` (forward, backward,
+tiled or SDPA attention, StripeFFN, chunked loss and block recompute; ASDT, with BSPS where the config has it;
+ZeRO-0, and ZeRO-2 for ``asdt_zero2``; torch AdamW as the client optimizer where the config has no titan optimizer)
+around a GPT whose parameters are on ``meta``, and steps through the Quick Start's ``trainer.step`` (forward, backward,
 ``engine.step`` with titan's lifecycle callbacks and non-finite guard, the per-step metrics and memory
 accounting). Steps 2 and 3 run under :class:`~tests.helpers.meta.HostReads`, which lists every host read and
 blocking copy by call site; the set must be exactly :data:`REMAINING` (each with its reason), so a new read fails,
@@ -14,7 +15,9 @@ The stand-ins (every one a place where meta is not a GPU): DeepSpeed's CPU accel
 device, so the engine keeps the model there and puts its own tensors there (the collectives of a one-rank gloo
 group accept meta tensors); stochastic rounding draws from a CPU generator (meta has none, as in
 tests/optim/test_meta_device.py); and MLME's replace-time check of StripeFFN against the original MLP, a one-off
-comparison of values at initialize that meta cannot make, is skipped (tests/inject/test_mlme.py runs it).
+comparison of values at initialize that meta cannot make, is skipped (tests/inject/test_mlme.py runs it). Not
+here: TRD's TR-SVD initialization (a decomposition of values at initialize), compression (several ranks) and HMS
+(host-side by design: tests/hms/test_meta_device.py).
 """
 import json
 from pathlib import Path
@@ -23,6 +26,7 @@ import pytest
 import torch
 
 import titan_ds
+import titan_ds.deepspeed_compat as dsc
 import titan_ds.optim.asdt as asdt_mod
 from tests.helpers.meta import META, HostReads, all_meta
 from titan_ds.inject.mlme import StripeFFNPolicy
@@ -38,11 +42,22 @@ SMALL = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64) 
 _GUARD = ("titan_ds/engine.py:step",
           "the ZeRO-0 non-finite guard decides on the host whether the client optimizer steps at all (one flag "
           "read); skipping on the device needs the optimizer to take the flag, as fused AdamW's found_inf")
+_BSPS = ("titan_ds/optim/bsps.py:add_signals",
+         "BSPS decides its blocks' transitions on the host once per engine step, from the gradient signals summed "
+         "on the device (one float64 per block copied back)")
+_DS_ZERO12 = {"deepspeed/runtime/utils.py:is_invalid_grad_norm":
+              "DeepSpeed ZeRO-1/2 reads whether the global gradient norm is finite on the host every step",
+              "deepspeed/runtime/utils.py:mask_nan_or_inf_with_val_inplace":
+              "DeepSpeed ZeRO-1/2 makes its -1 sentinel with torch.tensor(-1.0, device=) every step"}
 REMAINING = {
     "titan_balanced.json": dict([_GUARD]),
     "titan_memory.json": dict([_GUARD]),
     # step in backward: ASDT clips on the device (the engine's clipping is 0) and no gradient is left to check
     "hf_asdt_8bit.json": {},
+    "asdt_bsps.json": dict([_GUARD, _BSPS]),
+    "asdt_zero2.json": {**_DS_ZERO12, _BSPS[0]: _BSPS[1]},
+    "mlme.json": dict([_GUARD]),  # MLME alone, the client optimizer torch AdamW (single-tensor: its step counts
+                                  # are host tensors)
 }
 
 
@@ -91,7 +106,8 @@ def test_shipped_config_steps_on_meta_without_host_reads(name, meta_accelerator)
         model = GPT(SMALL)
     ds = _ds_config(name)
     gas = ds["gradient_accumulation_steps"]  # trainer.step is one micro-batch; the optimizer steps every gas
-    engine, opt, _, _ = titan_ds.initialize(model=model, config=ds)
+    client = None if "optimizer" in ds["titan"] else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, opt, _, _ = titan_ds.initialize(model=model, optimizer=client, config=ds)
     trainer = TitanTrainer(engine, opt)
     assert engine.device == META and all_meta(list(engine.module.parameters()))
     with HostReads():  # the first step builds the optimizer state (it may copy small tables once); its reads
@@ -102,11 +118,13 @@ def test_shipped_config_steps_on_meta_without_host_reads(name, meta_accelerator)
         for _ in range(2 * gas):
             loss, m = trainer.step(_batch(), _loss)
     assert reads.where() == set(REMAINING[name]), reads.sites
-    assert loss.device == META and m.loss is loss
-    assert isinstance(m.extra["asdt_changed_elements"], torch.Tensor)  # read when logged, not in the step
-    assert m.extra["asdt_changed_elements"].device == META
-    assert all_meta(list(engine.module.parameters()), [dict(st) for st in opt.state.values()])
-    assert opt.state and all(st["step"] == 3 for st in opt.state.values())
+    assert loss.device == META and m.loss is loss and engine.global_steps == 3
+    inner = dsc.engine_basic_optimizer(engine)
+    state = [{k: v for k, v in st.items() if k != "step"} for st in inner.state.values()]  # AdamW's: host scalars
+    assert state and all_meta(list(engine.module.parameters()), state)
+    if client is None:
+        assert isinstance(m.extra["asdt_changed_elements"], torch.Tensor)  # read when logged, not in the step
+        assert m.extra["asdt_changed_elements"].device == META
 
 
 # clipping on (every gradient scaled); on with a norm small enough that the 1e-6 in max_norm / (norm + 1e-6) shows;

@@ -87,7 +87,8 @@ class HostReads(TorchDispatchMode):
     and every blocking host-to-device copy (``torch.tensor(..., device=)``, ``.to(device)``, ``copy_``), each by
     its call site: ``path:function`` of the first frame outside torch (``titan_ds/engine.py:step``,
     ``deepspeed/runtime/utils.py:clip_grad_norm_``). A read of a meta tensor (which has no value) is answered
-    with 0 / False, so a whole step runs on and every read in it is listed, not only the first."""
+    with 0 / False and a copy of one to the host with zeros, so a whole step runs on and every read in it is
+    listed, not only the first."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -140,6 +141,8 @@ class HostReads(TorchDispatchMode):
                 self._record("blocking copy to the device")
             elif args[0].device.type != "cpu" and dev is not None and torch.device(dev).type == "cpu":
                 self._record("copy to the host")
+                if args[0].device.type == "meta":  # no values to copy: zeros of the shape and dtype asked for
+                    return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
         elif func is aten.copy_.default:
             dst, src = args[0], args[1]
             blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
@@ -147,6 +150,8 @@ class HostReads(TorchDispatchMode):
                 self._record("blocking copy_ to the device")
             elif dst.device.type == "cpu" and src.device.type != "cpu":
                 self._record("copy_ to the host")
+                if src.device.type == "meta":
+                    return dst.zero_()
         return func(*args, **kwargs)
 
     def where(self) -> set[str]:
