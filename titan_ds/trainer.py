@@ -62,6 +62,8 @@ def _check_device(titan: Optional[TitanConfig]) -> None:
 
 def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
+        if device.type == "cuda" and batch.device.type == "cpu":  # asynchronous only from pinned memory
+            batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {k: _to_device(v, device) for k, v in batch.items()}
