@@ -12,8 +12,8 @@ blocking copy by call site; the set must be exactly :data:`REMAINING` (each with
 and so does a removed one until it is taken off the list.
 
 The stand-ins (every one a place where meta is not a GPU): DeepSpeed's CPU accelerator answers ``meta`` for its
-device, so the engine keeps the model there and puts its own tensors there (the collectives of a one-rank gloo
-group accept meta tensors); stochastic rounding draws from a CPU generator (meta has none, as in
+device, so the engine keeps the model there and puts its own tensors there (on one rank DeepSpeed's collectives
+on meta tensors go through, as observed here); stochastic rounding draws from a CPU generator (meta has none, as in
 tests/optim/test_meta_device.py); and MLME's replace-time check of StripeFFN against the original MLP, a one-off
 comparison of values at initialize that meta cannot make, is skipped (tests/inject/test_mlme.py runs it). Not
 here: TRD's TR-SVD initialization (a decomposition of values at initialize), compression (several ranks) and HMS
