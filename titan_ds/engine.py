@@ -51,7 +51,7 @@ from .pillar import View
 from .transaction import Transaction
 from .utils import after_init_distributed
 
-__all__ = ["initialize", "prepare", "validate", "InitContext", "TitanRuntime", "PILLARS"]
+__all__ = ["initialize", "prepare", "validate", "InitContext", "TitanRuntime", "PILLARS", "clip_fp32_grads"]
 
 log = logging.getLogger("titan_ds")
 
