@@ -32,7 +32,8 @@ from titan_ds.comm.wire import WireCount, count_collectives  # noqa: E402
 from titan_ds.config import TitanConfig, load_ds_config  # noqa: E402
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
 from titan_ds.hms import timeline  # noqa: E402
-from titan_ds.metrics import ActivationCounter, accounted_memory, optimizer_state_bytes, peak_rss_bytes  # noqa: E402
+from titan_ds.metrics import (ActivationCounter, accounted_memory, host_values, optimizer_state_bytes,  # noqa: E402
+                              peak_rss_bytes)
 from titan_ds.models import GPT, GPTConfig  # noqa: E402
 from titan_ds.utils import ensure_dist_env, get_logger  # noqa: E402
 
@@ -133,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeline-out", default=None,
                    help="JSON of the per-step timeline: forward/backward/step and the HMS swappers' waits and "
                         "writes (titan_ds.hms.timeline; rank 0)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="read the loss and titan's per-step metrics back from the device every N steps (and at a "
+                        "checkpoint, a validation and the end); every step still gets its record. On a GPU each "
+                        "read waits for the device, so 1 syncs every step")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--count-wire", action="store_true",
                    help="count every collective from initialize to the last step, DeepSpeed's included (titan_ds/comm/wire.py: "
@@ -187,6 +192,38 @@ def _client_optimizer(model: torch.nn.Module, args: argparse.Namespace, ds: dict
     return make_optimizer(model, 1e-3 if args.lr is None else args.lr, args.optimizer or "adamw", wd, args.beta1)
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch to the device without waiting for it: from pinned memory, asynchronously, on CUDA (a blocking copy
+    from pageable memory waits for the work queued before it)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def log_records(records: list, history: list, mfile, monitor, bar) -> dict:
+    """Read ``records`` (one per step since the last logging step) to the host, one logging window at once, and
+    log them: ``history``, the metrics file, DeepSpeed's monitor, the progress bar. Returns the titan metrics of
+    the last one (host values). The only place the training loop reads device values (a host sync on a GPU)."""
+    last: dict = {}
+    for record in records:
+        record = host_values(record)
+        last = record.pop("titan", {})
+        record.update({k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))})
+        history.append(record)
+        if mfile:
+            mfile.write(json.dumps(record) + "\n")
+        if monitor is not None and monitor.enabled:
+            monitor.write_events([("Train/loss", record["loss"], record["step"])] +
+                                 ([("Train/val_loss", record["val_loss"], record["step"])] if "val_loss" in record
+                                  else []))
+    if mfile:
+        mfile.flush()
+    if bar and records:
+        bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
+        bar.update(len(records))
+    return last
+
+
 def _sum_over_ranks(value: int, world: int) -> int:
     if world == 1:
         return value
@@ -206,6 +243,8 @@ def _per_rank(wire: dict, rss: int, world: int) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.log_every < 1:
+        raise SystemExit(f"--log-every must be >= 1 (steps between reads of the metrics), got {args.log_every}")
     ensure_dist_env()
     torch.manual_seed(args.seed)
     ds = load_ds_config(args.deepspeed_config) if args.deepspeed_config else {}
@@ -268,6 +307,7 @@ def main(argv=None) -> dict:
     opt_state_peak = 0  # bytes of the client optimizer's state tensors on this rank, peak over steps
     timed_tokens, timed_s = 0, 0.0
     last: dict = {}
+    pending: list = []  # this logging window's records, device values not yet read
     if args.val_every and start == 0:  # the untrained baseline, so a curve (and a test) can show the drop
         val_history.append((0, validate(engine, corpus, args, val_mb)))
     for step in range(start + 1, args.steps + 1):
@@ -279,7 +319,7 @@ def main(argv=None) -> dict:
         for xm, ym in zip(x.split(micro_batch), y.split(micro_batch)):  # engine.step applies after the last
             with acts.track():  # forward and backward: a block recomputed in backward saves again there
                 with phase("forward"):
-                    loss = engine(xm.to(engine.device), ym.to(engine.device))
+                    loss = engine(_to(xm, engine.device), _to(ym, engine.device))
                 with phase("backward"):
                     engine.backward(loss)
             act_peak = max(act_peak, acts.bytes)
@@ -301,25 +341,20 @@ def main(argv=None) -> dict:
         if step > start + 3:  # the first steps pay one-off costs (allocations, lazy state)
             timed_tokens += x.numel() * world
             timed_s += dt
-        record = {"step": step, "loss": float(loss.detach()), "lr": engine.get_lr()[0], "step_s": dt,
+        # the loss and titan's per-step counters stay device tensors here; they are read when logged (below)
+        record = {"step": step, "loss": loss.detach(), "lr": engine.get_lr()[0], "step_s": dt,
                   "tokens_per_s": x.numel() * world / dt, "skipped": not engine.was_step_applied()}
         if getattr(engine, "titan", None) is not None:
-            last = engine.titan.collect_metrics()
-            record.update({k: v for k, v in last.items() if isinstance(v, (int, float, str, bool, dict, list))})
+            record["titan"] = engine.titan.collect_metrics()  # every step: take_metrics windows are per step
         if args.val_every and step % args.val_every == 0 and step != args.steps:
             record["val_loss"] = validate(engine, corpus, args, val_mb)
             val_history.append((step, record["val_loss"]))
-        history.append(record)
-        if mfile:
-            mfile.write(json.dumps(record) + "\n")
-            mfile.flush()
-        if engine.monitor.enabled and rank == 0:
-            engine.monitor.write_events([("Train/loss", record["loss"], step)] +
-                                        ([("Train/val_loss", record["val_loss"], step)] if "val_loss" in record else []))
-        if bar:
-            bar.set_postfix(loss=f"{record['loss']:.3f}")
-            bar.update(1)
-        if args.save_dir and args.save_every and step % args.save_every == 0:
+        pending.append(record)
+        saving = bool(args.save_dir and args.save_every and step % args.save_every == 0)
+        if step % args.log_every == 0 or step == args.steps or saving or "val_loss" in record:
+            last = log_records(pending, history, mfile, engine.monitor if rank == 0 else None, bar) or last
+            pending = []
+        if saving:  # the metrics file holds every step up to a checkpoint, so a resumed run appends after it
             engine.save_checkpoint(args.save_dir, tag=f"step{step}", client_state={"step": step})
     counting.close()
     if bar:

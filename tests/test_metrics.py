@@ -87,3 +87,19 @@ def test_activations_without_a_backward_peak_are_the_forward_figure():
     assert step == forward == L * (n * d + n * 4 * d) * 4 + n * d * 4
     forward, step = _step_activations(recompute=True, vocab=1024, n=n, d=d, layers=L)
     assert step == forward == (L + 1) * n * d * 4 + n * 1024 * 4
+
+
+def test_to_dict_reads_device_values_once_logged():
+    """The loss and a pillar's device counters stay tensors in StepMetrics (not read in the step); to_dict reads
+    them to Python values, nested ones included, so the record is JSON."""
+    import json
+    from titan_ds.metrics import host_values
+    m = StepMetrics(step=3, loss=torch.tensor(2.5))
+    m.update({"asdt_changed_elements": torch.tensor(7), "plasticity": {"growth": 2}, "v": [torch.tensor([1, 2])]})
+    assert isinstance(m.loss, torch.Tensor) and isinstance(m.extra["asdt_changed_elements"], torch.Tensor)
+    d = m.to_dict()
+    assert d["loss"] == 2.5 and type(d["loss"]) is float
+    assert d["extra"]["asdt_changed_elements"] == 7 and type(d["extra"]["asdt_changed_elements"]) is int
+    assert d["extra"]["v"] == [[1, 2]] and d["plasticity"] == {"growth": 2}
+    json.dumps(d)
+    assert host_values((torch.tensor(True), 1.5, "x")) == (True, 1.5, "x")

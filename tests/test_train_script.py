@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.launch import ROOT, clean_env, run_deepspeed, run as run_group
 
@@ -100,3 +101,43 @@ def test_titan_memory_resume_is_bit_exact(tmp_path):
     assert _losses(tmp_path / "b.jsonl") == full[3:]
     mem = json.loads((tmp_path / "b.json").read_text())["memory"]
     assert mem["parameters"] == mem["gradients"]  # bf16 weights and bf16 gradients, no fp32 copy of either
+
+
+def _train_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("titan_train_script", ROOT / "launch" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_metrics_are_read_once_per_logging_window(tmp_path, dist_env, monkeypatch):
+    """Every step gets its record, but its loss and titan's per-step metrics (device tensors) are read to the host
+    only on the logging steps: every --log-every steps and the last, in whole windows (one wait for the device per
+    window on a GPU, none in the steps between)."""
+    train = _train_module()
+    windows, counts, real = [], {}, train.log_records
+
+    def spy(records, *a):
+        windows.append([r["step"] for r in records])
+        assert all(isinstance(r["loss"], torch.Tensor) for r in records)  # not read before the logging step
+        counts.update({r["step"]: r["titan"]["asdt_changed_elements"] for r in records})
+        return real(records, *a)
+
+    monkeypatch.setattr(train, "log_records", spy)
+    out = tmp_path / "m.jsonl"
+    summary = train.main(["--deepspeed_config", "ds_configs/demo.json", *TINY, "--steps", "5", "--log-every", "2",
+                          "--metrics-out", str(out)])
+    assert windows == [[1, 2], [3, 4], [5]]
+    # ASDT's count of changed elements: a device tensor until logged (under ZeRO it lags one step, and BSPS's
+    # first step is a probe that changes nothing: the int 0 it starts from, for steps 1 and 2)
+    assert all(isinstance(counts[s], torch.Tensor) for s in (3, 4, 5)), counts
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
+    assert all(isinstance(r["loss"], float) and isinstance(r["asdt_changed_elements"], int) for r in lines)
+    assert summary["titan_metrics"]["asdt_changed_elements"] == lines[-1]["asdt_changed_elements"] > 0
+
+
+def test_log_every_must_be_positive():
+    with pytest.raises(SystemExit, match="--log-every must be >= 1"):
+        _train_module().main(["--deepspeed_config", "ds_configs/demo.json", "--log-every", "0"])

@@ -171,6 +171,8 @@ SYMBOLS: tuple[Symbol, ...] = (
            "DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers", ("self",)),
     Symbol("ZeRO-0 gradient all-reduce of one bucket", _ENGINE, "DeepSpeedEngine.allreduce_bucket",
            ("self", "bucket", "dp_group", "dp_world_size")),
+    Symbol("ZeRO-0 fp32 gradient clipping (clip_grad_norm_ over the module's parameters)", _ENGINE,
+           "DeepSpeedEngine.clip_fp32_gradients", ("self",)),
     Symbol("the engine's ZeRO checkpoint file name", _ENGINE, "DeepSpeedEngine._get_zero_ckpt_name",
            ("self", "checkpoints_path", "tag")),
     Symbol("ZeRO-1/2 IPG-buffer average", _Z12, "DeepSpeedZeroOptimizer.average_tensor",
@@ -326,6 +328,12 @@ def backend_bound_collectives(wrapper_of: Callable[[Any], Optional[Callable[...,
 def z0_allreduce_bucket(engine: Any, fn: Callable[..., Any]) -> Patch:
     """ZeRO-0: the engine all-reduces gradient buckets in ``allreduce_bucket`` (engine.py:3795)."""
     return override(engine, "allreduce_bucket", fn)
+
+
+def z0_fp32_clip(engine: Any, fn: Callable[[], Any]) -> Patch:
+    """ZeRO-0 without fp16/bf16: ``engine.clip_fp32_gradients`` (engine.py:3502), which ``_take_model_step`` calls
+    before the optimizer step when ``gradient_clipping`` > 0."""
+    return override(engine, "clip_fp32_gradients", fn)
 
 
 def z12_reduce_seams(opt: Any, average_tensor: Callable[[Callable[..., Any]], Callable[..., Any]],

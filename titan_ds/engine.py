@@ -51,7 +51,7 @@ from .pillar import View
 from .transaction import Transaction
 from .utils import after_init_distributed
 
-__all__ = ["initialize", "prepare", "validate", "InitContext", "TitanRuntime", "PILLARS"]
+__all__ = ["initialize", "prepare", "validate", "InitContext", "TitanRuntime", "PILLARS", "clip_fp32_grads"]
 
 log = logging.getLogger("titan_ds")
 
@@ -256,6 +256,12 @@ def _install_nonfinite_guard(engine: Any) -> None:
 
     def step(*a: Any, **kw: Any):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if not grads and (engine.world_size == 1 or getattr(opt, "step_in_backward", False)):
+            # no rank holds a gradient (ASDT's step in backward updated and freed each one in its hook): nothing
+            # to check, and no flag to read back from the device
+            opt.overflow = False
+            return inner_step(*a, **kw)
+        # the one host read of a ZeRO-0 step: whether to step at all is decided on the host
         bad = torch.zeros(1, device=engine.device)
         if grads:
             bad += (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).float()
@@ -270,6 +276,40 @@ def _install_nonfinite_guard(engine: Any) -> None:
 
     opt.overflow = False
     opt.step = step
+
+
+def clip_fp32_grads(params: Any, max_norm: float, group: Any = None) -> Optional[torch.Tensor]:
+    """DeepSpeed 0.19.8's ``clip_grad_norm_`` (``runtime/utils.py``; norm 2, no model parallelism) with its two
+    constants made on the device: it builds ``max_norm`` and ``1.0`` with ``torch.tensor([...], device=)``, a
+    blocking host-to-device copy each, which on a GPU waits for all the work queued before it, every step. Here
+    they are fills (``torch.full``); the operations and their order are DeepSpeed's, so the gradients come out
+    bit for bit the same (tests/test_engine_meta.py). Returns the global norm (None: no gradient)."""
+    import deepspeed.comm as dist
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return None
+    total = torch.stack([p.grad.data.detach().float().norm(2.0) for p in params]).pow(2.0).sum().float()
+    total = total.pow(1.0 / 2.0)
+    scaled = total * 1.0 / float(dist.get_world_size(group=group))  # averaged over the group as DeepSpeed does
+    dist.all_reduce(scaled, group=group)
+    coef = torch.full((1,), float(max_norm), device=scaled.device) / (scaled + 1e-6)
+    coef = torch.min(torch.ones(1, device=coef.device), coef)
+    for p in params:
+        p.grad.data.mul_(coef)
+    return scaled
+
+
+def _install_device_clip(engine: Any) -> None:
+    """ZeRO-0 in fp32: the engine's gradient clipping by :func:`clip_fp32_grads`, with no host-to-device copy
+    (DeepSpeed's own stays where it differs: model parallelism, MoE, torch autocast's scaler)."""
+    if engine.zero_optimization_stage() != 0 or engine.fp16_enabled() or engine.bfloat16_enabled() or \
+            engine.mpu is not None or engine.has_moe_layers or engine.torch_autocast_z0_gradscaler is not None:
+        return
+    group = dsc.data_parallel_group(engine)
+    # gradient_clipping read at each step: step in backward sets it to 0 after this (and the engine then never
+    # calls the clipping)
+    dsc.z0_fp32_clip(engine, lambda: clip_fp32_grads(engine.module.parameters(), engine.gradient_clipping(),
+                                                     group)).apply()
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer: Any = None,
@@ -376,6 +416,7 @@ def _apply_pillars(ctx: InitContext, pillars: list[Any], view: View, titan_secti
     engine.titan = runtime
     _wrap_engine(engine, runtime)
     _install_nonfinite_guard(engine)
+    _install_device_clip(engine)
     return engine, opt, dl, sched
 
 

@@ -10,14 +10,27 @@ import contextlib
 import resource
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
 from . import deepspeed_compat as dsc
 
 __all__ = ["StepMetrics", "MemoryBreakdown", "accounted_memory", "ActivationCounter", "peak_rss_bytes",
-           "optimizer_state_bytes"]
+           "optimizer_state_bytes", "host_values"]
+
+
+def host_values(obj: Any) -> Any:
+    """``obj`` with every tensor inside it (nested dicts, lists, tuples) read to the host: a 0-dim tensor to a
+    Python number, any other to a list. On a GPU each read waits for the device (a host sync): the per-step
+    metrics and the loss stay device tensors and are read here, when they are logged, not in the step."""
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.dim() == 0 else obj.tolist()
+    if isinstance(obj, dict):
+        return {k: host_values(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_values(v) for v in obj)
+    return obj
 
 
 @dataclass
@@ -45,10 +58,14 @@ class MemoryBreakdown:
 @dataclass
 class StepMetrics:
     """What ``trainer.step`` returns next to the loss. A pillar that is off reports its neutral value: the
-    compression ratios are 1.0 (nothing compressed) and ``*_on`` flags say whether the figure is real."""
+    compression ratios are 1.0 (nothing compressed) and ``*_on`` flags say whether the figure is real.
+
+    ``loss`` and the per-step counters a pillar keeps on the device (``extra["asdt_changed_elements"]``) are
+    0-dim device tensors, not read in the step; :meth:`to_dict` reads them (a host sync on a GPU: call it on the
+    steps you log), as do ``float(m.loss)`` and ``f"{m.loss:.4f}"``."""
 
     step: int = 0
-    loss: float = float("nan")
+    loss: Union[float, torch.Tensor] = float("nan")
     tokens_per_s: float = 0.0
     trd_compression_ratio: float = 1.0
     trd_model_compression_ratio: float = 1.0
@@ -90,10 +107,11 @@ class StepMetrics:
             self.compression_on = True
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as Python values (device tensors read here: the one host sync of a logged step)."""
         d = asdict(self)
         d["memory"] = self.memory.to_dict()
         d["hge_compression_ratio"] = self.wire_compression_ratio  # the seed's alias
-        return d
+        return host_values(d)
 
 
 def peak_rss_bytes() -> int:

@@ -1,7 +1,10 @@
 """The seed's Quick Start: ``build_titan_trainer(model, config)`` and ``trainer.step(batch, loss_fn)``.
 
 Every step runs forward, backward and optimizer step through the DeepSpeed engine built by
-``titan_ds.initialize``; it returns ``(loss: float, metrics: StepMetrics)``.
+``titan_ds.initialize``; it returns ``(loss, metrics: StepMetrics)``. ``loss`` is the step's loss as a detached
+0-dim tensor on the engine's device (as the HF Trainer's ``training_step`` returns it), not a float: reading a
+device value on the host waits for the device, so the step reads nothing and the caller reads the loss when it
+logs it (``float(loss)``, ``f"{loss:.4f}"``, ``metrics.to_dict()``), on the steps it logs.
 """
 from __future__ import annotations
 
@@ -59,6 +62,8 @@ def _check_device(titan: Optional[TitanConfig]) -> None:
 
 def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
+        if device.type == "cuda" and batch.device.type == "cpu":  # asynchronous only from pinned memory
+            batch = batch.pin_memory()
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {k: _to_device(v, device) for k, v in batch.items()}
@@ -92,7 +97,10 @@ class TitanTrainer:
     def model(self) -> torch.nn.Module:
         return self.engine.module
 
-    def step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[float, StepMetrics]:
+    def step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[torch.Tensor, StepMetrics]:
+        """One training step; returns ``(loss, metrics)`` without reading anything back from the device (see the
+        module docstring). ``metrics.tokens_per_s`` is host time: on a GPU, that of queueing the step's work
+        unless the step had to wait for the device."""
         engine = self.engine
         t0 = time.perf_counter()
         batch = _to_device(batch, engine.device)
@@ -107,7 +115,7 @@ class TitanTrainer:
         engine.step()
         dt = time.perf_counter() - t0
         self.global_step += 1
-        m = StepMetrics(step=self.global_step, loss=float(loss.detach()), tokens_per_s=_count_tokens(batch) / dt,
+        m = StepMetrics(step=self.global_step, loss=loss.detach(), tokens_per_s=_count_tokens(batch) / dt,
                         memory=mem)
         if hasattr(engine, "was_step_applied"):
             m.skipped_step = not engine.was_step_applied()

@@ -154,6 +154,7 @@ def _launch(args: argparse.Namespace, work: Path, cfg: Path, metrics: Path, extr
     cmd = [str(ds), "--num_gpus", str(args.ranks), "--master_port", str(free_port()),
            str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg), "--steps", str(args.steps),
            "--metrics-out", str(metrics), "--no-progress", "--seed", str(args.seed),
+           "--log-every", "1",  # a sample's step is the metrics file's line count: one line per step, as it runs
            *(TINY if args.tiny else SMALL), *extra]
     samples: list[dict[str, Any]] = []
     with open(log, "w") as logf:

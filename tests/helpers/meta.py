@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["NoHostCopies", "META", "meta_like", "all_meta"]
+__all__ = ["NoHostCopies", "HostReads", "META", "meta_like", "all_meta"]
 
 META = torch.device("meta")
 aten = torch.ops.aten
@@ -80,3 +80,80 @@ def meta_like(*tensors: torch.Tensor) -> list[torch.Tensor]:
 def all_meta(*objs: Any) -> bool:
     """Every tensor inside ``objs`` (nested lists, tuples, dicts) is on the meta device."""
     return all(t.device.type == "meta" for t in tree_leaves(objs) if isinstance(t, torch.Tensor))
+
+
+class HostReads(TorchDispatchMode):
+    """Record, instead of raising, every host read of a device tensor (``.item()``, ``bool(t)``, ``float(t)``...)
+    and every blocking host-to-device copy (``torch.tensor(..., device=)``, ``.to(device)``, ``copy_``), each by
+    its call site: ``path:function`` of the first frame outside torch (``titan_ds/engine.py:step``,
+    ``deepspeed/runtime/utils.py:clip_grad_norm_``). A read of a meta tensor (which has no value) is answered
+    with 0 / False and a copy of one to the host with zeros, so a whole step runs on and every read in it is
+    listed, not only the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[tuple[str, str]] = []  # (kind, site) in the order they happened
+
+    def _record(self, kind: str) -> None:
+        import sys
+        f = sys._getframe(2)
+        while f is not None:
+            name = f.f_code.co_filename.replace("\\", "/")
+            if "/torch/" not in name and not name.endswith("tests/helpers/meta.py"):
+                break
+            f = f.f_back
+        if f is None:
+            self.sites.append((kind, "?"))
+            return
+        name = f.f_code.co_filename.replace("\\", "/")
+        for marker in ("site-packages/", "/titan_ds/", "/tests/", "/launch/"):
+            if marker in name:
+                name = name.split(marker, 1)[1] if marker == "site-packages/" else \
+                    marker.strip("/") + "/" + name.split(marker, 1)[1]
+                break
+        self.sites.append((kind, f"{name}:{f.f_code.co_name}"))
+
+    def __enter__(self) -> "HostReads":
+        self._tensor = torch.tensor
+
+        def tensor(data: Any, *a: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+            if device is not None and torch.device(device).type != "cpu":
+                self._record("torch.tensor(..., device=)")
+            return self._tensor(data, *a, device=device, **kw)
+
+        torch.tensor = tensor
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.tensor = self._tensor
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and args[0].device.type != "cpu":
+            self._record("host read")
+            if args[0].device.type == "meta":
+                return False if args[0].dtype == torch.bool else 0
+        elif func is aten._to_copy.default:
+            dev = kwargs.get("device")
+            if args[0].device.type == "cpu" and dev is not None and torch.device(dev).type != "cpu" and \
+                    not kwargs.get("non_blocking", False):
+                self._record("blocking copy to the device")
+            elif args[0].device.type != "cpu" and dev is not None and torch.device(dev).type == "cpu":
+                self._record("copy to the host")
+                if args[0].device.type == "meta":  # no values to copy: zeros of the shape and dtype asked for
+                    return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        elif func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            if dst.device.type != "cpu" and src.device.type == "cpu" and blocking:
+                self._record("blocking copy_ to the device")
+            elif dst.device.type == "cpu" and src.device.type != "cpu":
+                self._record("copy_ to the host")
+                if src.device.type == "meta":
+                    return dst.zero_()
+        return func(*args, **kwargs)
+
+    def where(self) -> set[str]:
+        """The call sites seen."""
+        return {site for _, site in self.sites}

@@ -58,7 +58,7 @@ def run(stage, method, rank):
         if step == POISON_STEP:
             out["unchanged"] = same(before, snapshot(trainer, hooks))
         out["skipped"].append(m.skipped_step)
-        out["losses"].append(loss)
+        out["losses"].append(float(loss))
         out["nonfinite_metric"].append(m.extra.get("compression_nonfinite_steps"))
         out["residual_norm_finite"].append(bool(torch.isfinite(torch.tensor(hooks.reducer.residuals.norm()))))
     out["compression_state"] = m.memory.compression_state  # measured after backward: residuals + their journal

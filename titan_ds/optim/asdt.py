@@ -227,8 +227,15 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
     @property
     def last_selected(self) -> int:
         """Elements changed by the last engine step (the size of its sparse delta). Reading it waits for the step's
-        updates (a host sync): read it for metrics, after the step."""
+        updates (a host sync on a GPU): nothing titan runs every step reads it; its per-step metric is
+        :attr:`last_selected_lazy`, read when it is logged."""
         return int(self._last_selected)
+
+    @property
+    def last_selected_lazy(self) -> Union[int, torch.Tensor]:
+        """:attr:`last_selected` as it is held, without reading it: a 0-dim tensor on the parameters' device after
+        a step (an int before the first). The ``asdt_changed_elements`` metric; ``int()`` of it is the sync."""
+        return self._last_selected
 
     @last_selected.setter
     def last_selected(self, value: int) -> None:
@@ -237,7 +244,7 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
     @property
     def last_grad_norm(self) -> Optional[float]:
         """Step in backward: the global gradient norm of the last step (None before one); a host sync, like
-        :attr:`last_selected`."""
+        :attr:`last_selected` (nothing titan runs every step reads it)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     @staticmethod

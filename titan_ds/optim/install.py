@@ -139,10 +139,12 @@ class OptimizerPillar(Pillar):
         n_params = sum(u.numel for u in opt.units)
 
         def metrics() -> dict[str, Any]:
+            # called every step: no host read (asdt_changed_elements stays a device tensor until it is logged,
+            # titan_ds.metrics.host_values); the byte counts are sums of shapes, known on the host
             out: dict[str, Any] = {"asdt_state_bytes": opt.state_bytes(),
                                    "asdt_state_bytes_per_param": opt.state_bytes() / max(n_params, 1),
                                    "asdt_grad_bytes": opt.grad_bytes, "asdt_grad_bytes_peak": opt.grad_bytes_peak,
-                                   "asdt_changed_elements": opt.last_selected}
+                                   "asdt_changed_elements": opt.last_selected_lazy}
             if plasticity is not None:
                 out["plasticity"] = plasticity.counts()
             return out
