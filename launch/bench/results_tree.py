@@ -66,7 +66,8 @@ def companions(root: str, files: Iterable[str]) -> list[str]:
         fparent, fname = f.rsplit("/", 1)
         if fparent != parent:
             continue
-        if fname.split(".")[0] == stem or re.match(re.escape(stem) + r"_s\d", fname) or (text and fname in text):
+        named = bool(text) and re.search(r"(?<![\w.-])" + re.escape(fname) + r"(?![\w])", text) is not None
+        if fname.split(".")[0] == stem or re.match(re.escape(stem) + r"_s\d", fname) or named:
             out.append(f)
     return out
 
