@@ -498,6 +498,14 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
         if seconds is None or (variance is None) == (unit_numels is None):
             raise ValueError("dense_step: update='adaptive' needs the seconds rows and either the variance buffer "
                              "(a second moment per coordinate) or unit_numels (one per unit)")
+        from . import core_triton
+        if core_triton.runs(w_flat, g_flat, momentum, variance) and \
+                core_triton.takes(slices, momentum, variance, w_flat.device):  # the tensor as one fused op
+            return core_triton.step(
+                w_flat, g_flat, slices, momentum, lr=lr, betas=betas, weight_decay=weight_decay,
+                importance=importance, variance=variance, seconds=seconds, eps=eps, update_clip=update_clip,
+                unit_denom=None if variance is not None else
+                _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps), generator=generator)
         if variance is None:
             unit_denom = _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
         else:

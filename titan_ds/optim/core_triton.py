@@ -1,0 +1,257 @@
+"""ASDT's adaptive update of one tensor as one fused Triton kernel, registered as the ``torch.library`` op
+``titan::asdt_adaptive_step`` (:mod:`~titan_ds.optim._core_triton_kernels`).
+
+:func:`titan_ds.optim.core.dense_step` hands a tensor's update here (:func:`runs`) when its tensors are on CUDA and
+Triton imports, on ``meta`` (the op's fake implementation: how a GPU step's op count is measured without a GPU),
+or on the CPU with ``TITAN_KERNELS=triton`` and ``TRITON_INTERPRET=1`` (the tests). ``TITAN_KERNELS=reference``
+keeps the eager loop everywhere; on a CPU the C++ kernel (:mod:`~titan_ds.optim.core_cpu`) stays the default.
+
+**One launch per tensor.** Every unit of the tensor is stepped by one launch, one program per tile of 256 values
+of a unit (an 8-bit block, or two 4-bit ones: blocks restart at every unit, as qstate stores them). The tiles are
+listed once per layout in a small device table (:func:`_table`: 6 int64 per tile, ~0.19 bytes a value), cached
+per chunk plan as ``ASDT`` caches the plan itself.
+
+**Bias corrections from a host counter.** The eager loop counts each unit's steps on the device (``seconds[:, 1]``)
+and computes ``(1 - b1^t)`` and ``1 / (1 - b2^t)`` from it in fp64 (:func:`core.bias_corrections`). The dense path
+steps every unit of a tensor at every step, so their ``t`` is one number: it is read from the device once, when a
+``seconds`` buffer is first seen (or after anything else wrote to it: its version counter moved), and counted on
+the host after that; the corrections are computed on the host in fp64 and rounded to fp32 as the eager loop rounds
+them, and the kernel writes the new ``t``. Python's ``pow`` (glibc) and ATen's CPU ``pow`` (Sleef) differ in the
+last fp64 bit for ~0.1-5% of ``t``, which rounding to fp32 absorbed for every ``t`` up to 10^6 and the betas
+0.9, 0.95, 0.98, 0.99, 0.999, 0.9999 (checked on this machine); a CUDA ``pow`` may differ likewise. Units whose
+counts differ take the per-unit corrections of :func:`core.bias_corrections` (a few device ops more).
+
+**Stochastic rounding** (bf16 weights): the kernel draws Philox words (``tl.randint``) keyed by the generator's
+seed and a per-generator call count kept on the host, one per value (its index in the buffer); no device read.
+:data:`DRAWS_FROM_GENERATOR` instead draws the eager loop's words from the generator (``torch.randint``, the same
+draws chunk after chunk) and passes them in: the tests compare the kernel with the eager loop bit for bit so.
+
+**The per-unit second moment** (``second_moment="unit"``) keeps the eager loop's denominators
+(:func:`core._unit_second_moment`: each unit's fp64 sum of squares chunk by chunk, then ``v``, ``t`` and
+``(sqrt(v / bc2) + eps) * bc1`` per unit, a few device ops a chunk, outside the op), so the sums are added in the
+eager loop's order; the kernel then divides each tile by its unit's denominator.
+
+Layouts it does not take (they step on the eager loop): 4-bit state whose units start on an odd value (two units
+would share a byte of codes across two programs).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from ..kernels import _guard
+
+__all__ = ["runs", "step", "DRAWS_FROM_GENERATOR", "OP"]
+
+# Draw the bf16 weights' rounding words from the optimizer's generator (torch.randint, the eager loop's draws)
+# instead of Philox in the kernel: bit for bit the eager loop's weights (the tests), one device op more a tensor.
+DRAWS_FROM_GENERATOR = False
+TILE = 256
+_KIND = {None: 0, "8bit": 8, "4bit": 4}
+_PLAIN = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _state_kind(buf) -> int:
+    if buf.kind is not None:
+        return _KIND[buf.kind]
+    return _PLAIN[buf.data.dtype]
+
+
+def runs(w_flat: torch.Tensor, g_flat: torch.Tensor, momentum, variance) -> bool:
+    """Whether :func:`step` takes this tensor's adaptive update (see the module docstring)."""
+    requested = _guard.requested_backend()
+    if requested == "reference":
+        return False
+    dev = w_flat.device.type
+    if dev == "meta":
+        ok = True
+    elif dev == "cuda":
+        ok = _guard.triton_available() or requested == "triton"
+    elif dev == "cpu":
+        ok = requested == "triton"
+    else:
+        return False
+    if not ok or w_flat.dtype not in _PLAIN or g_flat.dtype not in _PLAIN:
+        return False
+    if requested == "triton" and dev != "meta":
+        _guard.kernel_backend(w_flat, g_flat, op="ASDT adaptive step")  # raises with the fix where it cannot run
+    return all(b is None or (b.kind in _KIND if b.kind is not None else b.data.dtype in _PLAIN)
+               for b in (momentum, variance))
+
+
+# ------------------------------------------------------------------------------------------------- tile table
+_TABLES: dict[int, tuple] = {}
+_TABLES_MAX = 4096
+
+
+def _table(slices: list, device: torch.device) -> tuple[torch.Tensor, int, bool]:
+    """``(table, tiles, even)`` of a chunk plan (:func:`core.plan`'s slices): each tile's row (see the kernel),
+    on ``device``, made once per plan (``slices`` is the list ASDT caches per layout); ``even``: every unit
+    starts on an even value of the buffers (the 4-bit codes of two units never share a byte)."""
+    key = id(slices)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is slices and hit[1] == device:
+        return hit[2]
+    flat, buf, length, piece, offset = [], [], [], [], []
+    for s in slices:
+        f, b = s.flat, s.buf
+        for i, n in enumerate(s.lengths):
+            flat.append(f)
+            buf.append(b)
+            length.append(n)
+            piece.append(s.lo + i)
+            offset.append(s.offset)
+            f, b = f + n, b + n
+    lens = torch.tensor(length, dtype=torch.int64)
+    tiles = (lens + TILE - 1) // TILE
+    rep = lambda x: torch.tensor(x, dtype=torch.int64).repeat_interleave(tiles)  # noqa: E731
+    start = torch.cumsum(tiles, 0) - tiles
+    j = torch.arange(int(tiles.sum())) - start.repeat_interleave(tiles)  # the tile's index in its run of units
+    into = rep(offset) + j * TILE  # the tile's first value, from its piece's first
+    # each piece's first 4-bit block scale (block_starts of the pieces' whole lengths)
+    whole: dict[int, int] = {}
+    for p, o, n in zip(piece, offset, length):
+        whole[p] = max(whole.get(p, 0), o + n)
+    count4 = torch.tensor([-(-whole[p] // 128) for p in sorted(whole)], dtype=torch.int64)
+    first4 = torch.cumsum(count4, 0) - count4
+    table = torch.stack([rep(flat) + j * TILE, rep(buf) + j * TILE,
+                         torch.minimum(rep(length) - j * TILE, torch.tensor(TILE)), rep(piece),
+                         first4[rep(piece)] + into // 128, (into == 0).long()], 1)
+    even = all(b % 2 == 0 for b in buf)
+    from ..comm.base import to_device_async
+    out = (to_device_async(table.contiguous(), device) if device.type != "cpu" else table.contiguous(),
+           table.shape[0], even)
+    if len(_TABLES) >= _TABLES_MAX:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (slices, device, out)
+    return out
+
+
+def takes(slices: list, momentum, variance, device: torch.device) -> bool:
+    """Whether the layout of ``slices`` fits the kernel (4-bit codes: every unit starting on a byte)."""
+    four = any(b is not None and b.kind == "4bit" for b in (momentum, variance))
+    return not four or _table(slices, device)[2]
+
+
+# ------------------------------------------------------------------------------------------- step counts
+_STEPS: dict[int, tuple] = {}  # id(seconds) -> (weakref, version after our last write, t)
+
+
+def _host_t(seconds: torch.Tensor) -> Optional[int]:
+    """Every unit's step count of ``seconds`` (``[:, 1]``) when they are one number, else None: read from the device
+    when this buffer is first seen or was written by someone else since, counted here after that."""
+    key = id(seconds)
+    hit = _STEPS.get(key)
+    if hit is not None and hit[0]() is seconds and hit[1] == seconds._version:
+        return hit[2]
+    if seconds.device.type == "meta":  # no values: any count (the fake op computes nothing)
+        t: Optional[int] = 0
+    else:
+        t_col = seconds[:, 1]
+        lo, hi = torch.stack([t_col.min(), t_col.max()]).tolist()  # one host read, when first seen
+        t = int(lo) if lo == hi and lo == int(lo) else None
+    if t is not None:
+        _STEPS[key] = (weakref.ref(seconds), seconds._version, t)
+    else:
+        _STEPS.pop(key, None)
+    return t
+
+
+# ------------------------------------------------------------------------------------------- the op
+OP = "titan::asdt_adaptive_step"
+
+
+@torch.library.custom_op(OP, mutates_args=("w", "m", "m_absmax", "v", "v_absmax", "seconds", "count"))
+def _op(w: torch.Tensor, g: torch.Tensor, table: torch.Tensor, tiles: int,
+        m: torch.Tensor, m_absmax: Optional[torch.Tensor], m_kind: int, m_signed: bool,
+        v: Optional[torch.Tensor], v_absmax: Optional[torch.Tensor], v_kind: int,
+        seconds: torch.Tensor, bc1: Optional[torch.Tensor], inv_bc2: Optional[torch.Tensor],
+        denom: Optional[torch.Tensor], words: Optional[torch.Tensor], count: torch.Tensor,
+        hp: list[float], bc_mode: int, t_new: float, seed: int, rounding: int, clip: bool,
+        grad_weight: bool) -> None:
+    """The adaptive step of one tensor (see the module docstring): ``w``, ``m`` (+ ``m_absmax``), ``v``
+    (+ ``v_absmax``) and ``seconds`` updated in place, the changed values added to ``count``. ``hp``: ``b1, 1 - b1,
+    b2, 1 - b2, eps, lr, weight_decay, update_clip, bc1, 1 / bc2`` (the last two: ``bc_mode`` 0)."""
+    from . import _core_triton_kernels as K, qstate
+    dev = w.device
+    empty = torch.empty(0, device=dev)
+
+    def tables(kind: int, signed: bool) -> tuple:
+        if kind in (0, 1):
+            return empty, empty, empty
+        return qstate._on("8bit" if kind == 8 else "4bit", signed, dev)
+
+    mq, mc, mn = tables(m_kind, m_signed)
+    vq, vc, vn = tables(v_kind, False) if v is not None else (empty, empty, empty)
+    b1, omb1, b2, omb2, eps, lr, wd, uclip, bc1_s, ibc2_s = hp
+    K.adaptive_kernel[(tiles,)](
+        w, g, table, m, m_absmax if m_absmax is not None else empty, mq, mc, mn,
+        v if v is not None else empty, v_absmax if v_absmax is not None else empty, vq, vc, vn,
+        seconds, bc1 if bc1 is not None else empty, inv_bc2 if inv_bc2 is not None else empty,
+        denom if denom is not None else empty, words if words is not None else empty, count,
+        b1, omb1, b2, omb2, eps, lr, wd, uclip, bc1_s, ibc2_s, t_new, seed,
+        M_KIND=m_kind, V_KIND=v_kind, W_BF16=w.dtype == torch.bfloat16, ROUND=rounding, CLIP=clip,
+        GRAD_WEIGHT=grad_weight, BC_MODE=bc_mode, WRITE_T=bc_mode == 0, TILE=K.TILE,
+        enable_fp_fusion=False)
+
+
+@_op.register_fake
+def _(w, g, table, tiles, m, m_absmax, m_kind, m_signed, v, v_absmax, v_kind, seconds, bc1, inv_bc2, denom, words,
+      count, hp, bc_mode, t_new, seed, rounding, clip, grad_weight) -> None:
+    return None
+
+
+_CALLS: "weakref.WeakKeyDictionary[torch.Generator, int]" = weakref.WeakKeyDictionary()
+
+
+def _seed(generator: torch.Generator) -> int:
+    """A Philox key for this call: the generator's seed (low 32 bits) and its count of calls (high 32 bits)."""
+    n = _CALLS.get(generator, 0) + 1
+    _CALLS[generator] = n
+    return ((n & 0x7FFFFFFF) << 32) | (generator.initial_seed() & 0xFFFFFFFF)
+
+
+def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, lr: float,
+         betas: tuple[float, float], weight_decay: float, importance: str, variance, seconds: torch.Tensor,
+         unit_denom: Optional[torch.Tensor], eps: float, update_clip: Optional[float],
+         generator: Optional[torch.Generator], count: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`core.dense_step`'s adaptive update of the whole tensor as one op; the count of changed values (an
+    int64 device tensor: ``count``, added to in place, when given)."""
+    from . import core
+    b1, b2 = betas
+    dev = w_flat.device
+    table, tiles, _ = _table(slices, dev)
+    bc1 = inv_bc2 = None
+    bc1_s = ibc2_s = t_new = 0.0
+    if unit_denom is not None:
+        bc_mode = 2
+    else:
+        t = _host_t(seconds)
+        if t is None:
+            bc_mode = 1
+            bc1, inv_bc2 = core.bias_corrections(seconds, betas)
+        else:
+            bc_mode, t_new = 0, float(t + 1)
+            bc1_s, ibc2_s = 1 - b1 ** (t + 1), 1 / (1 - b2 ** (t + 1))
+    sr = generator is not None and w_flat.dtype == torch.bfloat16
+    words, seed, rounding = None, 0, 0
+    if sr and DRAWS_FROM_GENERATOR:
+        n = sum(s.n for s in slices)
+        words, rounding = torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=generator,
+                                        device=dev), 1
+    elif sr:
+        seed, rounding = _seed(generator), 2
+    if count is None:
+        count = torch.zeros((), dtype=torch.int64, device=dev)
+    hp = [b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay, 0.0 if update_clip is None else update_clip, bc1_s, ibc2_s]
+    torch.ops.titan.asdt_adaptive_step(
+        w_flat, g_flat, table, tiles, momentum.data, momentum.absmax, _state_kind(momentum), momentum.signed,
+        None if variance is None else variance.data, None if variance is None else variance.absmax,
+        0 if variance is None else _state_kind(variance), seconds, bc1, inv_bc2, unit_denom, words, count, hp,
+        bc_mode, t_new, seed, rounding, update_clip is not None, importance == "grad_weight")
+    if bc_mode == 0:  # our own write: the count stays ours
+        _STEPS[id(seconds)] = (weakref.ref(seconds), seconds._version, t + 1)
+    return count
+
