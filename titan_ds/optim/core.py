@@ -485,12 +485,14 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
                seconds: Optional[torch.Tensor] = None, unit_numels: Optional[list[int]] = None, eps: float = 1e-8,
                update_clip: Optional[float] = None,
                generator: Optional[torch.Generator] = None,
-               compiled: Optional[bool] = None) -> Union[int, torch.Tensor]:
+               compiled: Optional[bool] = None, count: Optional[torch.Tensor] = None) -> Union[int, torch.Tensor]:
     """One step of every unit of ``slices`` (see the module docstring), in place: the weights ``w_flat`` (fp32 or
     bf16), ``momentum`` and (adaptive) ``variance``; ``seconds`` (adaptive): the ``[units, 2]`` (v, t) rows, whose
     t counts each unit's steps (incremented here). With ``unit_numels`` instead of ``variance``, the second moment
     is one per unit (``v``, of the mean square over the whole unit: every unit must be held whole, none split
-    across ranks). Returns the elements changed (a device tensor, or 0)."""
+    across ranks). Returns the elements changed (a device tensor, or 0); the fused op
+    (:mod:`~titan_ds.optim.core_triton`) adds them to ``count`` (a 0-dim int64 tensor on the device) in place
+    when it is given, and returns it."""
     b1, b2 = betas
     adaptive = update == "adaptive"
     unit_denom = bc1 = inv_bc2 = None
@@ -505,7 +507,8 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
                 w_flat, g_flat, slices, momentum, lr=lr, betas=betas, weight_decay=weight_decay,
                 importance=importance, variance=variance, seconds=seconds, eps=eps, update_clip=update_clip,
                 unit_denom=None if variance is not None else
-                _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps), generator=generator)
+                _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps), generator=generator,
+                count=count)
         if variance is None:
             unit_denom = _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
         else:

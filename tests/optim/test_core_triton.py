@@ -1,0 +1,212 @@
+"""The fused Triton kernel of ASDT's adaptive update (titan_ds/optim/core_triton.py) against the eager loop it
+replaces, on CPU tensors in Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 where there is no GPU): the
+same weights and the same stored state, bit for bit, for the state kinds of the shipped configs, over several
+steps; production's in-kernel stochastic rounding is unbiased; and on ``meta`` one step of a GPT-shaped model
+dispatches at most 3x the ops of torch's foreach AdamW."""
+import collections
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("torchao")  # the quantized state's code maps
+from tests.helpers.deps import require  # noqa: E402
+
+require("triton")
+
+import titan_ds.optim.asdt as asdt_mod  # noqa: E402
+from titan_ds.kernels import _guard  # noqa: E402
+from titan_ds.optim import core, core_cpu, core_triton  # noqa: E402
+from titan_ds.optim.asdt import ASDT  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (_guard.triton_interpreting() or torch.cuda.is_available()),
+                                reason="needs CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+
+# several units of different lengths, units longer than a tile (256) with partial last blocks, odd sizes
+SHAPES = [(37, 29), (5,), (300,), (3, 4, 6), (1,), (600,)]
+ROWS = [(5, 37), (3, 300), (7,)]  # granularity="row": rows of 37 and 300 (a tile and a partial one), a vector
+
+CASES = {  # the state kinds of the shipped configs, and fp32
+    "balanced-8bit-4bit": dict(second_moment="coordinate", state_dtype="8bit", second_dtype="4bit"),
+    "memory-4bit-4bit": dict(second_moment="coordinate", state_dtype="4bit", second_dtype="4bit"),
+    "fp32-fp32": dict(second_moment="coordinate", state_dtype="fp32", second_dtype="fp32"),
+    "bf16-bf16-clip-grad_weight": dict(second_moment="coordinate", state_dtype="bf16", second_dtype="bf16",
+                                       update_clip=0.5, importance="grad_weight"),
+    "8bit-8bit-row": dict(second_moment="coordinate", state_dtype="8bit", second_dtype="8bit", granularity="row"),
+    "lean-bf16-unit-row": dict(state_dtype="bf16", granularity="row"),
+    "hf-8bit-unit-row-clip": dict(state_dtype="8bit", granularity="row", update_clip=1.0),
+}
+
+
+def _run(monkeypatch, backend, dtype, shapes, steps=3, **kw):
+    monkeypatch.setenv("TITAN_KERNELS", backend)
+    monkeypatch.setattr(core_cpu, "ENABLED", False)  # the eager loop is the oracle
+    monkeypatch.setattr(core_triton, "DRAWS_FROM_GENERATOR", True)  # the eager loop's rounding words
+    calls = []
+    step = core_triton.step
+    monkeypatch.setattr(core_triton, "step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    torch.manual_seed(0)
+    ps = [torch.randn(s, device=DEV).to(dtype).requires_grad_() for s in shapes]
+    opt = ASDT([(f"p{i}", p) for i, p in enumerate(ps)], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+               density=1.0, rounding_seed=3, update="adaptive", **kw)
+    for t in range(steps):
+        gen = torch.Generator().manual_seed(100 + t)
+        for p in ps:
+            p.grad = (torch.randn(p.shape, generator=gen) * (1 + t)).to(device=DEV, dtype=p.dtype)
+        opt.step()
+    return ps, opt, len(calls)
+
+
+def _same(monkeypatch, dtype, shapes, kw):
+    eager, opt_e, n_e = _run(monkeypatch, "reference", dtype, shapes, **kw)
+    fused, opt_f, n_f = _run(monkeypatch, "triton", dtype, shapes, **kw)
+    assert n_e == 0 and n_f == 3 * len(shapes)  # the kernel stepped every tensor in one run, none in the other
+    for a, b in zip(eager, fused):
+        assert torch.equal(a.data, b.data)
+        assert opt_e.state[a].keys() == opt_f.state[b].keys()
+        for key, v in opt_e.state[a].items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, opt_f.state[b][key]), key
+    assert int(opt_e._last_selected) == int(opt_f._last_selected) > 0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_is_the_eager_loop(monkeypatch, case):
+    """fp32 weights: weights, momentum codes and scales, second moment, (v, t) rows and the count, bit for bit."""
+    kw = CASES[case]
+    _same(monkeypatch, torch.float32, ROWS if kw.get("granularity") == "row" else SHAPES, kw)
+
+
+@pytest.mark.parametrize("case", ["memory-4bit-4bit", "lean-bf16-unit-row"])
+def test_bf16_weights_with_the_same_words_are_the_eager_loop(monkeypatch, case):
+    """bf16 weights rounded stochastically with the eager loop's words (drawn from the same generator)."""
+    kw = CASES[case]
+    _same(monkeypatch, torch.bfloat16, ROWS if kw.get("granularity") == "row" else SHAPES, kw)
+
+
+def test_bf16_weights_rounded_to_nearest(monkeypatch):
+    _same(monkeypatch, torch.bfloat16, SHAPES, dict(CASES["balanced-8bit-4bit"], rounding="nearest"))
+
+
+def test_4bit_units_on_odd_values_take_the_eager_loop(monkeypatch):
+    """4-bit codes of rows of odd length share bytes between units: the kernel declines such a layout once the
+    state is stored in 4 bits (the first step works on fp32 state, which the kernel takes)."""
+    kw = dict(granularity="row", second_moment="coordinate", state_dtype="4bit", second_dtype="4bit")
+    assert _run(monkeypatch, "triton", torch.float32, [(3, 5)], steps=2, **kw)[2] == 1
+    assert _run(monkeypatch, "triton", torch.float32, [(3, 6)], steps=2, **kw)[2] == 2
+
+
+def test_step_counts_uneven_take_the_per_unit_corrections(monkeypatch):
+    """Units whose step counts differ (a state put back from elsewhere) get their own bias corrections."""
+    kw = dict(CASES["8bit-8bit-row"])
+    out = []
+    for backend in ("reference", "triton"):
+        ps, opt, _ = _run(monkeypatch, backend, torch.float32, ROWS[:1], steps=1, **kw)
+        st = opt.state[ps[0]]
+        st["second"].view(-1, 2)[2, 1] += 5  # row 2 has taken 5 steps more
+        ps[0].grad = torch.randn(ps[0].shape, device=DEV)
+        opt.step()
+        out.append((ps[0].data.clone(), {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}))
+    assert torch.equal(out[0][0], out[1][0])
+    for key in out[0][1]:
+        assert torch.equal(out[0][1][key], out[1][1][key]), key
+
+
+def test_in_kernel_stochastic_rounding_is_unbiased(monkeypatch):
+    """Production rounding (Philox words drawn in the kernel): 2^14 copies of one fp32 value between two bf16
+    neighbours round up with the probability that makes the mean the value, within 4 standard errors; rounding to
+    nearest (what an unrounded store would give) is 0.3 of a bf16 step off, far outside."""
+    monkeypatch.setenv("TITAN_KERNELS", "triton")
+    n = 1 << 14
+    lr = 0.3 * 2.0 ** -8  # weights at 1.0 - ...: bf16 steps of 2^-8 below 1.0
+    w = torch.full((n,), 0.75, dtype=torch.bfloat16, device=DEV)  # bf16 step 2^-8 in [0.5, 1)
+    w32 = w.float()
+
+    def one_step(weights):
+        p = weights.clone().requires_grad_()
+        opt = ASDT([("w", p)], lr=lr, betas=(0.9, 0.95), density=1.0, update="adaptive", weight_decay=0.0,
+                   second_moment="coordinate", state_dtype="fp32", rounding_seed=7)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        return p.data.float()
+
+    exact = one_step(w32)[0].item()  # the fp32 result: c ~ 1 at the first step
+    got = one_step(w)
+    step = 2.0 ** -8
+    lo = 0.75 - step
+    assert lo < exact < 0.75
+    assert set(got.unique().tolist()) == {lo, 0.75}
+    frac = (0.75 - exact) / step  # the probability of rounding down
+    se = step * (frac * (1 - frac) / n) ** 0.5
+    assert abs(got.mean().item() - exact) < 4 * se, (got.mean().item(), exact, se)
+    assert abs(0.75 - exact) > 40 * se  # rounding to nearest would fail the bound above
+    again = one_step(w)
+    assert torch.equal(again, got)
+
+
+# ------------------------------------------------------------------------------------------ ops per step, on meta
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gpt(dtype, vocab=50304, d=512, layers=4, ctx=1024) -> nn.Module:
+    """A GPT-2-shaped parameter set on meta: 52 tensors, 38.9M values."""
+    shapes = {"wte": (vocab, d), "wpe": (ctx, d), "lnf_w": (d,), "lnf_b": (d,)}
+    for i in range(layers):
+        shapes.update({f"h{i}_ln1_w": (d,), f"h{i}_ln1_b": (d,), f"h{i}_qkv_w": (3 * d, d), f"h{i}_qkv_b": (3 * d,),
+                       f"h{i}_proj_w": (d, d), f"h{i}_proj_b": (d,), f"h{i}_ln2_w": (d,), f"h{i}_ln2_b": (d,),
+                       f"h{i}_fc_w": (4 * d, d), f"h{i}_fc_b": (4 * d,), f"h{i}_out_w": (d, 4 * d),
+                       f"h{i}_out_b": (d,)})
+    m = nn.Module()
+    for name, s in shapes.items():
+        m.register_parameter(name, nn.Parameter(torch.empty(s, device="meta", dtype=dtype)))
+    return m
+
+
+def _ops_of_second_step(opt, params) -> collections.Counter:
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.empty_like(p)
+        with _Ops() as mode:
+            opt.step()
+    return mode.ops
+
+
+def ops_per_step(section: str) -> tuple[int, int, collections.Counter]:
+    """(ops of one steady-state step of ``section``'s optimizer, of torch AdamW(foreach=True), the former's ops by
+    name) on :func:`_gpt`'s parameters on meta."""
+    from titan_ds.config import TitanConfig
+    from titan_ds.optim.install import build_optimizer
+    cfg = TitanConfig.from_ds_config(json.loads((CONFIGS / f"{section}.json").read_text())).optimizer
+    model = _gpt(torch.bfloat16 if cfg.weight_dtype == "bf16" else torch.float32)
+    ops = _ops_of_second_step(build_optimizer(model, cfg), list(model.parameters()))
+    ref = _gpt(torch.float32)
+    adamw = _ops_of_second_step(torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True), list(ref.parameters()))
+    return sum(ops.values()), sum(adamw.values()), ops
+
+
+@pytest.fixture
+def _meta_generator(monkeypatch):
+    """meta has no generator of its own (tests/optim/test_meta_device.py): a CPU one."""
+    monkeypatch.setattr(asdt_mod, "_device_generator", lambda device, seed: torch.Generator().manual_seed(seed))
+    monkeypatch.delenv("TITAN_KERNELS", raising=False)
+
+
+@pytest.mark.parametrize("section", ["titan_balanced", "titan_memory"])
+def test_ops_per_step_within_3x_foreach_adamw(section, _meta_generator):
+    """One fused op per tensor (and its flat views): the step of a shipped section launches at most 3x what
+    foreach AdamW does on the same parameters."""
+    ours, adamw, ops = ops_per_step(section)
+    assert ops["titan.asdt_adaptive_step.default"] == 52
+    assert ours <= 3 * adamw, (ours, adamw, ops.most_common(8))
