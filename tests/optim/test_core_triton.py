@@ -62,17 +62,43 @@ def _run(monkeypatch, backend, dtype, shapes, steps=3, **kw):
     return ps, opt, len(calls)
 
 
+STEPS, LR, C_MAX = 3, 1e-2, 16.0  # _run's steps and lr; a bound on |m / denominator| for its gradients
+
+
 def _same(monkeypatch, dtype, shapes, kw):
-    eager, opt_e, n_e = _run(monkeypatch, "reference", dtype, shapes, **kw)
-    fused, opt_f, n_f = _run(monkeypatch, "triton", dtype, shapes, **kw)
-    assert n_e == 0 and n_f == 3 * len(shapes)  # the kernel stepped every tensor in one run, none in the other
+    """The fused run stores what the eager run stores, bit for bit; with the per-unit second moment (whose fp64
+    sums are added in another order: core_triton's docstring) ``v`` and the weights within what that allows: the
+    fp32 mean of a unit within 1 ulp each step, so ``v`` within ``STEPS * 2^-22`` (relative), the denominators and
+    directions within ``STEPS * 2^-22 + 2^-24``, and each step's change of a weight within that of ``LR * C_MAX``
+    plus a rounding of the weight."""
+    eager, opt_e, n_e = _run(monkeypatch, "reference", dtype, shapes, steps=STEPS, **kw)
+    fused, opt_f, n_f = _run(monkeypatch, "triton", dtype, shapes, steps=STEPS, **kw)
+    assert n_e == 0 and n_f == STEPS * len(shapes)  # the kernel stepped every tensor in one run, none in the other
+    per_unit = kw.get("second_moment", "unit") == "unit"
+    rel = STEPS * 2.0 ** -22 + 2.0 ** -24
     for a, b in zip(eager, fused):
-        assert torch.equal(a.data, b.data)
+        if per_unit:
+            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+            torch.testing.assert_close(a.data.float(), b.data.float(), rtol=STEPS * ulp,
+                                       atol=STEPS * LR * C_MAX * rel)
+        else:
+            assert torch.equal(a.data, b.data)
         assert opt_e.state[a].keys() == opt_f.state[b].keys()
         for key, v in opt_e.state[a].items():
-            if torch.is_tensor(v):
+            if not torch.is_tensor(v):
+                continue
+            if per_unit and key == "second":  # (v, t) rows: t exact, v within the bound
+                assert torch.equal(v[1::2], opt_f.state[b][key][1::2])
+                torch.testing.assert_close(v[0::2], opt_f.state[b][key][0::2], rtol=STEPS * 2.0 ** -22, atol=0)
+            else:
                 assert torch.equal(v, opt_f.state[b][key]), key
     assert int(opt_e._last_selected) == int(opt_f._last_selected) > 0
+
+
+def test_unit_sums_over_many_blocks(monkeypatch):
+    """The per-unit second moment of units of several tiles added in several blocks (UNIT_BLOCK of 2 tiles)."""
+    monkeypatch.setattr(core_triton, "UNIT_BLOCK", 2)
+    _same(monkeypatch, torch.float32, SHAPES, dict(state_dtype="8bit", update_clip=1.0))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -161,7 +187,7 @@ class _Ops(TorchDispatchMode):
 
 
 def _gpt(dtype, vocab=50304, d=512, layers=4, ctx=1024) -> nn.Module:
-    """A GPT-2-shaped parameter set on meta: 52 tensors, 38.9M values."""
+    """A GPT-2-shaped parameter set on meta: 52 tensors, 38.9M values (at the default vocabulary)."""
     shapes = {"wte": (vocab, d), "wpe": (ctx, d), "lnf_w": (d,), "lnf_b": (d,)}
     for i in range(layers):
         shapes.update({f"h{i}_ln1_w": (d,), f"h{i}_ln1_b": (d,), f"h{i}_qkv_w": (3 * d, d), f"h{i}_qkv_b": (3 * d,),
@@ -183,15 +209,15 @@ def _ops_of_second_step(opt, params) -> collections.Counter:
     return mode.ops
 
 
-def ops_per_step(section: str) -> tuple[int, int, collections.Counter]:
+def ops_per_step(section: str, vocab: int = 50304) -> tuple[int, int, collections.Counter]:
     """(ops of one steady-state step of ``section``'s optimizer, of torch AdamW(foreach=True), the former's ops by
     name) on :func:`_gpt`'s parameters on meta."""
     from titan_ds.config import TitanConfig
     from titan_ds.optim.install import build_optimizer
     cfg = TitanConfig.from_ds_config(json.loads((CONFIGS / f"{section}.json").read_text())).optimizer
-    model = _gpt(torch.bfloat16 if cfg.weight_dtype == "bf16" else torch.float32)
+    model = _gpt(torch.bfloat16 if cfg.weight_dtype == "bf16" else torch.float32, vocab)
     ops = _ops_of_second_step(build_optimizer(model, cfg), list(model.parameters()))
-    ref = _gpt(torch.float32)
+    ref = _gpt(torch.float32, vocab)
     adamw = _ops_of_second_step(torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True), list(ref.parameters()))
     return sum(ops.values()), sum(adamw.values()), ops
 
@@ -203,10 +229,12 @@ def _meta_generator(monkeypatch):
     monkeypatch.delenv("TITAN_KERNELS", raising=False)
 
 
-@pytest.mark.parametrize("section", ["titan_balanced", "titan_memory"])
+@pytest.mark.parametrize("section", ["titan_balanced", "titan_memory", "hf_asdt_8bit", "titan_lean"])
 def test_ops_per_step_within_3x_foreach_adamw(section, _meta_generator):
-    """One fused op per tensor (and its flat views): the step of a shipped section launches at most 3x what
-    foreach AdamW does on the same parameters."""
-    ours, adamw, ops = ops_per_step(section)
+    """One fused op per tensor (and its flat views): the step of a shipped section dispatches at most 3x the ops
+    foreach AdamW does on the same parameters (measured here: 263 against 116 for each of the four)."""
+    # a vocabulary of 8192 rows (not GPT-2's 50304): the same 52 tensors, and every count per tensor, not per value
+    # (the row sections' first step places a state per row, ~20 s at 50304 rows on this machine)
+    ours, adamw, ops = ops_per_step(section, vocab=8192)
     assert ops["titan.asdt_adaptive_step.default"] == 52
     assert ours <= 3 * adamw, (ours, adamw, ops.most_common(8))

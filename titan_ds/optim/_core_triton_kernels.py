@@ -18,7 +18,7 @@ from titan_ds.kernels._guard import require_triton
 
 triton, tl = require_triton()
 
-__all__ = ["adaptive_kernel", "TILE", "COLUMNS"]
+__all__ = ["adaptive_kernel", "unit_sumsq_kernel", "unit_denom_kernel", "TILE", "COLUMNS"]
 
 TILE = 256  # values a program steps: an 8-bit block (qstate.KINDS), two 4-bit ones
 COLUMNS = 6  # the tile table's columns: flat start, buffer start, length, piece, first 4-bit scale, first-of-piece
@@ -153,3 +153,40 @@ def adaptive_kernel(W, G, TAB, M, MABS, MQ, MCODES, MNXT, V, VABS, VQ, VCODES, V
     if WRITE_T:
         tl.store(SEC + piece * 2 + 1, t_new, mask=tl.load(row + 5) != 0)
     tl.atomic_add(COUNT, tl.sum(sel.to(tl.int64), 0))
+
+
+@triton.jit
+def unit_sumsq_kernel(G, TAB, PART, TILE: tl.constexpr):
+    """Each tile's sum of squared gradients, in fp64 (the per-unit second moment's first pass)."""
+    tile = tl.program_id(0)
+    row = TAB + tile * 6
+    flat = tl.load(row)
+    offs = tl.arange(0, TILE)
+    g = tl.load(G + flat + offs, mask=offs < tl.load(row + 2), other=0.0).to(tl.float64)
+    tl.store(PART + tile, tl.sum(g * g, 0))
+
+
+@triton.jit
+def unit_denom_kernel(PART, UNITS, SEC, DEN, b2, omb2, bc1_bits, bc2_bits, eps_bits, t_new, BLOCK: tl.constexpr):
+    """One piece's second moment and denominator (:func:`core._unit_second_moment`'s arithmetic): its tiles'
+    partial sums added block after block (fp64), ``v = v * b2 + (1 - b2) * (sum / numel)`` (fp32), ``t = t_new``,
+    the denominator ``(sqrt(v / bc2) + eps) * bc1`` in fp64, stored as fp32. ``UNITS[piece]``: its first tile, the
+    tile after its last, the whole unit's size; ``bc1``, ``bc2``, ``eps``: fp64 bit patterns (Triton passes a
+    Python float as fp32)."""
+    p = tl.program_id(0)
+    lo = tl.load(UNITS + p * 3)
+    hi = tl.load(UNITS + p * 3 + 1)
+    numel = tl.load(UNITS + p * 3 + 2).to(tl.float64)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float64)
+    for i in range(lo, hi, BLOCK):
+        acc += tl.load(PART + i + offs, mask=i + offs < hi, other=0.0)
+    mean = (tl.sum(acc, 0) / numel).to(tl.float32)  # fp64 division: correctly rounded on a GPU too
+    v = tl.load(SEC + p * 2) * b2 + omb2 * mean
+    tl.store(SEC + p * 2, v)
+    tl.store(SEC + p * 2 + 1, t_new)
+    bc1 = bc1_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    bc2 = bc2_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    eps = eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    den = (tl.sqrt(v.to(tl.float64) / bc2) + eps) * bc1  # fp64: sqrt.rn.f64 (no approximate one)
+    tl.store(DEN + p, den.to(tl.float32))

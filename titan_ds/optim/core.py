@@ -116,14 +116,15 @@ def plan(pieces: list[Piece], chunk: Optional[int] = None, parts: int = PARTS,
     if chunk % 256:
         raise ValueError(f"core.plan: chunk={chunk} must be a multiple of 256 (the quantized state's block sizes)")
     out: list[Slice] = []
-    buf, group = 0, []  # group: consecutive pieces (contiguous in the tensor) of at most ``chunk`` elements
+    buf, group, held = 0, [], 0  # group: consecutive pieces (contiguous in the tensor) of at most ``chunk``
+    # elements, ``held`` of them (a running sum: re-summing the group per piece was quadratic in a chunk's units)
 
     def close():
-        nonlocal group
+        nonlocal group, held
         if group:
             out.append(Slice(group[0][0].start, group[0][1], group[0][2], group[-1][2] + 1,
                              tuple(pc.length for pc, _, _ in group), 0))
-            group = []
+            group, held = [], 0
 
     for i, pc in enumerate(pieces):
         if pc.length > chunk:  # a large unit: pieces of it, each starting at a multiple of the chunk
@@ -131,10 +132,10 @@ def plan(pieces: list[Piece], chunk: Optional[int] = None, parts: int = PARTS,
             for o in range(0, pc.length, chunk):
                 out.append(Slice(pc.start + o, buf + o, i, i + 1, (min(chunk, pc.length - o),), o))
         else:
-            if group and (sum(pc_.length for pc_, _, _ in group) + pc.length > chunk
-                          or group[-1][0].start + group[-1][0].length != pc.start):
+            if group and (held + pc.length > chunk or group[-1][0].start + group[-1][0].length != pc.start):
                 close()
             group.append((pc, buf, i))
+            held += pc.length
         buf += pc.length
     close()
     return out
@@ -506,9 +507,7 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
             return core_triton.step(
                 w_flat, g_flat, slices, momentum, lr=lr, betas=betas, weight_decay=weight_decay,
                 importance=importance, variance=variance, seconds=seconds, eps=eps, update_clip=update_clip,
-                unit_denom=None if variance is not None else
-                _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps), generator=generator,
-                count=count)
+                unit_numels=unit_numels, generator=generator, count=count)
         if variance is None:
             unit_denom = _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
         else:

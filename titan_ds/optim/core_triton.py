@@ -26,16 +26,22 @@ seed and a per-generator call count kept on the host, one per value (its index i
 :data:`DRAWS_FROM_GENERATOR` instead draws the eager loop's words from the generator (``torch.randint``, the same
 draws chunk after chunk) and passes them in: the tests compare the kernel with the eager loop bit for bit so.
 
-**The per-unit second moment** (``second_moment="unit"``) keeps the eager loop's denominators
-(:func:`core._unit_second_moment`: each unit's fp64 sum of squares chunk by chunk, then ``v``, ``t`` and
-``(sqrt(v / bc2) + eps) * bc1`` per unit, a few device ops a chunk, outside the op), so the sums are added in the
-eager loop's order; the kernel then divides each tile by its unit's denominator.
+**The per-unit second moment** (``second_moment="unit"``, the HF rows): the op makes two small launches before
+the step: each tile's fp64 sum of squared gradients, then one program per unit adds its tiles' sums (block after
+block of :data:`UNIT_BLOCK`), updates ``v`` and ``t`` and computes the denominator ``(sqrt(v / bc2) + eps) * bc1``
+in fp64 (the arithmetic of :func:`core._unit_second_moment`); the step divides each tile by its unit's. The fp64
+sum is added in another order than the eager loop's (``segment_reduce`` / ATen's ``sum``, itself different on a
+CPU and a GPU), so it may differ in its last bits; each term ``g^2`` is exact in fp64, so each sum is within
+``n * 2^-53`` (relative) of the exact one and the fp32 mean within one ulp of the eager loop's; the tests bound
+``v`` and the weights by what that ulp can do (and find them equal on their shapes). Units whose step counts
+differ take the eager loop's denominators.
 
 Layouts it does not take (they step on the eager loop): 4-bit state whose units start on an odd value (two units
 would share a byte of codes across two programs).
 """
 from __future__ import annotations
 
+import struct
 import weakref
 from typing import Optional
 
@@ -49,6 +55,7 @@ __all__ = ["runs", "step", "DRAWS_FROM_GENERATOR", "OP"]
 # instead of Philox in the kernel: bit for bit the eager loop's weights (the tests), one device op more a tensor.
 DRAWS_FROM_GENERATOR = False
 TILE = 256
+UNIT_BLOCK = 256  # partial sums a unit's program adds at a time (the per-unit second moment)
 _KIND = {None: 0, "8bit": 8, "4bit": 4}
 _PLAIN = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -94,6 +101,17 @@ def _table(slices: list, device: torch.device) -> tuple[torch.Tensor, int, bool]
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is slices and hit[1] == device:
         return hit[2]
+    table, even = _build(slices)
+    from ..comm.base import to_device_async
+    out = (to_device_async(table, device) if device.type != "cpu" else table, table.shape[0], even)
+    if len(_TABLES) >= _TABLES_MAX:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (slices, device, out)
+    return out
+
+
+def _build(slices: list) -> tuple[torch.Tensor, bool]:
+    """:func:`_table`'s table, on the host, and ``even``."""
     flat, buf, length, piece, offset = [], [], [], [], []
     for s in slices:
         f, b = s.flat, s.buf
@@ -119,14 +137,34 @@ def _table(slices: list, device: torch.device) -> tuple[torch.Tensor, int, bool]
     table = torch.stack([rep(flat) + j * TILE, rep(buf) + j * TILE,
                          torch.minimum(rep(length) - j * TILE, torch.tensor(TILE)), rep(piece),
                          first4[rep(piece)] + into // 128, (into == 0).long()], 1)
-    even = all(b % 2 == 0 for b in buf)
+    return table.contiguous(), all(b % 2 == 0 for b in buf)
+
+
+_UNITS: dict[int, tuple] = {}
+
+
+def _units(slices: list, numels: list[int], device: torch.device) -> torch.Tensor:
+    """Each piece's first tile, the tile after its last, and its unit's size (``[pieces, 3]`` int64 on
+    ``device``), for the per-unit second moment; made once per plan, as :func:`_table`."""
+    key = id(slices)
+    hit = _UNITS.get(key)
+    if hit is not None and hit[0] is slices and hit[1] == device:
+        return hit[2]
+    table = _build(slices)[0]
+    per = torch.bincount(table[:, 3], minlength=len(numels))
+    end = torch.cumsum(per, 0)
+    out = torch.stack([end - per, end, torch.tensor(numels, dtype=torch.int64)], 1).contiguous()
     from ..comm.base import to_device_async
-    out = (to_device_async(table.contiguous(), device) if device.type != "cpu" else table.contiguous(),
-           table.shape[0], even)
-    if len(_TABLES) >= _TABLES_MAX:
-        _TABLES.pop(next(iter(_TABLES)))
-    _TABLES[key] = (slices, device, out)
+    out = to_device_async(out, device) if device.type != "cpu" else out
+    if len(_UNITS) >= _TABLES_MAX:
+        _UNITS.pop(next(iter(_UNITS)))
+    _UNITS[key] = (slices, device, out)
     return out
+
+
+def _bits(x: float) -> int:
+    """The fp64 bit pattern of ``x`` as an int (a Triton float argument is fp32)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
 def takes(slices: list, momentum, variance, device: torch.device) -> bool:
@@ -170,10 +208,12 @@ def _op(w: torch.Tensor, g: torch.Tensor, table: torch.Tensor, tiles: int,
         seconds: torch.Tensor, bc1: Optional[torch.Tensor], inv_bc2: Optional[torch.Tensor],
         denom: Optional[torch.Tensor], words: Optional[torch.Tensor], count: torch.Tensor,
         hp: list[float], bc_mode: int, t_new: float, seed: int, rounding: int, clip: bool,
-        grad_weight: bool) -> None:
+        grad_weight: bool, units: Optional[torch.Tensor], pieces: int, bits: list[int]) -> None:
     """The adaptive step of one tensor (see the module docstring): ``w``, ``m`` (+ ``m_absmax``), ``v``
     (+ ``v_absmax``) and ``seconds`` updated in place, the changed values added to ``count``. ``hp``: ``b1, 1 - b1,
-    b2, 1 - b2, eps, lr, weight_decay, update_clip, bc1, 1 / bc2`` (the last two: ``bc_mode`` 0)."""
+    b2, 1 - b2, eps, lr, weight_decay, update_clip, bc1, 1 / bc2`` (the last two: ``bc_mode`` 0). ``bc_mode`` 3:
+    the per-unit second moment computed here (``units``: each of the ``pieces``' first and last tile and size;
+    ``bits``: the fp64 bit patterns of ``bc1``, ``bc2``, ``eps``), then the step as ``bc_mode`` 2."""
     from . import _core_triton_kernels as K, qstate
     dev = w.device
     empty = torch.empty(0, device=dev)
@@ -186,6 +226,13 @@ def _op(w: torch.Tensor, g: torch.Tensor, table: torch.Tensor, tiles: int,
     mq, mc, mn = tables(m_kind, m_signed)
     vq, vc, vn = tables(v_kind, False) if v is not None else (empty, empty, empty)
     b1, omb1, b2, omb2, eps, lr, wd, uclip, bc1_s, ibc2_s = hp
+    if bc_mode == 3:  # the per-unit denominators: two small launches before the step
+        part = torch.empty(tiles, dtype=torch.float64, device=dev)
+        denom = torch.empty(pieces, dtype=torch.float32, device=dev)
+        K.unit_sumsq_kernel[(tiles,)](g, table, part, TILE=K.TILE, enable_fp_fusion=False)
+        K.unit_denom_kernel[(pieces,)](part, units, seconds, denom, b2, omb2, *bits, t_new, BLOCK=UNIT_BLOCK,
+                                       enable_fp_fusion=False)
+        bc_mode = 2
     K.adaptive_kernel[(tiles,)](
         w, g, table, m, m_absmax if m_absmax is not None else empty, mq, mc, mn,
         v if v is not None else empty, v_absmax if v_absmax is not None else empty, vq, vc, vn,
@@ -199,7 +246,7 @@ def _op(w: torch.Tensor, g: torch.Tensor, table: torch.Tensor, tiles: int,
 
 @_op.register_fake
 def _(w, g, table, tiles, m, m_absmax, m_kind, m_signed, v, v_absmax, v_kind, seconds, bc1, inv_bc2, denom, words,
-      count, hp, bc_mode, t_new, seed, rounding, clip, grad_weight) -> None:
+      count, hp, bc_mode, t_new, seed, rounding, clip, grad_weight, units, pieces, bits) -> None:
     return None
 
 
@@ -215,26 +262,34 @@ def _seed(generator: torch.Generator) -> int:
 
 def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, lr: float,
          betas: tuple[float, float], weight_decay: float, importance: str, variance, seconds: torch.Tensor,
-         unit_denom: Optional[torch.Tensor], eps: float, update_clip: Optional[float],
+         unit_numels: Optional[list[int]], eps: float, update_clip: Optional[float],
          generator: Optional[torch.Generator], count: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`core.dense_step`'s adaptive update of the whole tensor as one op; the count of changed values (an
-    int64 device tensor: ``count``, added to in place, when given)."""
+    int64 device tensor: ``count``, added to in place, when given). ``unit_numels`` instead of ``variance``: the
+    per-unit second moment (each piece a whole unit of that size)."""
     from . import core
     b1, b2 = betas
     dev = w_flat.device
     table, tiles, _ = _table(slices, dev)
-    bc1 = inv_bc2 = None
+    bc1 = inv_bc2 = unit_denom = units = None
     bc1_s = ibc2_s = t_new = 0.0
-    if unit_denom is not None:
+    bits: list[int] = []
+    t = _host_t(seconds)
+    if t is not None:
+        t_new = float(t + 1)
+    if variance is None and t is None:  # the eager loop's denominators, per unit
         bc_mode = 2
+        unit_denom = core._unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
+    elif variance is None:
+        bc_mode = 3
+        units = _units(slices, unit_numels, dev)
+        bits = [_bits(1 - b1 ** (t + 1)), _bits(1 - b2 ** (t + 1)), _bits(eps)]
+    elif t is None:
+        bc_mode = 1
+        bc1, inv_bc2 = core.bias_corrections(seconds, betas)
     else:
-        t = _host_t(seconds)
-        if t is None:
-            bc_mode = 1
-            bc1, inv_bc2 = core.bias_corrections(seconds, betas)
-        else:
-            bc_mode, t_new = 0, float(t + 1)
-            bc1_s, ibc2_s = 1 - b1 ** (t + 1), 1 / (1 - b2 ** (t + 1))
+        bc_mode = 0
+        bc1_s, ibc2_s = 1 - b1 ** (t + 1), 1 / (1 - b2 ** (t + 1))
     sr = generator is not None and w_flat.dtype == torch.bfloat16
     words, seed, rounding = None, 0, 0
     if sr and DRAWS_FROM_GENERATOR:
@@ -250,8 +305,9 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, 
         w_flat, g_flat, table, tiles, momentum.data, momentum.absmax, _state_kind(momentum), momentum.signed,
         None if variance is None else variance.data, None if variance is None else variance.absmax,
         0 if variance is None else _state_kind(variance), seconds, bc1, inv_bc2, unit_denom, words, count, hp,
-        bc_mode, t_new, seed, rounding, update_clip is not None, importance == "grad_weight")
-    if bc_mode == 0:  # our own write: the count stays ours
+        bc_mode, t_new, seed, rounding, update_clip is not None, importance == "grad_weight", units,
+        len(unit_numels) if unit_numels is not None else 0, bits)
+    if bc_mode in (0, 3):  # our own write: the count stays ours
         _STEPS[id(seconds)] = (weakref.ref(seconds), seconds._version, t + 1)
     return count
 
