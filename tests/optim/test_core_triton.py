@@ -127,6 +127,19 @@ def test_4bit_units_on_odd_values_take_the_eager_loop(monkeypatch):
     assert _run(monkeypatch, "triton", torch.float32, [(3, 6)], steps=2, **kw)[2] == 2
 
 
+def test_step_counts_read_once(monkeypatch):
+    """The units' step count is read from the device when a state is first seen, then counted on the host (ASDT
+    hands a fresh view of the (v, t) rows each step); a write by anyone else makes it read again."""
+    reads = []
+    read = core_triton._read_t
+    monkeypatch.setattr(core_triton, "_read_t", lambda s: reads.append(1) or read(s))
+    ps, opt, _ = _run(monkeypatch, "triton", torch.float32, ROWS[:1], steps=3, **CASES["8bit-8bit-row"])
+    assert len(reads) == 1
+    opt.state[ps[0]]["second"].view(-1, 2)[:, 1].add_(1)  # someone else counts a step
+    opt.step()
+    assert len(reads) == 2
+
+
 def test_step_counts_uneven_take_the_per_unit_corrections(monkeypatch):
     """Units whose step counts differ (a state put back from elsewhere) get their own bias corrections."""
     kw = dict(CASES["8bit-8bit-row"])

@@ -93,25 +93,26 @@ _TABLES: dict[int, tuple] = {}
 _TABLES_MAX = 4096
 
 
-def _table(slices: list, device: torch.device) -> tuple[torch.Tensor, int, bool]:
-    """``(table, tiles, even)`` of a chunk plan (:func:`core.plan`'s slices): each tile's row (see the kernel),
-    on ``device``, made once per plan (``slices`` is the list ASDT caches per layout); ``even``: every unit
-    starts on an even value of the buffers (the 4-bit codes of two units never share a byte)."""
+def _table(slices: list, device: torch.device) -> tuple[torch.Tensor, int, bool, bool]:
+    """``(table, tiles, even, full)`` of a chunk plan (:func:`core.plan`'s slices): each tile's row (see the
+    kernel), on ``device``, made once per plan (``slices`` is the list ASDT caches per layout); ``even``: every
+    unit starts on an even value of the buffers (the 4-bit codes of two units never share a byte); ``full``: no
+    unit is empty."""
     key = id(slices)
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is slices and hit[1] == device:
         return hit[2]
-    table, even = _build(slices)
+    table, even, full = _build(slices)
     from ..comm.base import to_device_async
-    out = (to_device_async(table, device) if device.type != "cpu" else table, table.shape[0], even)
+    out = (to_device_async(table, device) if device.type != "cpu" else table, table.shape[0], even, full)
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.pop(next(iter(_TABLES)))
     _TABLES[key] = (slices, device, out)
     return out
 
 
-def _build(slices: list) -> tuple[torch.Tensor, bool]:
-    """:func:`_table`'s table, on the host, and ``even``."""
+def _build(slices: list) -> tuple[torch.Tensor, bool, bool]:
+    """:func:`_table`'s table, on the host, ``even`` and ``full``."""
     flat, buf, length, piece, offset = [], [], [], [], []
     for s in slices:
         f, b = s.flat, s.buf
@@ -137,7 +138,7 @@ def _build(slices: list) -> tuple[torch.Tensor, bool]:
     table = torch.stack([rep(flat) + j * TILE, rep(buf) + j * TILE,
                          torch.minimum(rep(length) - j * TILE, torch.tensor(TILE)), rep(piece),
                          first4[rep(piece)] + into // 128, (into == 0).long()], 1)
-    return table.contiguous(), all(b % 2 == 0 for b in buf)
+    return table.contiguous(), all(b % 2 == 0 for b in buf), all(length)
 
 
 _UNITS: dict[int, tuple] = {}
@@ -168,32 +169,49 @@ def _bits(x: float) -> int:
 
 
 def takes(slices: list, momentum, variance, device: torch.device) -> bool:
-    """Whether the layout of ``slices`` fits the kernel (4-bit codes: every unit starting on a byte)."""
+    """Whether the layout of ``slices`` fits the kernel: no empty unit (a tile writes its unit's step count) and,
+    with 4-bit codes, every unit starting on a byte."""
+    _, _, even, full = _table(slices, device)
     four = any(b is not None and b.kind == "4bit" for b in (momentum, variance))
-    return not four or _table(slices, device)[2]
+    return full and (even or not four)
 
 
 # ------------------------------------------------------------------------------------------- step counts
-_STEPS: dict[int, tuple] = {}  # id(seconds) -> (weakref, version after our last write, t)
+_STEPS: dict[int, tuple] = {}  # id(buffer) -> (weakref to it, its version after our last write, t)
+
+
+def _base(seconds: torch.Tensor) -> torch.Tensor:
+    """The buffer ``seconds`` views (ASDT hands a fresh ``view(-1, 2)`` of it every step; views share its version
+    counter)."""
+    return seconds if seconds._base is None else seconds._base
+
+
+def _remember(seconds: torch.Tensor, t: int) -> None:
+    base = _base(seconds)
+    _STEPS[id(base)] = (weakref.ref(base), seconds._version, t)
+
+
+def _read_t(seconds: torch.Tensor) -> Optional[int]:
+    """The units' common step count, read from the device (a host sync), or None when they differ."""
+    if seconds.device.type == "meta":  # no values: any count (the fake op computes nothing)
+        return 0
+    t_col = seconds[:, 1]
+    lo, hi = torch.stack([t_col.min(), t_col.max()]).tolist()
+    return int(lo) if lo == hi and lo == int(lo) else None
 
 
 def _host_t(seconds: torch.Tensor) -> Optional[int]:
     """Every unit's step count of ``seconds`` (``[:, 1]``) when they are one number, else None: read from the device
     when this buffer is first seen or was written by someone else since, counted here after that."""
-    key = id(seconds)
-    hit = _STEPS.get(key)
-    if hit is not None and hit[0]() is seconds and hit[1] == seconds._version:
+    base = _base(seconds)
+    hit = _STEPS.get(id(base))
+    if hit is not None and hit[0]() is base and hit[1] == seconds._version:
         return hit[2]
-    if seconds.device.type == "meta":  # no values: any count (the fake op computes nothing)
-        t: Optional[int] = 0
-    else:
-        t_col = seconds[:, 1]
-        lo, hi = torch.stack([t_col.min(), t_col.max()]).tolist()  # one host read, when first seen
-        t = int(lo) if lo == hi and lo == int(lo) else None
+    t = _read_t(seconds)
     if t is not None:
-        _STEPS[key] = (weakref.ref(seconds), seconds._version, t)
+        _remember(seconds, t)
     else:
-        _STEPS.pop(key, None)
+        _STEPS.pop(id(base), None)
     return t
 
 
@@ -270,7 +288,7 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, 
     from . import core
     b1, b2 = betas
     dev = w_flat.device
-    table, tiles, _ = _table(slices, dev)
+    table, tiles = _table(slices, dev)[:2]
     bc1 = inv_bc2 = unit_denom = units = None
     bc1_s = ibc2_s = t_new = 0.0
     bits: list[int] = []
@@ -308,6 +326,6 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, 
         bc_mode, t_new, seed, rounding, update_clip is not None, importance == "grad_weight", units,
         len(unit_numels) if unit_numels is not None else 0, bits)
     if bc_mode in (0, 3):  # our own write: the count stays ours
-        _STEPS[id(seconds)] = (weakref.ref(seconds), seconds._version, t + 1)
+        _remember(seconds, t + 1)
     return count
 
