@@ -288,3 +288,16 @@ def test_torch_compile_sees_one_op(monkeypatch):
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
     assert int(eager[4]) > 0
+
+
+def test_rounding_key_follows_the_generator_state():
+    """The kernel's Philox key moves on with the generator and comes back with its saved state (a checkpoint
+    resumes the same words)."""
+    gen = torch.Generator().manual_seed(3)
+    cpu = torch.device("cpu")
+    first = core_triton._seed(gen, cpu)
+    saved = gen.get_state()
+    second = core_triton._seed(gen, cpu)
+    gen.set_state(saved)
+    assert core_triton._seed(gen, cpu) == second != first
+    assert first >= 1 << 32 and second < 1 << 63

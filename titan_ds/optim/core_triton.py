@@ -21,8 +21,9 @@ last fp64 bit for ~0.1-5% of ``t``, which rounding to fp32 absorbed for every ``
 0.9, 0.95, 0.98, 0.99, 0.999, 0.9999 (checked on this machine); a CUDA ``pow`` may differ likewise. Units whose
 counts differ take the per-unit corrections of :func:`core.bias_corrections` (a few device ops more).
 
-**Stochastic rounding** (bf16 weights): the kernel draws Philox words (``tl.randint``) keyed by the generator's
-seed and a per-generator call count kept on the host, one per value (its index in the buffer); no device read.
+**Stochastic rounding** (bf16 weights): the kernel draws Philox words (``tl.randint``), one per value (its index
+in the buffer), keyed by the generator's seed and a number the generator advances on the host (:func:`_seed`: a
+CUDA generator's Philox offset), so a checkpointed generator resumes the same words; no device read.
 :data:`DRAWS_FROM_GENERATOR` instead draws the eager loop's words from the generator (``torch.randint``, the same
 draws chunk after chunk) and passes them in: the tests compare the kernel with the eager loop bit for bit so.
 
@@ -268,14 +269,20 @@ def _(w, g, table, tiles, m, m_absmax, m_kind, m_signed, v, v_absmax, v_kind, se
     return None
 
 
-_CALLS: "weakref.WeakKeyDictionary[torch.Generator, int]" = weakref.WeakKeyDictionary()
-
-
-def _seed(generator: torch.Generator) -> int:
-    """A Philox key for this call: the generator's seed (low 32 bits) and its count of calls (high 32 bits)."""
-    n = _CALLS.get(generator, 0) + 1
-    _CALLS[generator] = n
-    return ((n & 0x7FFFFFFF) << 32) | (generator.initial_seed() & 0xFFFFFFFF)
+def _seed(generator: torch.Generator, device: torch.device) -> int:
+    """A Philox key for this call (64 bits, always above 2^32, so Triton passes it as an int64): the generator's
+    seed in the low half and, in the high half, a number the generator itself advances, so that its saved state
+    (ASDT checkpoints its generators) resumes the same words: a CUDA generator's Philox offset (a host value; moved
+    on by 4, as torch's own draws move it), a CPU generator's next draw (a host op)."""
+    if device.type == "meta":  # the fake op draws nothing
+        return 1 << 32
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)
+        n = offset // 4
+    else:
+        n = int(torch.randint(0, 1 << 31, (1,), generator=generator))
+    return ((n % 0x7FFFFFFF) + 1) << 32 | (generator.initial_seed() & 0xFFFFFFFF)
 
 
 def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, lr: float,
@@ -315,7 +322,7 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, 
         words, rounding = torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=generator,
                                         device=dev), 1
     elif sr:
-        seed, rounding = _seed(generator), 2
+        seed, rounding = _seed(generator, dev), 2
     if count is None:
         count = torch.zeros((), dtype=torch.int64, device=dev)
     hp = [b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay, 0.0 if update_clip is None else update_clip, bc1_s, ibc2_s]
