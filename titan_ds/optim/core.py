@@ -35,6 +35,12 @@ the same arithmetic in two passes over the chunk, each element's work done while
 the correctly rounded one (:func:`~titan_ds.optim.asdt_math.ieee_sqrt`, as everywhere in the update); it stores what the eager loop stores, bit for bit (``tests/optim/test_core_cpu.py``),
 at ~5x its elements/s. ``TITAN_CORE_CPU=0`` (or a machine where it does not build) steps eagerly.
 
+**On a GPU** (Triton importable; and on ``meta``, where the op's fake implementation stands in) the adaptive update
+of a whole tensor is one fused op, ``titan::asdt_adaptive_step`` (:mod:`~titan_ds.optim.core_triton`: a Triton
+kernel, one program per 256 values of a unit), the same arithmetic: bit for bit the eager loop with the
+per-coordinate second moment (``tests/optim/test_core_triton.py``, under the interpreter). ``TITAN_KERNELS=reference``
+keeps the eager loop, which stays the oracle and the fallback.
+
 **The compiled fused chunk** (:func:`_fused_chunk` under ``torch.compile``; on with ``TITAN_CORE_COMPILE=1``
 (:data:`COMPILE`) or ``dense_step(compiled=True)``): the adaptive step with the per-coordinate second
 moment runs each chunk of units of one length (a multiple of 256; 4-bit codes starting on a byte) as one graph:
