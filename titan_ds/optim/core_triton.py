@@ -52,8 +52,9 @@ from ..kernels import _guard
 
 __all__ = ["runs", "step", "DRAWS_FROM_GENERATOR", "OP"]
 
-# Draw the bf16 weights' rounding words from the optimizer's generator (torch.randint, the eager loop's draws)
-# instead of Philox in the kernel: bit for bit the eager loop's weights (the tests), one device op more a tensor.
+# Draw the bf16 weights' rounding words from the optimizer's generator (torch.randint chunk by chunk, the eager
+# loop's draws) instead of Philox in the kernel: bit for bit the eager loop's weights (the tests); a few device ops
+# more a tensor.
 DRAWS_FROM_GENERATOR = False
 TILE = 256
 UNIT_BLOCK = 256  # partial sums a unit's program adds at a time (the per-unit second moment)
@@ -317,10 +318,9 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, 
         bc1_s, ibc2_s = 1 - b1 ** (t + 1), 1 / (1 - b2 ** (t + 1))
     sr = generator is not None and w_flat.dtype == torch.bfloat16
     words, seed, rounding = None, 0, 0
-    if sr and DRAWS_FROM_GENERATOR:
-        n = sum(s.n for s in slices)
-        words, rounding = torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=generator,
-                                        device=dev), 1
+    if sr and DRAWS_FROM_GENERATOR:  # chunk by chunk, as the eager loop draws (one call would differ on CUDA)
+        words, rounding = torch.cat([torch.randint(0, 1 << 16, (s.n,), dtype=torch.int32, generator=generator,
+                                                   device=dev) for s in slices]), 1
     elif sr:
         seed, rounding = _seed(generator, dev), 2
     if count is None:
