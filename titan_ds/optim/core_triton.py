@@ -38,7 +38,7 @@ CPU and a GPU), so it may differ in its last bits; each term ``g^2`` is exact in
 differ take the eager loop's denominators.
 
 Layouts it does not take (they step on the eager loop): 4-bit state whose units start on an odd value (two units
-would share a byte of codes across two programs).
+would share a byte of codes across two programs), and empty units (no tile would count their step).
 """
 from __future__ import annotations
 
