@@ -127,6 +127,19 @@ def test_4bit_units_on_odd_values_take_the_eager_loop(monkeypatch):
     assert _run(monkeypatch, "triton", torch.float32, [(3, 6)], steps=2, **kw)[2] == 2
 
 
+def test_cpu_tensors_without_the_interpreter_raise_with_the_fix(monkeypatch):
+    """TITAN_KERNELS=triton on CPU tensors outside the interpreter: an error naming the fixes, not a silent
+    fallback; unset, the CPU keeps its own kernels."""
+    w = torch.zeros(4)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TITAN_KERNELS", "triton")
+    with pytest.raises(_guard.KernelBackendError, match="TRITON_INTERPRET=1"):
+        core_triton.runs(w, w, None, None)
+    monkeypatch.delenv("TITAN_KERNELS")
+    assert not core_triton.runs(w, w, None, None)
+    assert core_triton.runs(w.to("meta"), w.to("meta"), None, None)  # meta: the op's fake implementation
+
+
 def test_step_counts_read_once(monkeypatch):
     """The units' step count is read from the device when a state is first seen, then counted on the host (ASDT
     hands a fresh view of the (v, t) rows each step); a write by anyone else makes it read again."""

@@ -22,9 +22,7 @@ __all__ = ["adaptive_kernel", "unit_sumsq_kernel", "unit_denom_kernel", "TILE", 
 
 TILE = 256  # values a program steps: an 8-bit block (qstate.KINDS), two 4-bit ones
 COLUMNS = 6  # the tile table's columns: flat start, buffer start, length, piece, first 4-bit scale, first-of-piece
-
-# state kinds (constexpr)
-FP32, BF16, Q8, Q4 = 0, 1, 8, 4
+# a state kind (M_KIND, V_KIND: constexpr) is 0 (fp32), 1 (bf16), 8 (qstate's 8-bit codes) or 4 (4-bit, packed)
 
 
 @triton.jit
