@@ -451,7 +451,10 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
         lengths = slices[2]
         adaptive = self.update == "adaptive"
         coordinate = self.second_moment == "coordinate"
-        self._selected_acc += core.dense_step(
+        acc = self._selected_acc  # the fused op (core_triton) adds into it on the device: no op of its own
+        count = acc if isinstance(acc, torch.Tensor) and acc.device == t.device and acc.dtype == torch.int64 \
+            and acc.dim() == 0 else None
+        selected = core.dense_step(
             t.data.view(-1), t.grad.view(-1), slices[1],
             core.StateBuffer.of(st, "momentum", self.quant, True, lengths),
             variance=core.StateBuffer.of(st, _VARIANCE, self.second_quant, False, lengths)
@@ -460,7 +463,10 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
             seconds=st[_SECOND].view(-1, 2) if adaptive else None, lr=group["lr"], betas=group["betas"],
             weight_decay=group["weight_decay"], importance=self.importance, update=self.update, eps=self.eps,
             update_clip=self.update_clip if adaptive else None, generator=self._generator(t),
-            compiled=None if fresh or not self.compile else True)  # fresh: the one step on fp32 working state
+            compiled=None if fresh or not self.compile else True,  # fresh: the one step on fp32 working state
+            count=count)
+        if selected is not count:
+            self._selected_acc = selected if isinstance(acc, int) and acc == 0 else acc + selected
         if fresh:
             self._pack(st)
 

@@ -35,6 +35,12 @@ the same arithmetic in two passes over the chunk, each element's work done while
 the correctly rounded one (:func:`~titan_ds.optim.asdt_math.ieee_sqrt`, as everywhere in the update); it stores what the eager loop stores, bit for bit (``tests/optim/test_core_cpu.py``),
 at ~5x its elements/s. ``TITAN_CORE_CPU=0`` (or a machine where it does not build) steps eagerly.
 
+**On a GPU** (Triton importable; and on ``meta``, where the op's fake implementation stands in) the adaptive update
+of a whole tensor is one fused op, ``titan::asdt_adaptive_step`` (:mod:`~titan_ds.optim.core_triton`: a Triton
+kernel, one program per 256 values of a unit), the same arithmetic: bit for bit the eager loop with the
+per-coordinate second moment (``tests/optim/test_core_triton.py``, under the interpreter). ``TITAN_KERNELS=reference``
+keeps the eager loop, which stays the oracle and the fallback.
+
 **The compiled fused chunk** (:func:`_fused_chunk` under ``torch.compile``; on with ``TITAN_CORE_COMPILE=1``
 (:data:`COMPILE`) or ``dense_step(compiled=True)``): the adaptive step with the per-coordinate second
 moment runs each chunk of units of one length (a multiple of 256; 4-bit codes starting on a byte) as one graph:
@@ -116,14 +122,15 @@ def plan(pieces: list[Piece], chunk: Optional[int] = None, parts: int = PARTS,
     if chunk % 256:
         raise ValueError(f"core.plan: chunk={chunk} must be a multiple of 256 (the quantized state's block sizes)")
     out: list[Slice] = []
-    buf, group = 0, []  # group: consecutive pieces (contiguous in the tensor) of at most ``chunk`` elements
+    buf, group, held = 0, [], 0  # group: consecutive pieces (contiguous in the tensor) of at most ``chunk``
+    # elements, ``held`` of them (a running sum: re-summing the group per piece was quadratic in a chunk's units)
 
     def close():
-        nonlocal group
+        nonlocal group, held
         if group:
             out.append(Slice(group[0][0].start, group[0][1], group[0][2], group[-1][2] + 1,
                              tuple(pc.length for pc, _, _ in group), 0))
-            group = []
+            group, held = [], 0
 
     for i, pc in enumerate(pieces):
         if pc.length > chunk:  # a large unit: pieces of it, each starting at a multiple of the chunk
@@ -131,10 +138,10 @@ def plan(pieces: list[Piece], chunk: Optional[int] = None, parts: int = PARTS,
             for o in range(0, pc.length, chunk):
                 out.append(Slice(pc.start + o, buf + o, i, i + 1, (min(chunk, pc.length - o),), o))
         else:
-            if group and (sum(pc_.length for pc_, _, _ in group) + pc.length > chunk
-                          or group[-1][0].start + group[-1][0].length != pc.start):
+            if group and (held + pc.length > chunk or group[-1][0].start + group[-1][0].length != pc.start):
                 close()
             group.append((pc, buf, i))
+            held += pc.length
         buf += pc.length
     close()
     return out
@@ -485,12 +492,14 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
                seconds: Optional[torch.Tensor] = None, unit_numels: Optional[list[int]] = None, eps: float = 1e-8,
                update_clip: Optional[float] = None,
                generator: Optional[torch.Generator] = None,
-               compiled: Optional[bool] = None) -> Union[int, torch.Tensor]:
+               compiled: Optional[bool] = None, count: Optional[torch.Tensor] = None) -> Union[int, torch.Tensor]:
     """One step of every unit of ``slices`` (see the module docstring), in place: the weights ``w_flat`` (fp32 or
     bf16), ``momentum`` and (adaptive) ``variance``; ``seconds`` (adaptive): the ``[units, 2]`` (v, t) rows, whose
     t counts each unit's steps (incremented here). With ``unit_numels`` instead of ``variance``, the second moment
     is one per unit (``v``, of the mean square over the whole unit: every unit must be held whole, none split
-    across ranks). Returns the elements changed (a device tensor, or 0)."""
+    across ranks). Returns the elements changed (a device tensor, or 0); the fused op
+    (:mod:`~titan_ds.optim.core_triton`) adds them to ``count`` (a 0-dim int64 tensor on the device) in place
+    when it is given, and returns it."""
     b1, b2 = betas
     adaptive = update == "adaptive"
     unit_denom = bc1 = inv_bc2 = None
@@ -498,6 +507,13 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
         if seconds is None or (variance is None) == (unit_numels is None):
             raise ValueError("dense_step: update='adaptive' needs the seconds rows and either the variance buffer "
                              "(a second moment per coordinate) or unit_numels (one per unit)")
+        from . import core_triton
+        if core_triton.runs(w_flat, g_flat, momentum, variance) and \
+                core_triton.takes(slices, momentum, variance, w_flat.device):  # the tensor as one fused op
+            return core_triton.step(
+                w_flat, g_flat, slices, momentum, lr=lr, betas=betas, weight_decay=weight_decay,
+                importance=importance, variance=variance, seconds=seconds, eps=eps, update_clip=update_clip,
+                unit_numels=unit_numels, generator=generator, count=count)
         if variance is None:
             unit_denom = _unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
         else:
