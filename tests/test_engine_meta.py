@@ -33,7 +33,8 @@ from titan_ds.inject.mlme import StripeFFNPolicy
 from titan_ds.models import GPT, GPTConfig
 from titan_ds.trainer import TitanTrainer
 
-CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
+from tests.helpers.configs import config_path  # ds_configs/, tests/configs/ or launch/experiments/configs/
+
 SMALL = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)  # head dim 16: tiled attention's least
 
 # Host reads left in a step, by call site, with why they are there. The test asserts the set seen is exactly this.
@@ -78,7 +79,7 @@ def meta_accelerator(monkeypatch, dist_env):
 
 
 def _ds_config(name):
-    ds = json.loads((CONFIGS / name).read_text())
+    ds = json.loads(config_path(name).read_text())
     # the HF Trainer fills "auto" (micro-batch, clipping: TrainingArguments' max_grad_norm 1.0)
     fill = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
     for k, v in list(ds.items()):
