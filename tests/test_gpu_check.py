@@ -39,6 +39,7 @@ def test_gpu_check_on_the_cpu(tmp_path, capsys):
     assert rc == 0, screen
     assert rep["gpu"] is False and "NO GPU WAS USED" in rep["note"] and "NO GPU WAS USED" in screen
     assert rep["ok"] is True and rep["tolerance"]["fp32"] == gpu_check.TOLERANCE["fp32"]
+    assert rep["versions"]["deepspeed"] == "0.19.8" and rep["settings"]["steps"] == 2
     rows = {r["profile"]: r for r in rep["profiles"]}
     assert set(rows) == {"titan_balanced", "titan_memory"}
     for name, r in rows.items():

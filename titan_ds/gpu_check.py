@@ -362,7 +362,7 @@ def run(profiles: list[str], *, steps: int, seed: int, micro_batch: int, config_
         "note": ("" if gpu else "NO GPU WAS USED: this machine has no CUDA device; the device runs ran on the CPU, "
                  "so this checks the kernel paths under Triton's interpreter, not a GPU"),
         "kernels": {"device_run": kernels, "reference_run": "reference (TITAN_KERNELS=reference) on the CPU"},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "versions": _versions(),
         "settings": {"steps": steps, "seed": seed, "micro_batch": micro_batch, "model": MODEL,
                      "config_dir": str(config_dir)},
         "tolerance": {"rule": "max over steps of |loss_device - loss_reference| / |loss_reference|", **TOLERANCE},
@@ -372,6 +372,17 @@ def run(profiles: list[str], *, steps: int, seed: int, micro_batch: int, config_
     }
     report["ok"] = all(r["ok"] for r in report["profiles"]) and "error" not in timed
     return report
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "deepspeed", "titan-ds", "triton", "torchao"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
 
 
 def _row(name: str, cfg: dict[str, Any], kernels: str, dev: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
