@@ -39,6 +39,7 @@ def test_bytes_per_element_follow_the_layouts():
 
 def test_a_missing_cpu_row_is_named(tmp_path):
     (tmp_path / "results" / "optim_step_avx512").mkdir(parents=True)
-    (tmp_path / roofline.CPU_SOURCE).write_text("| optimizer | dtype | M/s 2^24 |\n|---|---|---|\n| adamw_fused | fp32 | 1 |\n")
+    (tmp_path / roofline.CPU_SOURCE).write_text(
+        "| optimizer | dtype | M/s 2^24 |\n|---|---|---|\n| adamw_fused | fp32 | 1 |\n")
     with pytest.raises(ValueError, match="torchao_adamw8bit"):
         roofline.cpu_markdown(str(tmp_path))

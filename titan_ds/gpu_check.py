@@ -43,6 +43,7 @@ measurement, never until green.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -120,6 +121,12 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
     ensure_dist_env()
     _set_env({"TITAN_KERNELS": spec["kernels"]})  # read per call by titan_ds.kernels
     cpu_peak = _reset_cpu_peak()
+    base = 0
+    if torch.cuda.is_available():  # the run's own peak: above what earlier runs of this process left allocated
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     cfg = spec["config"]
     torch.manual_seed(spec["seed"])
     model = GPT(GPTConfig(**spec["model"]))
@@ -130,8 +137,6 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
     engine, _, _, _ = titan_ds.initialize(model=model, optimizer=optimizer, config=cfg)
     cuda = engine.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     micro, gas = cfg["train_micro_batch_size_per_gpu"], int(cfg.get("gradient_accumulation_steps", 1))
     batches = Batcher(load_corpus().train, micro * gas, spec["model"]["block_size"], seed=spec["data_seed"])
     losses = []
@@ -146,9 +151,13 @@ def _train(spec: dict[str, Any]) -> dict[str, Any]:
             step_losses.append(loss.detach().float())
         losses.append(float(torch.stack(step_losses).mean()))  # a host read per step: the check, not a job
     seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if cuda else _status_bytes("VmHWM")
-    return {"losses": losses, "seconds": seconds, "device": str(engine.device), "peak_memory_bytes": peak,
-            "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else
+    peak = torch.cuda.max_memory_allocated() - base if cuda else _status_bytes("VmHWM")
+    device = str(engine.device)
+    engine.destroy()  # the next run of this process starts from what this one leaves
+    del engine, model, optimizer
+    gc.collect()
+    return {"losses": losses, "seconds": seconds, "device": device, "peak_memory_bytes": peak,
+            "peak_memory_kind": "torch.cuda.max_memory_allocated (above the process's start)" if cuda else
             ("process peak RSS during the run (no GPU)" if cpu_peak else "process peak RSS (no GPU)")}
 
 
