@@ -15,9 +15,11 @@ export OMP_NUM_THREADS ?= 2
 SHM_OP := $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/deepspeed_shm_comm.so
 # titan's own CPU op (the optimizer core's kernel, titan_ds/optim/csrc/core_cpu.cpp; ~35 s): built here too. Where it
 # cannot build, titan warns and steps with the eager loop (same results), so a failed build does not stop make.
-CORE_OP := $(TORCH_EXTENSIONS_DIR)/titan_core_cpu/titan_core_cpu.so
+# Its folder is named by this CPU's flags (core_cpu.build_name), so the rule runs every time (a built op loads in
+# seconds) and a shared cache gets one build per CPU.
+CORE_OP := core-op
 
-.PHONY: demo demo2 test test-heavy test-fast report bench-baseline clean clean-shm
+.PHONY: demo demo2 test test-heavy test-fast report bench-baseline clean clean-shm core-op
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,7 +31,7 @@ $(SHM_OP): $(VENV)/.installed
 	rm -f $(TORCH_EXTENSIONS_DIR)/deepspeed_shm_comm/lock  # left by a build that was killed; loads would wait on it
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"
 
-$(CORE_OP): $(VENV)/.installed titan_ds/optim/csrc/core_cpu.cpp
+$(CORE_OP): $(VENV)/.installed
 	-$(PY) -c "from titan_ds.optim import core_cpu; core_cpu.available()"
 
 # Free /dev/shm files that earlier DeepSpeed CPU runs leaked (only ones no live process uses).

@@ -1,6 +1,7 @@
 """``titan-ds report``: what is available on this machine; ``titan-ds plan``: which configuration fits a model
-on this machine (:mod:`titan_ds.plan`); ``titan-ds clean-shm``: free the shared memory that earlier DeepSpeed
-CPU runs leaked."""
+on this machine (:mod:`titan_ds.plan`); ``titan-ds gpu-check``: the shipped profiles on this machine's device
+beside the CPU reference, the optimizer step's time and the peak memory (:mod:`titan_ds.gpu_check`);
+``titan-ds clean-shm``: free the shared memory that earlier DeepSpeed CPU runs leaked."""
 from __future__ import annotations
 
 import argparse
@@ -150,6 +151,11 @@ def main(argv=None) -> int:
     r.add_argument("--json", action="store_true")
     pl = sub.add_parser("plan", help="predicted bytes per tier of each candidate config; writes the best that fits")
     _plan_arguments(pl)
+    from . import gpu_check
+    gc = sub.add_parser("gpu-check", help="each shipped profile on this machine's device beside the CPU reference "
+                                          "(losses within a stated tolerance), the optimizer step's time, the peak "
+                                          "memory; a table and JSON (--out)")
+    gpu_check.add_arguments(gc)
     c = sub.add_parser("clean-shm", help="remove /dev/shm files that earlier DeepSpeed CPU runs leaked "
                                          "(deepspeed_allreduce_buffer_*, 66 MB per rank and run; only unused ones)")
     c.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
@@ -160,6 +166,8 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"titan-ds plan: {e}", file=sys.stderr)
             return 2
+    if a.cmd == "gpu-check":
+        return gpu_check.main(args=a)
     if a.cmd == "clean-shm":
         from .utils import stale_deepspeed_shm, unlink_quietly
         stale = stale_deepspeed_shm()

@@ -124,3 +124,35 @@ def test_quantize_takes_the_kernels_encoding_with_the_same_codes(monkeypatch, ki
     monkeypatch.setattr(qstate, "_KERNEL_MIN", 1 << 40)
     eager = qstate.quantize(x, lens, kind, signed)
     assert torch.equal(fast[0], eager[0]) and torch.equal(fast[1].view(torch.int32), eager[1].view(torch.int32))
+
+
+def test_a_build_is_keyed_by_the_cpu(tmp_path):
+    """A -march=native build is loaded only by a CPU with the same flags (and the same torch): the extension's name
+    carries their hash, so a shared TORCH_EXTENSIONS_DIR holds one build per CPU; with no flags to read, the build
+    targets the compiler's baseline."""
+    assert core_cpu._module().__name__ == core_cpu.build_name()
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: sse2 avx2 fma\n\nprocessor\t: 1\n"
+                   "flags\t\t: sse2 avx2 fma\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n")
+    assert core_cpu._cpu_flags(str(x86)) == "avx2 fma sse2"
+    assert core_cpu._cpu_flags(str(arm)) == "asimd fp sve"
+    assert core_cpu._cpu_flags(str(tmp_path / "absent")) is None
+    with_512 = core_cpu.build_name("avx2 avx512f fma sse2")
+    assert core_cpu.build_name("avx2 fma sse2") != with_512 != core_cpu.build_name(None)
+    assert core_cpu.build_name("avx2 fma sse2") == core_cpu.build_name("avx2 fma sse2")
+    assert "-march=native" in core_cpu.build_flags("avx2 fma sse2")
+    assert "-march=native" not in core_cpu.build_flags(None)
+    assert "-ffp-contract=off" in core_cpu.build_flags(None)  # bit for bit with the eager loop either way
+
+
+def test_bf16_weights_need_a_cpu_generator():
+    """The kernel rounds CPU bf16 weights from a CPU generator only; another (a CUDA one; this CPU wheel cannot
+    make one, so a stand-in with its device) is refused by name."""
+    from types import SimpleNamespace
+    opt_w = torch.zeros(300, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CPU generator"):
+        core_cpu.step(opt_w, opt_w, None, None, None, unit_denom=None, bc1=None, inv_bc2=None, betas=(0.9, 0.95),
+                      eps=1e-8, lr=1e-3, weight_decay=0.0, update_clip=None, importance="momentum",
+                      generator=SimpleNamespace(device=torch.device("cuda")))

@@ -5,8 +5,19 @@ bit for bit (``tests/optim/test_core_cpu.py``), at several times the eager loop'
 (results/optim_step_ieee). bf16 weights without a master copy are rounded stochastically inside the kernel: it
 draws from the optimizer's CPU generator what ``torch.randint(0, 2**16, ...)`` draws (the generator's mt19937,
 one 32-bit output per value, kept mod 2^16) and leaves the generator in the state torch would, so the weights, the
-state and the generator match the eager loop's bit for bit. Where the kernel uses AVX-512 (a ``-march=native``
-build on a CPU that has it) it steps 16 values at a time, else 8 with AVX2; the same IEEE operations either way.
+state and the generator match the eager loop's bit for bit. That read of ATen's generator is the one private
+access, versioned in :mod:`titan_ds.torch_compat`: on a torch outside its range bf16 weights take the eager loop.
+Where the kernel uses AVX-512 (a ``-march=native`` build on a CPU that has it) it steps 16 values at a time, else
+8 with AVX2; the same IEEE operations either way.
+
+**A build is keyed by the CPU it targets.** ``-march=native`` code may use any instruction of the building CPU,
+and an extension cache (``TORCH_EXTENSIONS_DIR``) can be shared by machines with other CPUs (a network home, a
+container image, a cluster's shared file system): torch's loader keys a build by its sources and flags, not by
+the CPU, so another machine would load it and die of an illegal instruction. The extension's name therefore
+carries a hash of the CPU's instruction-set flags (``/proc/cpuinfo``), the compiler flags and the torch version
+(:func:`build_name`): a machine with other flags builds its own copy beside it. Where the flags cannot be read
+(no ``/proc/cpuinfo``) the build targets the compiler's baseline (no ``-march=native``: the scalar loops, the same
+results, slower).
 
 The eager loop makes ~20 whole-chunk passes through ATen (decode, update, encode each a few kernels, each
 reading and writing the chunk); the kernel makes two, each element's work done while it is in cache. It is a
@@ -17,6 +28,7 @@ eager loop or the compiled step.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from functools import lru_cache
@@ -25,9 +37,9 @@ from typing import Optional
 import torch
 
 from . import qstate
-from .asdt_math import round_to
+from .. import torch_compat
 
-__all__ = ["ENABLED", "available", "supports", "runs", "step", "unit_sumsq"]
+__all__ = ["ENABLED", "available", "supports", "runs", "step", "unit_sumsq", "build_name", "build_flags"]
 
 _env = os.environ.get("TITAN_CORE_CPU", "1")
 if _env not in ("0", "1"):
@@ -38,13 +50,47 @@ _KIND = {"8bit": 8, "4bit": 4}
 _PLAIN = {torch.float32: 0, torch.bfloat16: 1}
 
 
+# -ffp-contract=off: no fused multiply-add may merge two of the eager loop's roundings
+_CFLAGS = ["-O3", "-ffp-contract=off"]
+_CPUINFO = "/proc/cpuinfo"
+
+
+def _cpu_flags(path: str = _CPUINFO) -> Optional[str]:
+    """The CPU's instruction-set flags as the kernel lists them (x86 ``flags``, Arm ``Features``; the first
+    processor's, sorted), or None where they cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("flags", "Features"):
+                    return " ".join(sorted(value.split()))
+    except OSError:
+        return None
+    return None
+
+
+def build_flags(cpu_flags: Optional[str]) -> list[str]:
+    """The compiler flags of a build for a CPU with ``cpu_flags``: ``-march=native`` where they are known (the
+    build is keyed by them), else the compiler's baseline."""
+    return _CFLAGS + (["-march=native"] if cpu_flags else [])
+
+
+def build_name(cpu_flags: Optional[str] = None) -> str:
+    """The extension's name for a CPU with ``cpu_flags`` (default: this one's): ``titan_core_cpu_`` and a hash of
+    those flags, the compiler flags and the torch version, so no build is ever loaded by a CPU (or torch) it was
+    not made for."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    key = "\n".join([flags or "baseline", " ".join(build_flags(flags)), torch.__version__])
+    return "titan_core_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 @lru_cache(maxsize=None)
 def _module():
     """The built extension, or None (with a warning) where it does not build."""
     try:
         from torch.utils.cpp_extension import load
-        return load(name="titan_core_cpu", sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
-                    verbose=False)
+        flags = _cpu_flags()
+        return load(name=build_name(flags), sources=[_SOURCE], extra_cflags=build_flags(flags), verbose=False)
     except Exception as e:  # noqa: BLE001 (any build failure: no compiler, no ninja, a read-only cache)
         warnings.warn(f"titan_ds: the C++ optimizer kernel ({_SOURCE}) did not build ({type(e).__name__}: {e}); "
                       "ASDT steps with the eager loop (same results, slower). Install a C++ compiler and ninja, "
@@ -65,8 +111,11 @@ def supports(w: torch.Tensor, g: torch.Tensor, *bufs) -> bool:
 
 
 def runs(w: torch.Tensor, g: torch.Tensor, *bufs) -> bool:
-    """Whether the kernel steps these tensors here: on (:data:`ENABLED`), :func:`supports` them, and built."""
-    return ENABLED and supports(w, g, *bufs) and available()
+    """Whether the kernel steps these tensors here: on (:data:`ENABLED`), :func:`supports` them, and built; bf16
+    weights (rounded stochastically from the generator's engine) only where :mod:`titan_ds.torch_compat` allows
+    the read."""
+    return (ENABLED and supports(w, g, *bufs) and (w.dtype != torch.bfloat16 or torch_compat.generator_seam())
+            and available())
 
 
 def unit_sumsq(g: torch.Tensor, lengths: list[int], sq: torch.Tensor) -> None:
@@ -108,6 +157,13 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, u
          generator: Optional[torch.Generator]) -> torch.Tensor:
     """The adaptive step of chunk ``s`` (:func:`core.dense_step`'s arguments), in place; the count of changed
     elements (an int64 tensor, as the eager loop's ``mask.sum()``)."""
+    # bf16 weights are rounded stochastically in the kernel, from the CPU generator's own draws (the optimizer
+    # keeps one generator per device of its weights: CPU weights, a CPU generator; the eager loop's
+    # torch.randint refuses any other)
+    sr = generator is not None and w_flat.dtype == torch.bfloat16
+    if sr and generator.device.type != "cpu":
+        raise ValueError(f"core_cpu.step: CPU bf16 weights are rounded from a CPU generator, got a generator on "
+                         f"{generator.device}; pass torch.Generator(device='cpu')")
     mod = _module()
     b1, b2 = betas
     w = w_flat[s.flat:s.flat + s.n]
@@ -115,20 +171,13 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, u
     four = momentum.kind == "4bit" or (variance is not None and variance.kind == "4bit")
     empty = torch.empty(0)
     v = _spec(variance, s) if variance is not None else (-1, empty, 0, empty, empty, empty)
-    sr = generator is not None and w.dtype == torch.bfloat16
-    # bf16 weights are rounded stochastically in the kernel from a CPU generator (the same draws); another
-    # generator's draws come from torch: the kernel writes fp32 results and they are rounded here
-    in_kernel = sr and generator.device.type == "cpu"
-    wout = torch.empty(s.n, dtype=torch.float32) if sr and not in_kernel else empty
     count = mod.step(w, g, list(s.lengths), *_spec(momentum, s), *v,
                      inv_bc2[s.lo:s.hi] if variance is not None else empty,
                      bc1[s.lo:s.hi] if variance is not None else unit_denom[s.lo:s.hi],
-                     torch.empty(s.n if four else 0, dtype=torch.uint8), wout,
+                     torch.empty(s.n if four else 0, dtype=torch.uint8),
                      b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay, update_clip is not None,
                      0.0 if update_clip is None else update_clip, importance == "grad_weight",
-                     generator if in_kernel else None)
-    if sr and not in_kernel:
-        w.copy_(round_to(w.dtype, wout, generator))
+                     generator if sr else None)
     return torch.tensor(count)
 
 

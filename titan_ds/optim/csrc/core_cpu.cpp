@@ -483,9 +483,35 @@ inline const float* as_f32(float* buf, bool bf16, const void* base, int64_t i0, 
   return buf;
 }
 
-// n draws of at::mt19937 (what CPUGeneratorImpl::random() returns), each kept mod 2^16, from the engine's state
-// `d`, which is advanced as n calls of the engine's operator() advance it: the engine's algorithm (MT19937: a
-// twist of the 624 words, then the tempering of each) with the tempering done for a run of words at a time.
+// ---------------------------------------------------------------------------------------------- the torch seam
+// The only place this file reads ATen's internals (titan_ds/torch_compat.py: the torch versions it was checked on,
+// and the switch that keeps bf16 weights off the kernel elsewhere; tests/test_torch_compat.py: the canary): a CPU
+// generator's mt19937 engine, leased (under the generator's lock) as its plain state, advanced here as n calls of
+// its operator() would advance it, and stored back.
+struct EngineLease {
+  std::unique_lock<std::mutex> lock;
+  at::CPUGeneratorImpl* gen = nullptr;
+  at::mt19937_data_pod data;
+};
+
+inline void lease_engine(EngineLease& lease, at::Generator& generator) {
+  lease.lock = std::unique_lock<std::mutex>(generator.mutex());
+  lease.gen = at::check_generator<at::CPUGeneratorImpl>(generator);
+  lease.data = lease.gen->engine().data();
+  TORCH_CHECK(lease.data.seeded_ && lease.data.left_ > 0 && lease.data.left_ <= 624 && lease.data.next_ <= 624,
+              "core_cpu: the generator's mt19937 state is not valid");
+}
+
+inline void return_engine(EngineLease& lease) {
+  at::mt19937 advanced;
+  advanced.set_data(lease.data);
+  lease.gen->set_engine(advanced);
+}
+
+// n draws of at::mt19937 (what CPUGeneratorImpl::random() returns), each kept mod 2^16 (torch.randint(0, 2**16)),
+// from the engine's state `d`, which is advanced as n calls of the engine's operator() advance it: the engine's
+// algorithm (MT19937: a twist of the 624 words, then the tempering of each) with the tempering done for a run of
+// words at a time.
 void draws16(at::mt19937_data_pod& d, uint16_t* out, int64_t n) {
   constexpr int N = 624, M = 397;
   constexpr uint32_t MATRIX_A = 0x9908b0dfu, UMASK = 0x80000000u, LMASK = 0x7fffffffu;
@@ -515,6 +541,22 @@ void draws16(at::mt19937_data_pod& d, uint16_t* out, int64_t n) {
     d.left_ -= static_cast<int>(take);
   }
 }
+
+// n draws of `generator` as torch.randint(0, 2**16, (n,), generator=generator) takes them (the canary tests'
+// entry to the seam; the step draws the same way, one sub-range at a time).
+torch::Tensor generator_draws16(at::Generator generator, int64_t n) {
+  TORCH_CHECK(n >= 0, "core_cpu: a count of draws >= 0 expected");
+  EngineLease lease;
+  lease_engine(lease, generator);
+  std::vector<uint16_t> words(n);
+  draws16(lease.data, words.data(), n);
+  return_engine(lease);
+  auto out = torch::empty({n}, torch::kInt32);
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int64_t k = 0; k < n; ++k) o[k] = words[k];
+  return out;
+}
+// ------------------------------------------------------------------------------------------ end of the torch seam
 
 // fp32 values x[0:n) into bf16, as ATen's float -> bfloat16 conversion stores them (round to nearest even, a NaN
 // as 0xFFFF), or, where noise is given, stochastically rounded as asdt_math.stochastic_round: a finite value's bit
@@ -607,16 +649,15 @@ constexpr int64_t RANGE = 64;
 
 // One chunk's step, in place. Returns the count of changed elements. `per_unit`: each unit's bc1 (a second moment
 // per coordinate: v_kind >= 0, with `inv_bc2`) or its denominator (v_kind < 0). `codes4`: a byte per value of the
-// chunk when a state is 4-bit. `wout`: fp32 [n] to receive the new weights (bf16 weights the caller rounds
-// stochastically), or empty to store them in w (fp32, or bf16 rounded to nearest, or, with `generator`, a CPU
-// generator, stochastically: its draws as torch.randint(0, 2**16, (n,), generator=generator) makes them, one per
-// value in order, from a copy of its mt19937 engine, which is stored back into it after the step).
+// chunk when a state is 4-bit. The new weights are stored in w: fp32, or bf16 rounded to nearest, or, with
+// `generator` (a CPU generator), stochastically: its draws as torch.randint(0, 2**16, (n,), generator=generator)
+// makes them, one per value in order, from its leased mt19937 engine (the torch seam above).
 int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengths,
              int64_t m_kind, torch::Tensor m_data, int64_t m_pos0, torch::Tensor m_absmax, torch::Tensor m_qmap,
              torch::Tensor m_table,
              int64_t v_kind, torch::Tensor v_data, int64_t v_pos0, torch::Tensor v_absmax, torch::Tensor v_qmap,
              torch::Tensor v_table,
-             torch::Tensor inv_bc2, torch::Tensor per_unit, torch::Tensor codes4, torch::Tensor wout,
+             torch::Tensor inv_bc2, torch::Tensor per_unit, torch::Tensor codes4,
              double b1, double omb1, double b2, double omb2, double eps, double lr, double wd, bool clip,
              double clip_value, bool grad_weight, std::optional<at::Generator> generator) {
   const int64_t n = g.numel();
@@ -633,7 +674,6 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
   const void* gp = g.data_ptr();
   float* wf32 = w_bf16 ? nullptr : w.data_ptr<float>();
   c10::BFloat16* wbf = w_bf16 ? reinterpret_cast<c10::BFloat16*>(w.data_ptr()) : nullptr;
-  float* out = wout.numel() ? wout.data_ptr<float>() : nullptr;
   const float* ib = coord ? inv_bc2.data_ptr<float>() : nullptr;
   const float* pu = per_unit.data_ptr<float>();
   uint8_t* c4 = codes4.numel() ? codes4.data_ptr<uint8_t>() : nullptr;
@@ -645,18 +685,10 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
   float* Mp = Mbuf.data();
   float* Dp = Dbuf.data();
   std::vector<int64_t> counts(n_items, 0);
-  const bool sr = generator.has_value() && w_bf16 && !out;
-  std::unique_lock<std::mutex> gen_lock;
-  at::CPUGeneratorImpl* gen = nullptr;
-  at::mt19937_data_pod engine;
+  const bool sr = generator.has_value() && w_bf16;
+  EngineLease lease;
   std::vector<uint16_t> noise(sr ? RANGE * 256 : 0);
-  if (sr) {
-    gen_lock = std::unique_lock<std::mutex>(generator->mutex());
-    gen = at::check_generator<at::CPUGeneratorImpl>(*generator);
-    engine = gen->engine().data();
-    TORCH_CHECK(engine.seeded_ && engine.left_ > 0 && engine.left_ <= 624 && engine.next_ <= 624,
-                "core_cpu: the generator's mt19937 state is not valid");
-  }
+  if (sr) lease_engine(lease, *generator);
   for (int64_t r = 0; r < n_items; r += RANGE) {
     const int64_t e = std::min(n_items, r + RANGE);
     const int64_t base = items[r].i0, len = items[e - 1].i0 + items[e - 1].n - base;
@@ -681,31 +713,27 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
       }
     });
     if (coord) v.pack(c4, base, len);
-    if (sr) draws16(engine, noise.data(), len);  // randint(0, 2**16) keeps random() mod 2^16
+    if (sr) draws16(lease.data, noise.data(), len);  // randint(0, 2**16) keeps random() mod 2^16
     at::parallel_for(r, e, 16, [&](int64_t lo, int64_t hi) {  // pass B
       float gbuf[256], wbuf[256], nbuf[256];
       for (int64_t it = lo; it < hi; ++it) {
         const Item& t = items[it];
         const float* gb = grad_weight ? as_f32(gbuf, g_bf16, gp, t.i0, t.n) : nullptr;
         const float* wb = as_f32(wbuf, w_bf16, w_bf16 ? static_cast<const void*>(wbf) : wf32, t.i0, t.n);
-        // the new weights: in place (fp32, no stochastic rounding), else staged in nbuf
-        float* nb = out ? out + t.i0 : (w_bf16 ? nbuf : wf32 + t.i0);
+        // the new weights: in place (fp32), else (bf16) staged in nbuf
+        float* nb = w_bf16 ? nbuf : wf32 + t.i0;
         const float* Mi = Mp + (t.i0 - base);
         const float* Di = Dp + (t.i0 - base);
         const int64_t changed = update(nb, wb, Mi, Di, gb, t.n, coord, pu[t.unit], feps, clip, lo_clip, hi_clip,
                                        fwd, flr, grad_weight);
-        if (!out && w_bf16) to_bf16(wbf + t.i0, nb, sr ? noise.data() + (t.i0 - base) : nullptr, t.n);
+        if (w_bf16) to_bf16(wbf + t.i0, nb, sr ? noise.data() + (t.i0 - base) : nullptr, t.n);
         m.write(Mi, t.i0, t.n, t.unit, t.off, c4);
         counts[it] = changed;
       }
     });
     m.pack(c4, base, len);
   }
-  if (sr) {
-    at::mt19937 advanced;
-    advanced.set_data(engine);
-    gen->set_engine(advanced);
-  }
+  if (sr) return_engine(lease);
   int64_t total = 0;
   for (int64_t c : counts) total += c;
   return total;
@@ -766,5 +794,6 @@ torch::Tensor encode_codes(const torch::Tensor& x, double scale, const torch::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("unit_sumsq", &unit_sumsq, "each unit's sum of squared gradients, fp64, in order");
   mod.def("encode_codes", &encode_codes, "the kernel's codes of x / scale (tests)");
+  mod.def("generator_draws16", &generator_draws16, "torch.randint(0, 2**16, (n,), generator=g) (tests)");
   mod.def("step", &step, "ASDT's adaptive step of one chunk (titan_ds/optim/core.py's eager loop, bit for bit)");
 }
