@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -254,6 +255,10 @@ def _install_nonfinite_guard(engine: Any) -> None:
     inner_step = opt.step
     group = dsc.data_parallel_group(engine)
 
+    # functools.wraps: the guard wraps whatever ``opt.step`` is, often the step a torch LRScheduler built over
+    # ``opt`` wrapped to see that the optimizer steps before it; copying that wrapper's marker (and calling it)
+    # keeps the scheduler's check true, instead of its "optimizer.step() has been overridden" warning.
+    @functools.wraps(inner_step)
     def step(*a: Any, **kw: Any):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         bad = torch.zeros(1, device=engine.device)
