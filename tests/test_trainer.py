@@ -100,9 +100,9 @@ def test_loss_fn_must_return_scalar(dist_env):
         trainer.step(next(_batches(1)), lambda model, b: model(b["input_ids"]))
 
 
-def test_unbuilt_pillar_is_a_clear_error_not_a_noop(dist_env, monkeypatch):
+def test_a_pillar_that_cannot_import_is_an_error_not_a_noop(dist_env, monkeypatch):
     import titan_ds.engine as eng
-    monkeypatch.setattr(eng, "PILLARS", tuple(eng.Pillar(p.key, p.module + "_missing_for_test", p.issue)
+    monkeypatch.setattr(eng, "PILLARS", tuple(eng.PillarEntry(p.key, p.module + "_missing_for_test")
                                              for p in eng.PILLARS))
-    with pytest.raises(NotImplementedError, match="titan.trd .*issue #3"):
+    with pytest.raises(ModuleNotFoundError, match="titan_ds.inject.trd_missing_for_test"):
         build_titan_trainer(GPT(TINY), TITANConfig(use_trd=True, trd_rank=4))
