@@ -1,4 +1,4 @@
-"""HMS under the Hugging Face Trainer (issue 29 item 5): with ``titan_ds.install()``, transformers' own
+"""HMS under the Hugging Face Trainer: with ``titan_ds.install()``, transformers' own
 ``deepspeed.zero.Init`` (it builds every model under ZeRO-3 that way) becomes ``titan_ds.zero_init`` when the config
 has ``titan.hms``, so ``from_pretrained`` streams the parameters to HMS's store as the model is built and the
 Trainer's ``deepspeed.initialize`` adopts it. Before, the Trainer refused the model ("build it under

@@ -1,4 +1,4 @@
-"""Every number in the README's tables is in a committed results file that the row itself links (issue 31).
+"""Every number in the README's tables is in a committed results file that the row itself links.
 
 A README table is checked when its last column is "measured by": each row must link at least one file under
 results/ that git tracks, and every number of the row's figure columns (all but the first column, the "what it

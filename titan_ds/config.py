@@ -61,7 +61,7 @@ class DiskTier(_Strict):
 
 
 class HMSConfig(_Strict):
-    """Hierarchical Memory Streaming (issue #7): tiered device / DRAM / NVMe store for ZeRO-3 swap.
+    """Hierarchical Memory Streaming: tiered device / DRAM / NVMe store for ZeRO-3 swap.
 
     ``pipeline_optimizer`` (on by default) pipelines ZeRO-3's optimizer step over its sub-groups: while sub-group
     i steps, the state of i+1 is read and that of i-1 written in the background, at most ``pipeline_depth``
@@ -142,7 +142,7 @@ class HMSConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    """The titan optimizer (issue #5): ASDT, or its dense sign-momentum special case."""
+    """The titan optimizer: ASDT, or its dense sign-momentum special case."""
 
     name: Literal["asdt", "lion"] = "asdt"
     lr: float = Field(default=1e-3, gt=0)
@@ -199,7 +199,7 @@ class OptimizerConfig(_Strict):
 
 
 class PlasticityConfig(_Strict):
-    """BSPS (issue #5): which parameter blocks may learn, Frozen -> Growth -> Elastic -> Sleeping."""
+    """BSPS: which parameter blocks may learn, Frozen -> Growth -> Elastic -> Sleeping."""
 
     enabled: bool = True
     max_active_fraction: float = Field(default=0.5, gt=0, le=1)
@@ -228,7 +228,7 @@ _PER_STEP_ONLY = ("warmup_steps", "momentum", "momentum_masking", "local_clip", 
 
 
 class CompressionConfig(_Strict):
-    """Gradient compression on DeepSpeed's reduce path (issue #6; titan_ds/comm, docs/compress.md).
+    """Gradient compression on DeepSpeed's reduce path (titan_ds/comm, docs/compress.md).
 
     ``ratio`` is the target of dense bytes / bytes handed to the collective per rank; ``sketch_rows`` is the
     number of count-sketch rows (tgss) or holograms (hge); ``warmup_steps`` optimizer steps run uncompressed;
@@ -387,7 +387,7 @@ TRD_DEFAULT_INCLUDE = (r"\.(qkv|proj|fc|out|[qkvo]_proj|gate_proj|up_proj|down_p
 
 
 class TRDConfig(_Strict):
-    """Tensor-ring linear layers (issue #3; titan_ds/inject/trd.py, docs/trd.md).
+    """Tensor-ring linear layers (titan_ds/inject/trd.py, docs/trd.md).
 
     ``rank``: one rank for every ring edge, or one per core (then every replaced layer must have that many
     cores). ``include``/``exclude``: regexes, ``re.search`` on qualified module names (``blocks.0.mlp.fc``,
@@ -434,7 +434,7 @@ class TRDConfig(_Strict):
 
 
 class MLMEConfig(_Strict):
-    """Micro-layer materialization (issue #4): tiled attention, StripeFFN, chunked cross-entropy.
+    """Micro-layer materialization: tiled attention, StripeFFN, chunked cross-entropy.
 
     attention: "tiled" (titan_ds.kernels.attention), "sdpa" (torch SDPA), "off" (attention left as built);
     tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);

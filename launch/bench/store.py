@@ -1,4 +1,4 @@
-"""The one results store of the benchmarks (issue 31): every finished row of every suite is one JSON line in
+"""The one results store of the benchmarks: every finished row of every suite is one JSON line in
 the suite's ``<out>.jsonl``, and every table is regenerated from that file by a command, never edited by hand.
 
 A record is ``{"suite", "row", "config_hash", "settings_hash", "seed", "git_sha", "code_hash", "dirty",

@@ -177,7 +177,7 @@ def test_partitions_written_by_the_step_stay_staged_for_the_next_forward(tmp):
 
 
 def test_model_built_under_titan_zero_init_streams_from_birth_and_trains_the_same(tmp):
-    # issue 16: a model larger than RAM must never exist whole; built under titan_ds.zero_init each module's
+    # a model larger than RAM must never exist whole; built under titan_ds.zero_init each module's
     # parameters go to HMS's store as it is constructed, initialize adopts that store, and the run is the same
     ref, = run(tmp, "none0_zi", "--mode", "none", "--clip", 0)
     zi, = run(tmp, "hms0_zi", "--mode", "hms", "--clip", 0, "--zero-init")

@@ -1,4 +1,4 @@
-"""HMSOptimizerSwapper: which optimizer state tensors live in the store between steps (issue 16: ASDT's
+"""HMSOptimizerSwapper: which optimizer state tensors live in the store between steps (ASDT's
 momentum goes to HMS, not only state shaped like the partition)."""
 import torch
 

@@ -556,7 +556,7 @@ class TensorStore:
                 self.stats.count(key, True, 0.0)
             # a finished prefetch also cached its value (_maybe_cache): a cache hit must drop the staged copy too,
             # or it is held until the key is next written (a full copy of every prefetched partition through
-            # forward and backward: the ~4 bytes/param HMS peak of issue 16)
+            # forward and backward: ~4 bytes/param more at HMS's peak)
             staged = self._unstage(key)
             if cached is not None:
                 staged = None
