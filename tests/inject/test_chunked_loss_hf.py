@@ -272,11 +272,12 @@ def test_every_mlme_part_on_each_family_equals_hf(family):
 
 def test_installed_transformers_is_in_the_range_the_package_declares():
     """The hf extra's range and the test extra's are the same, and the transformers these tests ran on is in it."""
-    import tomllib
+    import sys
     from pathlib import Path
+    toml = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")  # tomllib: Python 3.11 on
 
     from packaging.requirements import Requirement
-    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    meta = toml.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     extras = meta["optional-dependencies"]
     ranges = {name: [Requirement(r).specifier for r in reqs if Requirement(r).name == "transformers"]
               for name, reqs in extras.items()}
