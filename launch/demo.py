@@ -171,11 +171,12 @@ def main(argv=None) -> dict:
 
 
 def table(out: str) -> None:
-    """``python -m launch.bench table demo --out OUT``: OUT's outputs from its records, with the steps its demo.json
-    (or demo.md) records."""
-    import re
-    text = (Path(out) / "demo.md").read_text()
-    main(["--steps", re.search(r"--steps (\d+)", text).group(1), "--out", str(out), "--table-only"])
+    """``python -m launch.bench table demo --out OUT``: OUT's outputs from its records, with the steps of its newest
+    record (runs from before the store: the steps its demo.json records)."""
+    store = Store(Path(out) / "runs.jsonl", suite="demo")
+    steps = store.newest_settings()["steps"] if store.records else \
+        json.loads((Path(out) / "demo.json").read_text())["steps"]
+    main(["--steps", str(steps), "--out", str(out), "--table-only"])
 
 
 if __name__ == "__main__":
