@@ -15,7 +15,7 @@ import torch
 import titan_ds
 from tests.helpers.deps import require
 from titan_ds import deepspeed_compat as dsc
-from titan_ds.hms.swapper import HMSParamSwapper
+from titan_ds.hms.param_swapper import HMSParamSwapper
 
 transformers = require("transformers")
 require("accelerate")

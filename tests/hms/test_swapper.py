@@ -304,3 +304,11 @@ def test_hms_two_ranks_equals_no_offload_and_resumes(tmp):
     resumed = run(tmp, "w2_resumed", "--mode", "hms", "--clip", 0, "--load-dir", tmp / "ck2", ranks=2)
     for a, b in zip(hms, resumed):
         assert_same(a, b, steps=[3, 4, 5])
+
+
+def test_the_swappers_keep_their_earlier_module():
+    """titan_ds.hms.swapper, where both swappers lived, still names them (each now in its own module)."""
+    from titan_ds.hms import optimizer_swapper, param_swapper, swapper
+    assert swapper.HMSParamSwapper is param_swapper.HMSParamSwapper
+    assert swapper.HMSOptimizerSwapper is optimizer_swapper.HMSOptimizerSwapper
+    assert swapper.SWAP_MIN_NUMEL == optimizer_swapper.SWAP_MIN_NUMEL

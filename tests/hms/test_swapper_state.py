@@ -3,7 +3,7 @@ momentum goes to HMS, not only state shaped like the partition)."""
 import torch
 
 from titan_ds.hms.store import TensorStore, Tier
-from titan_ds.hms.swapper import SWAP_MIN_NUMEL, HMSOptimizerSwapper
+from titan_ds.hms.optimizer_swapper import SWAP_MIN_NUMEL, HMSOptimizerSwapper
 
 
 class _Opt:

@@ -49,7 +49,8 @@ from .gradnorm import ScratchNorm
 from .io import AsyncIOHandle
 from .prefetch import make_predictor
 from .store import Tier, TensorStore
-from .swapper import HMSOptimizerSwapper, HMSParamSwapper
+from .optimizer_swapper import HMSOptimizerSwapper
+from .param_swapper import HMSParamSwapper
 
 __all__ = ["HMSPillar", "PILLAR", "folder_problems", "configure_ds_config", "zero_init", "build_param_swapper",
            "ZERO3_BOUNDS"]
