@@ -14,12 +14,14 @@ batches); this script then writes ``<out>/demo.json`` (both summaries and the ra
 ``<out>/demo.png`` from the records and prints a two-line summary. A rerun reuses a recorded run under the store's
 rule (same config, settings and code); ``--reuse-stale`` also reuses runs from other code, and a summary.json from
 before the store with the requested steps (code unknown). ``--table-only`` (``python -m launch.bench table demo
---out <out>``) rewrites the outputs from the records and runs nothing.
+--out <out>``) rewrites the outputs from the records and runs nothing. What it prints is the progress bars and the
+summary: the launcher runs at log level WARNING (``--verbose``: its INFO lines and the full commands).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,25 +52,40 @@ def _legacy(name: str, steps: int, out: Path) -> Optional[dict]:
     return None
 
 
-def _run(name: str, config: str, steps: int, out: Path, store: Store) -> dict:
+def _launch(config: str, steps: int, d: Path, verbose: bool) -> tuple[list[str], dict[str, str]]:
+    """The training command of one run and its environment. Unless ``verbose``: DeepSpeed's launcher logs at
+    WARNING (its INFO lines are the launcher's own bookkeeping), and on a machine where torch sees no CUDA device
+    DeepSpeed is told it runs on the CPU (``DS_ACCELERATOR=cpu``, where the user set none) instead of each of its
+    three processes warning that it fell back to the CPU."""
+    launcher = Path(sys.executable).with_name("deepspeed")
+    cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", "1"]
+    env = dict(os.environ)
+    if not verbose:
+        cmd.append("--log_level=warning")
+        import torch
+        if not torch.cuda.is_available():
+            env.setdefault("DS_ACCELERATOR", "cpu")
+    cmd += ["launch/train.py", "--deepspeed_config", config, "--steps", str(steps), "--val-every",
+            str(max(1, steps // 4)), "--val-batches", str(VAL_BATCHES), "--metrics-out", str(d / "metrics.jsonl"),
+            "--summary-out", str(d / "summary.json")]
+    return cmd, env
+
+
+def _run(name: str, config: str, steps: int, out: Path, store: Store, verbose: bool = False) -> dict:
     rec = store.find(**_identity(name, config, steps))
     if rec is not None:
         return rec["result"]
     if store.reuse_stale and _legacy(name, steps, out) is not None:
         return _legacy(name, steps, out)
     d = out / name
-    summary = d / "summary.json"
     d.mkdir(parents=True, exist_ok=True)
-    launcher = Path(sys.executable).with_name("deepspeed")
-    cmd = [str(launcher) if launcher.exists() else "deepspeed", "--num_gpus", "1", "launch/train.py",
-           "--deepspeed_config", config, "--steps", str(steps), "--val-every", str(max(1, steps // 4)),
-           "--val-batches", str(VAL_BATCHES), "--metrics-out", str(d / "metrics.jsonl"), "--summary-out", str(summary)]
-    print(f"demo: {name}: {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ))
-    return store.append(**_identity(name, config, steps), result=json.loads(summary.read_text()))["result"]
+    cmd, env = _launch(config, steps, d, verbose)
+    print(f"demo: {name}: {' '.join(cmd)}" if verbose else f"demo: {name} ({config}), {steps} steps", flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
+    return store.append(**_identity(name, config, steps), result=json.loads((d / "summary.json").read_text()))["result"]
 
 
-def _recorded(name: str, config: str, steps: int, out: Path, store: Store) -> dict:
+def _recorded(name: str, config: str, steps: int, out: Path, store: Store, verbose: bool = False) -> dict:
     """--table-only: the newest record of the run under these settings, else its summary from before the store."""
     recs = [r for r in store.latest(settings=_identity(name, config, steps)["settings"]) if r["row"] == name]
     found = recs[-1]["result"] if recs else _legacy(name, steps, out)
@@ -92,11 +109,13 @@ def compare(runs: dict[str, dict]) -> dict:
 
 
 def lines(c: dict, steps: int) -> list[str]:
+    tps = c["tokens_per_s_vs_plain"]
+    speed = f"tokens/s {tps:.2f}x plain" if not math.isnan(tps) else "tokens/s not timed (runs time steps 4 on)"
     return [f"titan_memory vs plain DeepSpeed, {steps} steps: validation loss {c['val_loss_titan']:.4f} vs "
             f"{c['val_loss_plain']:.4f} ({c['val_loss_delta']:+.4f} nats)",
             f"training state {c['train_state_mib_titan']:.1f} vs {c['train_state_mib_plain']:.1f} MiB "
             f"({c['train_state_vs_plain']:.3f}x), peak RSS {c['peak_rss_mib_titan']} vs {c['peak_rss_mib_plain']} MiB, "
-            f"tokens/s {c['tokens_per_s_vs_plain']:.2f}x plain"]
+            + speed]
 
 
 def plot(out: Path, runs: dict[str, dict]) -> None:
@@ -129,13 +148,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default="results/demo")
     ap.add_argument("--table-only", action="store_true", help="rewrite the outputs from the records; run nothing")
+    ap.add_argument("--verbose", action="store_true",
+                    help="the full training commands and DeepSpeed's launcher at its own (INFO) log level")
     add_store_args(ap)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = Store(out / "runs.jsonl", suite="demo", reuse_stale=args.reuse_stale)
     get = _recorded if args.table_only else _run
-    runs = {name: get(name, cfg, args.steps, out, store) for name, cfg in RUNS.items()}
+    runs = {name: get(name, cfg, args.steps, out, store, args.verbose) for name, cfg in RUNS.items()}
     c = compare(runs)
     cmd = f"python launch/demo.py --steps {args.steps} --out {args.out}"
     (out / "demo.json").write_text(json.dumps({"command": cmd, "steps": args.steps, "configs": RUNS,
@@ -150,11 +171,12 @@ def main(argv=None) -> dict:
 
 
 def table(out: str) -> None:
-    """``python -m launch.bench table demo --out OUT``: OUT's outputs from its records, with the steps its demo.json
-    (or demo.md) records."""
-    import re
-    text = (Path(out) / "demo.md").read_text()
-    main(["--steps", re.search(r"--steps (\d+)", text).group(1), "--out", str(out), "--table-only"])
+    """``python -m launch.bench table demo --out OUT``: OUT's outputs from its records, with the steps of its newest
+    record (runs from before the store: the steps its demo.json records)."""
+    store = Store(Path(out) / "runs.jsonl", suite="demo")
+    steps = store.newest_settings()["steps"] if store.records else \
+        json.loads((Path(out) / "demo.json").read_text())["steps"]
+    main(["--steps", str(steps), "--out", str(out), "--table-only"])
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def test_bench_compress_received_table_counts_what_the_network_delivers():
 
 
 def test_the_table_names_the_seed_its_rows_trained_with(tmp_path, monkeypatch):
-    """A seed-1 table says seed 1 (it said seed 0 whatever --seed was; issue 31)."""
+    """A seed-1 table says seed 1 (it once said seed 0 whatever --seed was)."""
     def fake_run_row(name, cfg, *, steps, num_ranks, extra_args, workdir, timeout, log_dir):
         return {"name": name, "status": "ok", "val_loss": 2.0, "tokens_per_s": 100.0, "memory": {},
                 "titan_metrics": {}, "model": {}, "micro_batch": 16}

@@ -1,5 +1,5 @@
 """`python -m launch.bench`: every suite names a script that exists, and the index finds every maintained result
-with its command and a headline read from its table (issue 31)."""
+with its command and a headline read from its table."""
 from __future__ import annotations
 
 import re

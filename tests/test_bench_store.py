@@ -130,6 +130,18 @@ def test_latest_is_the_last_record_per_key_in_first_recorded_order(tmp_path, cod
     assert len(s.latest()) == 3
 
 
+def test_newest_settings_are_the_newest_records(tmp_path, code):
+    """What a suite regenerates its table under: the settings of the newest record (by date, then file order)."""
+    s = _open(tmp_path / "r.jsonl")
+    with pytest.raises(ValueError, match="no records"):
+        s.newest_settings()
+    for steps in (100, 300, 200):
+        s.append("a", config={}, settings={"steps": steps}, result={})
+    assert s.newest_settings() == {"steps": 200}
+    s.records[0]["date"] = "9999-01-01"  # dated later than the others: newest whatever its place in the file
+    assert s.newest_settings() == {"steps": 100}
+
+
 def test_code_identity_changes_with_an_uncommitted_edit(tmp_path, monkeypatch):
     """The real thing, on a scratch git repository: the hash covers the committed tree and any change to it."""
     import subprocess

@@ -1,4 +1,4 @@
-"""The pillars together (issue #8): every shipped profile's pillars in one run, under ZeRO 0, 2 and 3, 1 and 2
+"""The pillars together: every shipped profile's pillars in one run, under ZeRO 0, 2 and 3, 1 and 2
 ranks, with checkpoint/resume bit-exact with all of them on."""
 import copy
 import json

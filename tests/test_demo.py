@@ -1,11 +1,15 @@
 """launch/demo.py (`make demo`): with both runs' summaries present (from before the store: --reuse-stale) it trains
 nothing and writes the comparison, its two-line summary and the plot from them; the figures are the runs' own. A
-run recorded in the store is reused from the same code without --reuse-stale."""
+run recorded in the store is reused from the same code without --reuse-stale. A first run is quiet: the progress
+bars, the two summary lines and the plot's path, none of the third-party lines titan used to trigger."""
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("demo", ROOT / "launch/demo.py")
@@ -56,3 +60,40 @@ def test_demo_reuses_its_recorded_runs_and_reruns_on_other_steps(tmp_path, monke
         shutil.rmtree(tmp_path / name)
     demo.main(["--steps", "9", "--out", str(tmp_path)])
     assert calls[2:] == ["plain", "titan_memory"]  # other settings: run again
+
+
+def test_demo_launches_deepspeed_at_warning_level_unless_verbose(tmp_path, monkeypatch):
+    """The launcher's INFO lines only under --verbose; on a machine without CUDA DeepSpeed is told it is the CPU
+    (no fallback warning from each process) unless the user chose an accelerator."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cmd, env = demo._launch("ds_configs/titan_memory.json", 8, tmp_path, verbose=False)
+    assert "--log_level=warning" in cmd and cmd.index("--log_level=warning") < cmd.index("launch/train.py")
+    assert env["DS_ACCELERATOR"] == "cpu"
+    cmd, env = demo._launch("ds_configs/titan_memory.json", 8, tmp_path, verbose=True)
+    assert not any(a.startswith("--log_level") for a in cmd) and "DS_ACCELERATOR" not in env
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    assert demo._launch("ds_configs/titan_memory.json", 8, tmp_path, verbose=False)[1]["DS_ACCELERATOR"] == "cuda"
+
+
+# Lines a first `make demo` printed before it was made quiet (each from a third party, triggered by titan)
+NOISE = ["Failed to load",                                # torchao's CUDA-only extensions, at its import
+         "is an Enum subclass",                           # torch's pytree deprecation, at torchao's import
+         "[INFO]",                                        # DeepSpeed's launcher
+         "Setting accelerator to CPU",                    # DeepSpeed's accelerator fallback, in each process
+         "has been overridden after learning rate scheduler initialization"]  # torch, on titan's optimizer
+
+
+@pytest.mark.slow
+def test_a_short_demo_prints_only_its_progress_and_summary(tmp_path):
+    """The demo entry, 2 steps (both runs, each through DeepSpeed's launcher): none of the noise above, and the
+    two summary lines and the plot's path are there."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "launch/demo.py", "--steps", "2", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1200)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert [n for n in NOISE if n in out] == [], out[-4000:]
+    assert "titan_memory vs plain DeepSpeed, 2 steps: validation loss" in r.stdout and "training state" in r.stdout
+    assert f"plot: {tmp_path / 'demo.png'}" in r.stdout

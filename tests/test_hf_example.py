@@ -1,4 +1,4 @@
-"""examples/hf_trainer.py (issue 15 item 6): the HF Trainer + titan_ds.install() + ds_configs/hf_*.json trains a
+"""examples/hf_trainer.py: the HF Trainer + titan_ds.install() + ds_configs/hf_*.json trains a
 tiny random HF model on its held-out-split corpus, in this process (the README shows the same script under the
 ``deepspeed`` launcher)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HMS under the Hugging Face Trainer (issue 29 item 5): with ``titan_ds.install()``, transformers' own
+"""HMS under the Hugging Face Trainer: with ``titan_ds.install()``, transformers' own
 ``deepspeed.zero.Init`` (it builds every model under ZeRO-3 that way) becomes ``titan_ds.zero_init`` when the config
 has ``titan.hms``, so ``from_pretrained`` streams the parameters to HMS's store as the model is built and the
 Trainer's ``deepspeed.initialize`` adopts it. Before, the Trainer refused the model ("build it under
@@ -15,7 +15,7 @@ import torch
 import titan_ds
 from tests.helpers.deps import require
 from titan_ds import deepspeed_compat as dsc
-from titan_ds.hms.swapper import HMSParamSwapper
+from titan_ds.hms.param_swapper import HMSParamSwapper
 
 transformers = require("transformers")
 require("accelerate")

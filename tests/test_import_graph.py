@@ -1,4 +1,4 @@
-"""The import graph of the whole ``titan_ds`` package has no cycles (issue 12).
+"""The import graph of the whole ``titan_ds`` package has no cycles.
 
 How the graph is built (from the source, with ``ast``; nothing is imported):
 

@@ -1,4 +1,4 @@
-"""The package works installed (issue 27): ``pip install`` (not editable) into a fresh venv outside the checkout,
+"""The package works installed: ``pip install`` (not editable) into a fresh venv outside the checkout,
 then, from another folder and without the checkout on ``sys.path``, ``titan-ds plan`` gives the checkout's plan,
 ``titan-ds report`` reports this version with every pillar available, and a tiny GPT trains two steps through
 ``titan_ds.initialize`` (MLME + the titan optimizer) with a falling loss.

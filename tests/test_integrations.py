@@ -1,4 +1,4 @@
-"""titan_ds.install(): deepspeed.initialize routed through titan_ds.initialize, for any caller (issue 15 items 1-2).
+"""titan_ds.install(): deepspeed.initialize routed through titan_ds.initialize, for any caller.
 
 The HF ``Trainer`` tests build tiny random Llama / GPT-2 configs in code (no network, no files) and run 1-rank
 DeepSpeed on the CPU accelerator in this process.

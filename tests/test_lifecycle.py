@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import titan_ds
-from titan_ds.engine import Pillar
+from titan_ds.engine import PillarEntry
 from titan_ds.lifecycle import Lifecycle
 from tests.helpers.equal_run import TINY, ds_config
 
@@ -83,7 +83,7 @@ def _fake_pillars(monkeypatch, log: list, *, raise_in: str | None = None) -> Non
         Fake.key = key
         mod.PILLAR = Fake
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
-        pillars.append(Pillar(key, mod.__name__, "test"))
+        pillars.append(PillarEntry(key, mod.__name__))
     monkeypatch.setattr("titan_ds.engine.PILLARS", tuple(pillars))
 
 
@@ -146,7 +146,7 @@ def test_a_failing_save_callback_fails_the_save_and_keeps_latest(dist_env, tmp_p
             ctx.on_save(on_save)
     mod.PILLAR = Saver
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setattr("titan_ds.engine.PILLARS", (Pillar("trd", mod.__name__, "test"),))
+    monkeypatch.setattr("titan_ds.engine.PILLARS", (PillarEntry("trd", mod.__name__),))
     engine = _tiny_engine(0, {"trd": {"rank": 2}})
     engine.save_checkpoint(str(tmp_path), tag="a")
     assert "pillar.bin" in json.loads((tmp_path / "a" / MANIFEST).read_text())["files"]  # written before it
@@ -229,7 +229,7 @@ def test_failed_initialize_restores_every_patched_global(dist_env, tmp_path, mon
                 raise RuntimeError("injected failure")
         bad.PILLAR = Failing
         monkeypatch.setitem(sys.modules, bad.__name__, bad)
-        monkeypatch.setattr(te, "PILLARS", (te.PILLARS[0], Pillar("compression", bad.__name__, "test")))
+        monkeypatch.setattr(te, "PILLARS", (te.PILLARS[0], PillarEntry("compression", bad.__name__)))
     else:  # compression installed its ZeRO-3 dispatcher (a module global) before this
         def boom(engine):
             assert _stage3_globals()[2] is not original[2]

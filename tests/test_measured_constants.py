@@ -1,7 +1,7 @@
 """Constants taken from a measurement stay equal to it: titan_ds/step_temp.json (the optimizer step's temporaries
 ``titan-ds plan`` charges, package data) holds exactly the figures of results/optim_step.jsonl, so a hand edit of
 either fails (written by ``python launch/bench/optim_step.py ... --step-temp-json titan_ds/step_temp.json``; the
-command is in the file; issue 31)."""
+command is in the file)."""
 from __future__ import annotations
 
 import json

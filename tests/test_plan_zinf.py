@@ -1,4 +1,4 @@
-"""`titan-ds plan`'s ZeRO-Infinity candidate (issue 29 item 7): listed, its config the one hms_scale.py measured and
+"""`titan-ds plan`'s ZeRO-Infinity candidate: listed, its config the one hms_scale.py measured and
 one DeepSpeed accepts (and trains, where its async_io op builds), ranked by the committed s/step measurements; and
 the peak model: phases that are never held together, checked against the committed width-4096 runs."""
 from __future__ import annotations
@@ -133,7 +133,7 @@ def test_backward_counts_the_largest_gradient_where_the_optimizer_is_offloaded()
     assert "backward" not in predict("zero3", m).dram and "backward" not in predict("zero2", m).dram
 
 
-# the width-4096 runs of issue 16 (hms_asdt_bf16, 8 GiB cap; peak anonymous GiB), on the code of that day
+# the width-4096 runs (hms_asdt_bf16, 8 GiB cap; peak anonymous GiB), on the code of that day
 WIDE = {"gpt:2x4096": 3.288, "gpt:4x4096": 3.242, "gpt:25x4096": 3.331}
 
 

@@ -1,4 +1,4 @@
-"""The pillar protocol of ``titan_ds.initialize`` (issue 27): every problem is found before anything is touched,
+"""The pillar protocol of ``titan_ds.initialize``: every problem is found before anything is touched,
 and a failure anywhere after that leaves nothing half-done.
 
 * Validation: each cross-field rule (titan_ds/rules.py) and each pillar's own check refuses its combination with a

@@ -1,4 +1,4 @@
-"""`launch/bench/rms_variants.py` (issue 30's preconditioning probe): every variant trains, uncompressed and
+"""`launch/bench/rms_variants.py` (the preconditioning probe): every variant trains, uncompressed and
 compressed; with one worker the mean-gradient estimates reduce to the worker's own RMS (the docstring's algebra),
 compressed too (the clamp to [v / W, v] is v at W = 1)."""
 from __future__ import annotations

@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -102,9 +103,20 @@ def test_loss_fn_must_return_scalar(dist_env):
         trainer.step(next(_batches(1)), lambda model, b: model(b["input_ids"]))
 
 
-def test_unbuilt_pillar_is_a_clear_error_not_a_noop(dist_env, monkeypatch):
+def test_a_pillar_that_cannot_import_is_an_error_not_a_noop(dist_env, monkeypatch):
     import titan_ds.engine as eng
-    monkeypatch.setattr(eng, "PILLARS", tuple(eng.Pillar(p.key, p.module + "_missing_for_test", p.issue)
+    monkeypatch.setattr(eng, "PILLARS", tuple(eng.PillarEntry(p.key, p.module + "_missing_for_test")
                                              for p in eng.PILLARS))
-    with pytest.raises(NotImplementedError, match="titan.trd .*issue #3"):
+    with pytest.raises(ModuleNotFoundError, match="titan_ds.inject.trd_missing_for_test"):
         build_titan_trainer(GPT(TINY), TITANConfig(use_trd=True, trd_rank=4))
+
+
+def test_the_seed_quick_start_as_written(dist_env):
+    """examples/quickstart.py's calls on a tiny model: the seed's flat TITANConfig from the package root, TRD on."""
+    from titan_ds import TITANConfig as SeedConfig, build_titan_trainer as build
+    config = SeedConfig(device="cpu", use_trd=True, trd_rank=4, nvme_path=None)
+    assert config.enabled_pillars == ["trd"] and config.trd.rank == 4
+    trainer = build(GPT(TINY), config)
+    for batch in _batches(3):
+        loss, metrics = trainer.step(batch, loss_fn)
+    assert metrics.step == 3 and metrics.trd_on and math.isfinite(loss)

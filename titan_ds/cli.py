@@ -34,30 +34,21 @@ def _pillars() -> dict[str, str]:
             importlib.import_module(mod)
             out[key] = "available"
         except ModuleNotFoundError as e:
-            out[key] = f"not built yet ({e.name})"
+            out[key] = f"not usable: it needs {e.name}, which is not installed"
         except Exception as e:  # report why a pillar cannot load here
             out[key] = f"fails to import: {type(e).__name__}: {e}"
     return out
 
 
 def _kernels() -> dict[str, Any]:
-    try:
-        guard = importlib.import_module("titan_ds.kernels._guard")
-        return guard.describe()
-    except ModuleNotFoundError:
-        triton = _version("triton")
-        return {"triton": triton, "note": "kernels land with MLME (issue #4)"}
+    return importlib.import_module("titan_ds.kernels._guard").describe()
 
 
 def _disk(path: str, mb: int) -> dict[str, Any]:
     os.makedirs(path, exist_ok=True)
     usage = shutil.disk_usage(path)
     out: dict[str, Any] = {"path": os.path.abspath(path), "free_GB": round(usage.free / 1e9, 1)}
-    try:
-        probe = importlib.import_module("titan_ds.hms.diskprobe")
-        out.update(probe.measure_disk(path, mb))
-    except ModuleNotFoundError:
-        out["speed"] = "measured by HMS's disk probe (issue #7), not built yet"
+    out.update(importlib.import_module("titan_ds.hms.diskprobe").measure_disk(path, mb))
     return out
 
 

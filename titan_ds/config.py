@@ -5,7 +5,8 @@ problem in the whole section and raises them together as one :class:`TitanConfig
 naming the key as the user wrote it (``titan.trd.rank must be >= 1, got 0``).
 
 The seed's flat form ``TITANConfig(device="cuda", use_trd=True, trd_rank=16, nvme_path="./x")`` is accepted
-too and converted to the same structure (see :func:`_from_flat`).
+too and converted to the same structure (:mod:`titan_ds.config_flat`); the messages are made in
+:mod:`titan_ds.config_errors`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .comm.qtopk import BITS as _QTOPK_BITS, DEFAULT_BITS, DEFAULT_CHUNK, MAX_CHUNK, qtopk_max_ratio
 from .comm.registry import REGISTRY as _COMPRESSORS
+from .config_errors import SECTION, TitanConfigError, find_auto, format_errors
+from .config_flat import structured
 
 __all__ = [
     "TitanConfig",
@@ -33,22 +36,6 @@ __all__ = [
     "ds_precision",
 ]
 
-SECTION = "titan"
-
-
-class TitanConfigError(ValueError):
-    """Every problem found in a ``"titan"`` section, reported at once.
-
-    ``errors`` is the list of messages, each starting with the key path (``titan.hms.prefetch ...``).
-    """
-
-    def __init__(self, errors: list[str]):
-        self.errors = list(errors)
-        n = len(self.errors)
-        head = f"{n} problem{'s' if n != 1 else ''} in the \"titan\" config section:"
-        super().__init__("\n  - ".join([head, *self.errors]))
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, frozen=False)
 
@@ -61,7 +48,7 @@ class DiskTier(_Strict):
 
 
 class HMSConfig(_Strict):
-    """Hierarchical Memory Streaming (issue #7): tiered device / DRAM / NVMe store for ZeRO-3 swap.
+    """Hierarchical Memory Streaming: tiered device / DRAM / NVMe store for ZeRO-3 swap.
 
     ``pipeline_optimizer`` (on by default) pipelines ZeRO-3's optimizer step over its sub-groups: while sub-group
     i steps, the state of i+1 is read and that of i-1 written in the background, at most ``pipeline_depth``
@@ -142,7 +129,7 @@ class HMSConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    """The titan optimizer (issue #5): ASDT, or its dense sign-momentum special case."""
+    """The titan optimizer: ASDT, or its dense sign-momentum special case."""
 
     name: Literal["asdt", "lion"] = "asdt"
     lr: float = Field(default=1e-3, gt=0)
@@ -199,7 +186,7 @@ class OptimizerConfig(_Strict):
 
 
 class PlasticityConfig(_Strict):
-    """BSPS (issue #5): which parameter blocks may learn, Frozen -> Growth -> Elastic -> Sleeping."""
+    """BSPS: which parameter blocks may learn, Frozen -> Growth -> Elastic -> Sleeping."""
 
     enabled: bool = True
     max_active_fraction: float = Field(default=0.5, gt=0, le=1)
@@ -228,7 +215,7 @@ _PER_STEP_ONLY = ("warmup_steps", "momentum", "momentum_masking", "local_clip", 
 
 
 class CompressionConfig(_Strict):
-    """Gradient compression on DeepSpeed's reduce path (issue #6; titan_ds/comm, docs/compress.md).
+    """Gradient compression on DeepSpeed's reduce path (titan_ds/comm, docs/compress.md).
 
     ``ratio`` is the target of dense bytes / bytes handed to the collective per rank; ``sketch_rows`` is the
     number of count-sketch rows (tgss) or holograms (hge); ``warmup_steps`` optimizer steps run uncompressed;
@@ -393,7 +380,7 @@ TRD_DEFAULT_INCLUDE = (r"\.(qkv|proj|fc|out|[qkvo]_proj|gate_proj|up_proj|down_p
 
 
 class TRDConfig(_Strict):
-    """Tensor-ring linear layers (issue #3; titan_ds/inject/trd.py, docs/trd.md).
+    """Tensor-ring linear layers (titan_ds/inject/trd.py, docs/trd.md).
 
     ``rank``: one rank for every ring edge, or one per core (then every replaced layer must have that many
     cores). ``include``/``exclude``: regexes, ``re.search`` on qualified module names (``blocks.0.mlp.fc``,
@@ -440,7 +427,7 @@ class TRDConfig(_Strict):
 
 
 class MLMEConfig(_Strict):
-    """Micro-layer materialization (issue #4): tiled attention, StripeFFN, chunked cross-entropy.
+    """Micro-layer materialization: tiled attention, StripeFFN, chunked cross-entropy.
 
     attention: "tiled" (titan_ds.kernels.attention), "sdpa" (torch SDPA), "off" (attention left as built);
     tile: query/key tile of the tiled attention (the Triton kernel caps its blocks at 128, 64 for head dims > 64);
@@ -499,12 +486,6 @@ class MLMEConfig(_Strict):
 
 _SUBSECTIONS = ("hms", "optimizer", "plasticity", "compression", "trd", "mlme")
 
-# The seed's flat TITANConfig keywords and where each lands in the structured section.
-_FLAT_KEYS = {
-    "device", "use_trd", "trd_rank", "nvme_path", "dram_cache_mb", "use_mlme", "use_asdt", "density",
-    "lr", "use_bsps", "use_hge", "compression_ratio", "use_tgss",
-}
-
 
 class TitanConfig(_Strict):
     """The whole ``"titan"`` section. Build with ``TitanConfig.from_ds_config(cfg)`` or the seed's flat keywords."""
@@ -518,11 +499,11 @@ class TitanConfig(_Strict):
     mlme: Optional[MLMEConfig] = None
 
     def __init__(self, **data: Any):
-        autos = _find_auto(data, SECTION)
+        autos = find_auto(data, SECTION)
         try:
-            super().__init__(**_prepare(data))
+            super().__init__(**structured(data))
         except ValidationError as e:
-            errors = _format_errors(e, data)
+            errors = format_errors(e, TitanConfig)
             # an "auto" value also fails its type check: report it once, with the reason
             auto_keys = {a.split(" ", 1)[0] for a in autos}
             raise TitanConfigError(autos + [m for m in errors if m.split(" ", 1)[0] not in auto_keys]) from None
@@ -561,7 +542,7 @@ class TitanConfig(_Strict):
         return self.model_dump(mode="json", exclude_none=True)
 
 
-TITANConfig = TitanConfig
+TITANConfig = TitanConfig  # the seed's name; its flat keywords are mapped by titan_ds.config_flat
 
 
 _TRUE = {"true", "1", "yes", "on", "t", "y", "auto"}
@@ -599,137 +580,3 @@ def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any], None]) -> 
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise TitanConfigError([f"ds_config {str(path)!r} is not valid JSON: {e}"]) from None
-
-
-def _find_auto(obj: Any, path: str) -> list[str]:
-    found = []
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            found += _find_auto(v, f"{path}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            found += _find_auto(v, f"{path}[{i}]")
-    elif isinstance(obj, str) and obj == "auto":
-        found.append(f"{path} is \"auto\": the titan section takes explicit values only (HF accelerate "
-                     f"fills \"auto\" from TrainingArguments and rejects unknown keys); write the value")
-    return found
-
-
-class _SeedFlat(_Strict):
-    """The seed's flat keywords, type-checked before they are mapped onto the structured section."""
-
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    use_trd: bool = False
-    trd_rank: Optional[Union[int, list[int]]] = None
-    nvme_path: Optional[str] = None
-    dram_cache_mb: Optional[int] = None
-    use_mlme: bool = False
-    use_asdt: bool = False
-    use_bsps: bool = False
-    density: Optional[float] = None
-    lr: Optional[float] = None
-    use_hge: bool = False
-    use_tgss: bool = False
-    compression_ratio: Optional[float] = None
-
-
-def _from_flat(flat: _SeedFlat) -> dict[str, Any]:
-    """Map the seed's flat keywords onto the structured section (range checks happen there)."""
-    out: dict[str, Any] = {"device": flat.device}
-    if flat.use_trd or flat.trd_rank is not None:
-        out["trd"] = {} if flat.trd_rank is None else {"rank": flat.trd_rank}
-    if flat.nvme_path is not None:
-        out["hms"] = {"nvme_path": flat.nvme_path}
-        if flat.dram_cache_mb is not None:
-            out["hms"]["dram_cache_mb"] = flat.dram_cache_mb
-    if flat.use_mlme:
-        out["mlme"] = {}
-    if flat.use_asdt or flat.use_bsps:
-        out["optimizer"] = {k: getattr(flat, k) for k in ("density", "lr") if getattr(flat, k) is not None}
-    if flat.use_bsps:
-        out["plasticity"] = {}
-    if flat.use_hge or flat.use_tgss:
-        out["compression"] = {"method": "hge" if flat.use_hge else "tgss"}
-        if flat.compression_ratio is not None:
-            out["compression"]["ratio"] = flat.compression_ratio
-    return out
-
-
-def _prepare(data: dict[str, Any]) -> dict[str, Any]:
-    flat_keys = _FLAT_KEYS.intersection(data) - {"device"}
-    if not flat_keys:
-        return data
-    mixed = sorted(set(data) - _FLAT_KEYS)
-    if mixed:
-        raise TitanConfigError([f"titan mixes the seed's flat keywords ({', '.join(sorted(flat_keys))}) with "
-                                f"structured sections ({', '.join(mixed)}); use one form"])
-    try:
-        flat = _SeedFlat(**data)
-    except ValidationError as e:
-        raise TitanConfigError([f"{SECTION}.{'.'.join(map(str, err['loc']))} {_describe(err)}"
-                                for err in e.errors()]) from None
-    return _from_flat(flat)
-
-
-def _key_path(loc: tuple[Any, ...]) -> str:
-    path = SECTION
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in ("int", "list[int]", "function-after[_rank(), union[int,list[int]]]"):
-            continue  # pydantic's union branch labels are not user keys
-        else:
-            path += f".{part}"
-    return path
-
-
-def _describe(err: dict[str, Any], known: str = "") -> str:
-    kind, msg, val = err["type"], err["msg"], err.get("input")
-    ctx = err.get("ctx") or {}
-    if kind == "extra_forbidden":
-        return "is not a known key (typo?); remove it" + (f"; known keys here: {known}" if known else "")
-    if kind == "missing":
-        return "is required"
-    if kind in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
-        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}[kind]
-        bound = next(iter(ctx.values()))
-        return f"must be {op} {bound}, got {val!r}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {val!r}"
-    if kind in ("float_parsing", "float_type", "int_parsing", "int_type", "int_from_float"):
-        return f"must be a {'whole ' if kind.startswith('int') else ''}number, got {val!r}"
-    if kind in ("bool_parsing", "bool_type"):
-        return f"must be true or false, got {val!r}"
-    if kind == "value_error":
-        return msg.removeprefix("Value error, ")
-    return f"{msg}, got {val!r}"
-
-
-def _known_keys(loc: tuple[Any, ...]) -> str:
-    model: Any = TitanConfig
-    for part in loc[:-1]:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return ""
-        ann = field.annotation
-        inner = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not inner:
-            return ""
-        model = inner[0]
-    return ", ".join(model.model_fields)
-
-
-def _format_errors(e: ValidationError, data: Mapping[str, Any]) -> list[str]:
-    seen: dict[str, str] = {}
-    for err in e.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "list[int]"))))
-        path = _key_path(loc)
-        text = f"{path} {_describe(err, _known_keys(loc))}"
-        # A union (rank: int | list[int]) reports one error per branch; keep the first per key.
-        seen.setdefault(path + ":" + err["type"].split("_")[0], text)
-    msgs = list(dict.fromkeys(seen.values()))
-    # union branches of the same key: keep one message per key
-    by_key: dict[str, str] = {}
-    for m in msgs:
-        by_key.setdefault(m.split(" ", 1)[0], m)
-    return list(by_key.values())

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -51,24 +52,25 @@ from .pillar import View
 from .transaction import Transaction
 from .utils import after_init_distributed
 
-__all__ = ["initialize", "prepare", "validate", "InitContext", "TitanRuntime", "PILLARS", "clip_fp32_grads"]
+__all__ = ["initialize", "prepare", "validate", "InitContext", "TitanRuntime", "PILLARS", "PillarEntry",
+           "clip_fp32_grads"]
 
 log = logging.getLogger("titan_ds")
 
 
 @dataclass(frozen=True)
-class Pillar:
+class PillarEntry:
+    """A row of :data:`PILLARS`: the ``"titan"`` section key and the module whose ``PILLAR`` implements it."""
     key: str       # key of the "titan" section
     module: str    # module exposing PILLAR, a titan_ds.pillar.Pillar subclass
-    issue: str     # where it is built, for the NotImplementedError of a missing pillar
 
 
-PILLARS: tuple[Pillar, ...] = (
-    Pillar("hms", "titan_ds.hms.install", "issue #7 (HMS)"),
-    Pillar("trd", "titan_ds.inject.trd", "issue #3 (TRD)"),
-    Pillar("mlme", "titan_ds.inject.mlme", "issue #4 (MLME)"),
-    Pillar("optimizer", "titan_ds.optim.install", "issue #5 (ASDT + BSPS)"),
-    Pillar("compression", "titan_ds.comm.hooks", "issue #6 (HGE + TGSS)"),
+PILLARS: tuple[PillarEntry, ...] = (
+    PillarEntry("hms", "titan_ds.hms.install"),
+    PillarEntry("trd", "titan_ds.inject.trd"),
+    PillarEntry("mlme", "titan_ds.inject.mlme"),
+    PillarEntry("optimizer", "titan_ds.optim.install"),
+    PillarEntry("compression", "titan_ds.comm.hooks"),
 )
 
 
@@ -191,14 +193,8 @@ def _deepspeed_initialize() -> Callable[..., Any]:
     return getattr(deepspeed.initialize, "__titan_original__", deepspeed.initialize)
 
 
-def _pillar_class(p: Pillar):
-    try:
-        return importlib.import_module(p.module).PILLAR
-    except ModuleNotFoundError as e:
-        if e.name and p.module.startswith(e.name):
-            raise NotImplementedError(f"titan.{p.key} is configured but that pillar is not built yet: it lands "
-                                      f"with {p.issue}. Remove \"{p.key}\" from the titan section for now.") from None
-        raise
+def _pillar_class(p: PillarEntry) -> type:
+    return importlib.import_module(p.module).PILLAR
 
 
 def _world_size() -> int:
@@ -254,6 +250,10 @@ def _install_nonfinite_guard(engine: Any) -> None:
     inner_step = opt.step
     group = dsc.data_parallel_group(engine)
 
+    # functools.wraps: the guard wraps whatever ``opt.step`` is, often the step a torch LRScheduler built over
+    # ``opt`` wrapped to see that the optimizer steps before it; copying that wrapper's marker (and calling it)
+    # keeps the scheduler's check true, instead of its "optimizer.step() has been overridden" warning.
+    @functools.wraps(inner_step)
     def step(*a: Any, **kw: Any):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if not grads and (engine.world_size == 1 or getattr(opt, "step_in_backward", False)):

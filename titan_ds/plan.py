@@ -14,7 +14,7 @@ The model of each candidate has two parts:
    (``stage3_max_live_parameters``, the prefetch and reduce buckets); ZeRO-3 CPU offload adds the fp32
    gradient partition the CPU optimizer reads; HMS keeps on disk parameters, masters and optimizer state and
    holds in DRAM DeepSpeed's fp32 gradient partition (``grad_partitions_flat_buffer``, 4 bytes/param: the
-   largest term left, see issue 16; ``hms_gdisk`` and ``hms_asdt`` map it to a file, ``titan.hms.gradient_buffer:
+   largest term left; ``hms_gdisk`` and ``hms_asdt`` map it to a file, ``titan.hms.gradient_buffer:
    "disk"``), one
    optimizer sub-group at a time (plus the master and state of the previous one while its write is in flight:
    ``titan.hms.pipeline_optimizer``) and the next one's read ahead, and its DRAM cache. ZeRO-Infinity
@@ -63,7 +63,7 @@ OFFLOAD_MODES = ("zero3_cpu", "zero_inf", "hms_dram", "hms", "hms_gdisk", "hms_a
 # modes whose element-proportional bytes (partitions, masters, optimizer state) live on disk, and whose DRAM the
 # structure already sizes by what grows (the gradient partition where it is in DRAM, one sub-group, activations):
 # their calibration fits the process baseline only. A slope fitted on 0.01-0.2B-parameter shapes was noise
-# (-0.19, -0.34, +0.49 bytes/param) that 5B parameters turned into +2.3 GiB (issue 29: +68% at 25x4096). hms_dram
+# (-0.19, -0.34, +0.49 bytes/param) that 5B parameters turned into +2.3 GiB (+68% at 25x4096). hms_dram
 # (its partitions in RAM are in the structure) likewise: its slope fit (1.22 bytes/param, baseline 0.02 GiB) put
 # gpt:8x768 at 1.32 GiB against 1.38 measured; the baseline alone at 1.39
 BASELINE_ONLY_MODES = ("hms_dram", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
@@ -338,8 +338,9 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
             dram["parameters"] = w * P / N
         # the sub-group's master, gradient and state, and the step's temporaries; plus the previous sub-group's
         # master and state still being written (titan.hms.pipeline_optimizer, on by default, depth 1)
-        # and the next sub-group's master and state, read ahead while this one steps (titan_ds/hms/swapper.py:
-        # swap_in_optimizer_state prefetches async_parameter's keys; before the pipelined step too)
+        # and the next sub-group's master and state, read ahead while this one steps
+        # (titan_ds/hms/optimizer_swapper.py: swap_in_optimizer_state prefetches async_parameter's keys; before the
+        # pipelined step too)
         temp = (step_temp or load_step_temp())[MODE_OPTIMIZER[mode]]
         dram.update(optimizer=sub * (4 + 4 + S + temp) + sub * (4 + S) * (pipeline_depth + 1),
                     cache=64 * 2**20)
@@ -367,7 +368,7 @@ def predict(mode: str, m: ModelSpec, *, ranks: int = 1, seq: int = 128, micro: i
     cal = modes.get(mode, modes.get(CALIBRATION_OF.get(mode, "")))
     if mode not in modes or gpu:
         c.calibrated = False
-    if cal is not None:  # the process baseline, and bytes/param the structure does not explain (issue 16)
+    if cal is not None:  # the process baseline, and bytes/param the structure does not explain
         c.dram["baseline"] = cal["baseline_bytes"]
         c.dram["unexplained"] = cal["extra_bytes_per_param"] * m.params / ranks
     return c

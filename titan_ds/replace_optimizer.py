@@ -10,7 +10,9 @@ failure puts them back. :func:`replace_ds_optimizer_section` is the same for a d
 """
 from __future__ import annotations
 
+import functools
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -18,6 +20,26 @@ import torch
 __all__ = ["replace_passed_optimizer", "replace_ds_optimizer_section", "built_optimizer"]
 
 log = logging.getLogger("titan_ds")
+
+
+def _track_steps(opt: torch.optim.Optimizer, also: tuple[torch.optim.Optimizer, ...] = ()) -> None:
+    """Wrap ``opt.step`` as a torch ``LRScheduler`` wraps the step of the optimizer it is built over (torch's
+    ``patch_track_step_called``: the ``_wrapped_by_lr_sched`` marker, ``_opt_called`` set on each step, weak
+    references so the optimizer is not kept alive by its own method). A scheduler re-pointed at ``opt``, or still
+    pointing at an optimizer in ``also`` that ``opt`` steps for, then sees the optimizer step before it, instead of
+    warning that ``optimizer.step()`` was overridden (or not called) after the scheduler was built."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    refs, func = [weakref.ref(o) for o in (opt, *also)], opt.step.__func__  # a fresh optimizer: its class's step
+
+    @functools.wraps(func)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        for o in filter(None, (r() for r in refs)):
+            o._opt_called = True
+        return func(refs[0](), *args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = tracked  # type: ignore[method-assign]
 
 
 def _redirect_schedule(passed: torch.optim.Optimizer, new: torch.optim.Optimizer, scheduler: Any) -> None:
@@ -40,11 +62,14 @@ def _redirect_schedule(passed: torch.optim.Optimizer, new: torch.optim.Optimizer
     if seen:
         scheduler.optimizer = new
         if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            _track_steps(new)
             scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in new.param_groups]
             scheduler._last_lr = [g["lr"] for g in new.param_groups]
         else:
             for old, g in zip(passed.param_groups, new.param_groups):
                 g["lr"] = old["lr"]
+    elif hasattr(passed.step, "_wrapped_by_lr_sched"):  # a torch scheduler initialize was not given drives `passed`
+        _track_steps(new, also=(passed,))
 
 
 def replace_passed_optimizer(ctx: Any, build: Callable[[torch.optim.Optimizer], torch.optim.Optimizer],

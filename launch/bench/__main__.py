@@ -18,12 +18,13 @@ running anything (all of the suite's committed tables, ``TABLES``, or the one at
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 __all__ = ["SUITES", "RESULTS", "TABLES", "table_rows", "build_index", "regenerate", "main"]
@@ -110,10 +111,21 @@ def regenerate(suite: str, out: Optional[str] = None) -> list[str]:
         raise SystemExit(f"table: no regenerable tables for suite {suite!r}; choose one of {sorted(TABLES)}")
     module, outs = TABLES[suite]
     fn = importlib.import_module(module).table
-    with contextlib.chdir(ROOT):  # the outs as the commands name them (relative to the checkout)
+    with _chdir(ROOT):  # the outs as the commands name them (relative to the checkout)
         for o in [out] if out else outs:
             fn(str(o))
     return [out] if out else outs
+
+
+@contextlib.contextmanager
+def _chdir(path: Path) -> Iterator[None]:
+    """``contextlib.chdir`` of Python 3.11, here where the package supports 3.10."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def table_rows(path: Path) -> list[dict[str, str]]:

@@ -88,8 +88,8 @@ def _drop(path: str) -> None:
 
 def part_a(path: str, mb: int, repeats: int, threads: int, hash_name: str = "xxh3_64",
            out_name: str = "hms_streaming") -> None:
-    import titan_ds.hms.store as store_mod
-    store_mod.HASH, store_mod.FORMAT_VERSION = hash_name, (2 if hash_name == "xxh3_64" else 1)
+    import titan_ds.hms.store_format as store_format
+    store_format.HASH, store_format.FORMAT_VERSION = hash_name, (2 if hash_name == "xxh3_64" else 1)
     os.makedirs(path, exist_ok=True)
     direct = probe_direct_io(path)
     ddfile = os.path.join(path, "dd.bin")

@@ -22,7 +22,7 @@ options (``--dgc-*``; with momentum correction its AdamW runs at ``beta1 = --dgc
 compressor's velocity is the momentum); ``powersgd`` runs at each of ``--ranks`` instead of ``--ratios`` (two
 all-reduces, of ``P`` with the dense tensors and of ``Q``). ``rms*`` methods apply the sum with SGD (the update is
 already Adam-scaled): ``rms_mean*`` is ``precondition: "rms_mean"`` (SGD with momentum 0.9, dampening 0.9), and
-``rms_rho*`` (issue 30, a probe of this simulator only, not in the package) is ``rms*``'s message with the mean
+``rms_rho*`` (a probe of this simulator only, not in the package) is ``rms*``'s message with the mean
 update rescaled after the reduction by ``1 / sqrt(r^2 + (1 - r^2) / W)``, ``r`` the clamped bias-corrected EMA
 (0.99) of the mean update itself (the same on every worker), then SGD with momentum 0.9: Adam's denominator of the
 *mean* gradient expressed through the rms update's signal-to-noise ratio.
@@ -224,8 +224,8 @@ def _key(row: dict) -> tuple:
 
 
 def lr_factor(schedule: Optional[str], step: int, steps: int) -> float:
-    """The lr multiplier at 0-based ``step`` of ``steps``: None, 1 (constant: every row before 2026-12-05's 31st
-    session); ``"warmup_cosine"``, the schedule ``launch/train.py`` gives the real DeepSpeed ranks (its
+    """The lr multiplier at 0-based ``step`` of ``steps``: None, 1 (constant: the rows
+    measured before the schedule was added); ``"warmup_cosine"``, the schedule ``launch/train.py`` gives the real DeepSpeed ranks (its
     ``lr_lambda``: :data:`launch.train.DEFAULT_WARMUP` steps of linear warm-up, then half a cosine to 10%), the same
     for every method of a run."""
     if schedule is None:

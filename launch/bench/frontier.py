@@ -1,5 +1,5 @@
 """Quality frontier: titan's profiles beside dense AdamW at its best lr and the low-memory optimizers a user would
-pick instead, on the seed workload, over seeds, resumable (issue 13, items 1, 3 and 5).
+pick instead, on the seed workload, over seeds, resumable.
 
     python launch/bench/frontier.py --steps 1000 --seeds 0,1                       # the full table (hours)
     python launch/bench/frontier.py --steps 3 --seeds 0 --rows 'adamw_lr1e-3,lion_lr1e-4,titan_exact' \\
@@ -144,7 +144,7 @@ def build_rows(a: argparse.Namespace) -> list[Row]:
     return rows
 
 
-# fair peers (issue 28 item 4): a peer optimizer given what a titan profile's exact pillars give titan
+# fair peers: a peer optimizer given what a titan profile's exact pillars give titan
 FAIR_PEERS = {"adamw_mlme_memory": ("adamw", "titan_memory"),
               "adamw4bit_bf16_mlme_memory": ("adamw4bit_bf16", "titan_memory"),
               "adamw8bit_mlme_balanced": ("adamw8bit", "titan_balanced")}

@@ -33,7 +33,7 @@ MiB = 2**20
 
 
 def add_dgc_args(p: Any) -> None:
-    """The ``--dgc-*`` flags of the compression benchmarks' ``dgc`` rows (topk with DGC's options, issue 14)."""
+    """The ``--dgc-*`` flags of the compression benchmarks' ``dgc`` rows (topk with DGC's options)."""
     p.add_argument("--dgc-momentum", type=float, default=0.9, help="DGC momentum correction (0: off)")
     p.add_argument("--dgc-no-masking", action="store_true", help="DGC without momentum factor masking")
     p.add_argument("--dgc-clip", type=float, default=None, help="DGC local clip (max norm per parameter)")

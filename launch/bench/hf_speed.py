@@ -1,5 +1,5 @@
 """SmolLM2-135M under the HF Trainer: training speed (tokens/s) and where a step's time goes, plain ``Trainer`` +
-AdamW beside ``Trainer`` + titan's ``hf_asdt_8bit`` and torchao's AdamW8bit (issue 28: the HF row's speed).
+AdamW beside ``Trainer`` + titan's ``hf_asdt_8bit`` and torchao's AdamW8bit (the HF row's speed).
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /tmp/titan_timed.lock \\
         python launch/bench/hf_speed.py --what speed --steps 100 --warmup 5 --repeats 3     # results/hf_speed.md

@@ -46,7 +46,7 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   ``data_types.grad_accum_dtype``, in the file mapping), ASDT's momentum in 8 bits, density 1 (no top-k
   selection: its cost dominated the step of a 405M model) and lr 1e-5 (sign steps at width 4096 need it):
   11 bytes/param on disk (bf16 partition 2, fp32 master 4, 8-bit momentum 1, fp32 gradient 4) where
-  ``hms_asdt`` writes 14. For the full-size run (issue 16).
+  ``hms_asdt`` writes 14. For the full-size run.
 
 ``--speed-shape LAYERSxWIDTH`` adds s/step at one shape every mode fits, under ``--speed-cap`` GiB: ``--speed-repeats``
 runs of each mode, alternated (the mode order reverses from one run to the next), each ``--speed-warmup`` + ``--speed-steps`` steps;

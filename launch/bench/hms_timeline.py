@@ -1,4 +1,4 @@
-"""Where an HMS training step's time goes, beside ZeRO-Infinity's (issue 29).
+"""Where an HMS training step's time goes, beside ZeRO-Infinity's.
 
 Command (from the repository root, as root with cgroup v1; PATH on the disk HMS uses)::
 

@@ -180,7 +180,7 @@ def plot(rows: list[dict], path: Path, min_x: float) -> bool:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[fam], label=fam, ms=5)
         ax.axhline(0.0, color="k", lw=0.8, label="dense AdamW (every step, 1x)")
-        ax.axhspan(-0.05, 0.05, color="green", alpha=0.1, label="within 0.05 nats (issue 30's target)")
+        ax.axhspan(-0.05, 0.05, color="green", alpha=0.1, label="within 0.05 nats (the target)")
         ax.set_xscale("log", base=2)
         ax.set_xticks([2, 8, 32, 128])
         ax.set_xticklabels(["2", "8", "32", "128"])

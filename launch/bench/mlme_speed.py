@@ -1,5 +1,5 @@
-"""MLME's parts against plain PyTorch on the seed GPT's shapes: forward+backward time and saved bytes (issue 28,
-item 3), the measurement behind the CPU attention kernel and the StripeFFN / chunked-loss auto rules (stripe_ffn "budget").
+"""MLME's parts against plain PyTorch on the seed GPT's shapes: forward+backward time and saved bytes: the
+measurement behind the CPU attention kernel and the StripeFFN / chunked-loss auto rules (stripe_ffn "budget").
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /tmp/titan_timed.lock \\
         python launch/bench/mlme_speed.py --reps 7 --out results/mlme_speed

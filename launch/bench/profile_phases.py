@@ -1,5 +1,5 @@
 """Where a training step's time goes: forward, loss, backward (recompute included), optimizer step and the rest,
-for plain DeepSpeed + AdamW and the titan profiles, on the seed GPT (issue 28, item 1).
+for plain DeepSpeed + AdamW and the titan profiles, on the seed GPT.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /tmp/titan_timed.lock \\
         python launch/bench/profile_phases.py --steps 20 --out results/profile_phases          # the table

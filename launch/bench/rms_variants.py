@@ -1,7 +1,7 @@
 """Per-worker RMS preconditioning at W workers, uncompressed or compressed: which denominator and momentum match
 dense AdamW.
 
-Issue 30 at W = 32: ``precondition: "rms"`` (each worker divides its gradient by the RMS of its own gradients; the
+At W = 32: ``precondition: "rms"`` (each worker divides its gradient by the RMS of its own gradients; the
 sum is applied by SGD without momentum) was +0.26 nats behind dense AdamW after 1000 steps even with no
 compression at all (``results/compress_qtopk_w32_ag.md``, its ``rms`` ratio-1 row). This harness isolates the
 optimizer from the compressor: ``W`` workers' gradients of one shared model (``torch.func.vmap`` over the workers'

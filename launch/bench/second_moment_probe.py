@@ -1,4 +1,4 @@
-"""Which second moment does a bf16-momentum optimizer need to train like AdamW? (issue 13, item 2; the probe behind
+"""Which second moment does a bf16-momentum optimizer need to train like AdamW? (the probe behind
 ASDT's ``update="adaptive"``, docs/asdt.md).
 
     python launch/bench/second_moment_probe.py --steps 300 --seed 0 --out results/second_moment_probe

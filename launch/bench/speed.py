@@ -1,5 +1,5 @@
 """Training speed: tokens/s of titan's profiles beside plain DeepSpeed + AdamW and the fair peers, with MFU, on the
-seed GPT (issue 28, item 4, speed half).
+seed GPT.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /tmp/titan_timed.lock \\
         python launch/bench/speed.py --steps 100 --repeats 3                          # the table (the lead runs it)

@@ -1,4 +1,4 @@
-"""The one results store of the benchmarks (issue 31): every finished row of every suite is one JSON line in
+"""The one results store of the benchmarks: every finished row of every suite is one JSON line in
 the suite's ``<out>.jsonl``, and every table is regenerated from that file by a command, never edited by hand.
 
 A record is ``{"suite", "row", "config_hash", "settings_hash", "seed", "git_sha", "code_hash", "dirty",
@@ -165,6 +165,13 @@ class Store:
             return {"suite": self.suite, "row": row, "seed": seed, "result": result}  # not recorded
         return self.append(row, config=config, settings=settings, seed=seed, result=result)
 
+    def newest_settings(self) -> Any:
+        """The settings of the newest record (by date, then file order): what a suite's ``table(out)`` regenerates
+        its table under, read from the store instead of back from the table it wrote."""
+        if not self.records:
+            raise ValueError(f"{self.path}: no records of suite {self.suite!r} to take the settings from")
+        return self.records[_newest(self.records)]["settings"]
+
     def latest(self, *, settings: Any = None, rows: Optional[Iterable[str]] = None) -> list[dict]:
         """For each (row, config, settings, seed): its last record, in the order first recorded; only those
         under ``settings`` and in ``rows`` where given. What a table is rendered from."""
@@ -186,6 +193,10 @@ def stale_flags(records: Sequence[dict]) -> list[bool]:
     rows; a table made only of records from before the store (code unknown) marks none."""
     if not records:
         return []
-    newest = max(range(len(records)), key=lambda i: (records[i].get("date") or "", i))
-    code = records[newest].get("code_hash")
+    code = records[_newest(records)].get("code_hash")
     return [r.get("code_hash") != code for r in records]
+
+
+def _newest(records: Sequence[dict]) -> int:
+    """The index of the newest of ``records`` (by date, then file order)."""
+    return max(range(len(records)), key=lambda i: (records[i].get("date") or "", i))

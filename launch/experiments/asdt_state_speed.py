@@ -1,4 +1,4 @@
-"""ASDT's optimizer step with each state layout, on one thread: the cost of the 8-/4-bit state (issue 13).
+"""ASDT's optimizer step with each state layout, on one thread: the cost of the 8-/4-bit state.
 
 A one-off probe: it answered what the 8-bit/4-bit per-coordinate state costs per step against the bf16 row state
 (results/asdt_state_speed.md); launch/bench/optim_step.py (the "optimizer-step" suite) replaces it.

@@ -1,4 +1,4 @@
-"""What a fresh gradient buffer per sub-group costs against one reused buffer (titan_ds/hms/swapper.py's
+"""What a fresh gradient buffer per sub-group costs against one reused buffer (titan_ds/hms/optimizer_swapper.py's
 ``_gradient_into``), under HMS's glibc mmap threshold (1 MiB, set here through ``MALLOC_MMAP_THRESHOLD_`` in a
 child process, as HMS sets it with mallopt): every tensor of 1 MiB or more is then its own mapping, so a fresh one
 is faulted in 4 KiB at a time and zeroed by the kernel, and freeing it unmaps it.

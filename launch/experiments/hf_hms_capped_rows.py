@@ -1,4 +1,4 @@
-"""HF ``Trainer`` + HMS against DeepSpeed's own offloads under a memory cap (issue 29, item 5): rows for
+"""HF ``Trainer`` + HMS against DeepSpeed's own offloads under a memory cap: rows for
 docs/integrations.md.
 
     PYTHONPATH=$PWD python launch/experiments/hf_hms_capped_rows.py --work DIR --caps 6,2 --modes cpu,zinf,hms \\

@@ -1,4 +1,4 @@
-"""One-off probe (issue 28, the HF row's speed): one ``opt.step()`` of ds_configs/hf_asdt_8bit.json's ASDT over
+"""One-off probe (the HF row's speed): one ``opt.step()`` of ds_configs/hf_asdt_8bit.json's ASDT over
 SmolLM2-135M's parameters (random gradients, seeded), at a given ``core.CHUNK``; prints each step's seconds and a
 hash of the weights after 3 steps (the same hash at every CHUNK: chunking does not change the bits).
 

@@ -10,7 +10,7 @@ a reference GPT of ``--layers`` x ``--width`` built under ``zero_init``) while a
 ``/proc/self/status`` every 5 ms and notes the innermost frame of titan, DeepSpeed or the script that the main
 thread is in. It saves ``results/hms_memprofile/L.json``: the peak, the main thread's stack at the peak, and
 the samples (thinned to one per 50 ms). ``--plot`` draws saved labels into ``results/hms_memprofile/rss.png``.
-This is how the ~4 bytes/param that an HMS run held beyond its accounting (issue 16) was found: in the second
+This is how the ~4 bytes/param that an HMS run held beyond its accounting was found: in the second
 step's forward, RssAnon grew by a full fp32 copy of the model, in ``TensorStore.get`` (a cache hit left the
 staged copy of a finished prefetch in place until the key's next write).
 """

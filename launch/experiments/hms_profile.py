@@ -51,7 +51,7 @@ LABELS = [
     ("backward (autograd)", r"backward|run_backward"),
     ("store.put (other)", r"^_put |^put "),
     ("store.get / read (other)", r"^_read_file |^get "),
-    ("swapper (other)", r"titan_ds/hms/swapper\.py"),
+    ("swapper (other)", r"titan_ds/hms/(param_|optimizer_)?swapper\.py"),
     ("deepspeed stage3 (other)", r"deepspeed/runtime/zero"),
 ]
 

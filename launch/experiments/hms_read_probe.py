@@ -1,4 +1,4 @@
-"""Why did the checked store read at ~70% of dd's best (issue 29, item 6)? Answered 2026-12-05: the destination's
+"""Why did the checked store read at ~70% of dd's best? Answered 2026-12-05: the destination's
 pages, not the checksum, the block size or the thread count (docs/hms.md, "Reads at 1.2x dd's best").
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python launch/experiments/hms_read_probe.py --path /work/hms_probe \\

@@ -1,4 +1,4 @@
-"""Write and read speed of HMS's store against DeepSpeed's aio handle on this disk, 40 MB tensors (issue 29).
+"""Write and read speed of HMS's store against DeepSpeed's aio handle on this disk, 40 MB tensors.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 flock /tmp/titan_timed.lock python launch/experiments/store_vs_aio.py --path DIR
 

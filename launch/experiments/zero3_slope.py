@@ -1,4 +1,4 @@
-"""Answered (issue 31): plain ZeRO-3 + CPU offload needs 29-31 bytes of RAM per parameter (not "about 36"); in docs/plan.md.
+"""Answered: plain ZeRO-3 + CPU offload needs 29-31 bytes of RAM per parameter (not "about 36"); in docs/plan.md.
 
 The least-squares slope of peak anonymous memory against parameter count over the successful `zero3_cpu`
 trials that launch/bench/hms_scale.py recorded (its results store, every record), per memory cap and over all of them:

@@ -7,7 +7,7 @@ import torch
 
 from tests.hms.test_pipeline import _swapper
 from titan_ds.hms.store import TensorStore, Tier
-from titan_ds.hms.swapper import HMSOptimizerSwapper
+from titan_ds.hms.optimizer_swapper import HMSOptimizerSwapper
 
 
 def test_sub_groups_share_one_gradient_buffer_with_their_own_values(tmp_path):
@@ -84,7 +84,7 @@ def test_the_next_subgroups_gradient_range_is_advised_page_aligned_and_only_in_t
     import mmap
     import types
 
-    from titan_ds.hms import swapper as sw_mod
+    from titan_ds.hms import optimizer_swapper as sw_mod
 
     calls = []
 

@@ -13,7 +13,8 @@ from tests.hms.test_master_from_partitions import _part
 from tests.hms.test_pipeline import _Opt
 from tests.hms.test_store import _slow_writer
 from titan_ds.hms.store import TensorStore, Tier
-from titan_ds.hms.swapper import HMSOptimizerSwapper, HMSParamSwapper
+from titan_ds.hms.optimizer_swapper import HMSOptimizerSwapper
+from titan_ds.hms.param_swapper import HMSParamSwapper
 
 SIZES = (1000, 2000)  # each sub-group's two partitions
 

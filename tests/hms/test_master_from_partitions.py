@@ -11,7 +11,8 @@ import torch
 from tests.hms.test_pipeline import _Opt
 from tests.hms.test_swapper import assert_same, run
 from titan_ds.hms.store import TensorStore, Tier
-from titan_ds.hms.swapper import HMSOptimizerSwapper, HMSParamSwapper, PartitionedParamStatus
+from titan_ds.hms.optimizer_swapper import HMSOptimizerSwapper
+from titan_ds.hms.param_swapper import HMSParamSwapper, PartitionedParamStatus
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from titan_ds.hms.store import TensorStore, Tier
-from titan_ds.hms.swapper import HMSParamSwapper, PartitionedParamStatus
+from titan_ds.hms.param_swapper import HMSParamSwapper, PartitionedParamStatus
 
 
 def _param(ds_id: int, numel: int) -> torch.nn.Parameter:

@@ -13,7 +13,7 @@ from tests.hms.test_pipeline import SLOW  # every background write sleeps 50 ms 
 from tests.hms.test_store import _slow_writer
 from tests.hms.test_swapper import assert_same, assert_state_same, run
 from titan_ds.hms.store import StoreFullError, TensorStore, Tier
-from titan_ds.hms.swapper import HMSParamSwapper, PartitionedParamStatus
+from titan_ds.hms.param_swapper import HMSParamSwapper, PartitionedParamStatus
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from tests.hms.test_swapper import assert_same, assert_state_same, run
 from titan_ds.hms.store import StoreFullError, TensorStore, Tier
-from titan_ds.hms.swapper import HMSOptimizerSwapper
+from titan_ds.hms.optimizer_swapper import HMSOptimizerSwapper
 
 
 @pytest.fixture(scope="module")

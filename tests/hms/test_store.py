@@ -345,7 +345,7 @@ def test_format_1_crc32_files_still_read_and_verified(tmp_path, numel, monkeypat
     """Stores (and checkpoints' HMS snapshots) written before XXH3 hold CRC32 files of format 1."""
     import zlib
 
-    import titan_ds.hms.store as st
+    import titan_ds.hms.store_format as st
     x = _random(torch.float32, (numel,))
     with monkeypatch.context() as m:
         m.setattr(st, "FORMAT_VERSION", 1)

@@ -177,7 +177,7 @@ def test_partitions_written_by_the_step_stay_staged_for_the_next_forward(tmp):
 
 
 def test_model_built_under_titan_zero_init_streams_from_birth_and_trains_the_same(tmp):
-    # issue 16: a model larger than RAM must never exist whole; built under titan_ds.zero_init each module's
+    # a model larger than RAM must never exist whole; built under titan_ds.zero_init each module's
     # parameters go to HMS's store as it is constructed, initialize adopts that store, and the run is the same
     ref, = run(tmp, "none0_zi", "--mode", "none", "--clip", 0)
     zi, = run(tmp, "hms0_zi", "--mode", "hms", "--clip", 0, "--zero-init")
@@ -304,3 +304,11 @@ def test_hms_two_ranks_equals_no_offload_and_resumes(tmp):
     resumed = run(tmp, "w2_resumed", "--mode", "hms", "--clip", 0, "--load-dir", tmp / "ck2", ranks=2)
     for a, b in zip(hms, resumed):
         assert_same(a, b, steps=[3, 4, 5])
+
+
+def test_the_swappers_keep_their_earlier_module():
+    """titan_ds.hms.swapper, where both swappers lived, still names them (each now in its own module)."""
+    from titan_ds.hms import optimizer_swapper, param_swapper, swapper
+    assert swapper.HMSParamSwapper is param_swapper.HMSParamSwapper
+    assert swapper.HMSOptimizerSwapper is optimizer_swapper.HMSOptimizerSwapper
+    assert swapper.SWAP_MIN_NUMEL == optimizer_swapper.SWAP_MIN_NUMEL

@@ -1,9 +1,9 @@
-"""HMSOptimizerSwapper: which optimizer state tensors live in the store between steps (issue 16: ASDT's
+"""HMSOptimizerSwapper: which optimizer state tensors live in the store between steps (ASDT's
 momentum goes to HMS, not only state shaped like the partition)."""
 import torch
 
 from titan_ds.hms.store import TensorStore, Tier
-from titan_ds.hms.swapper import SWAP_MIN_NUMEL, HMSOptimizerSwapper
+from titan_ds.hms.optimizer_swapper import SWAP_MIN_NUMEL, HMSOptimizerSwapper
 
 
 class _Opt:

@@ -6,7 +6,7 @@ import torch
 
 from titan_ds.hms import timeline
 from titan_ds.hms.store import TensorStore, Tier
-from titan_ds.hms.swapper import HMSOptimizerSwapper
+from titan_ds.hms.optimizer_swapper import HMSOptimizerSwapper
 
 
 def _span(phase, start, end, lane="main", step=1):

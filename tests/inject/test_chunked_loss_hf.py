@@ -1,4 +1,4 @@
-"""titan.mlme.chunked_loss on HF causal LMs (titan_ds/inject/hf_loss.py; issue 15 item 3).
+"""titan.mlme.chunked_loss on HF causal LMs (titan_ds/inject/hf_loss.py).
 
 The oracle is the unmodified HF model: same loss (HF's ForCausalLMLoss, -100 labels, num_items_in_batch) and the
 same gradient of every parameter, to 1e-5 in fp32. Tiny random configs built in code; no network.
@@ -185,8 +185,8 @@ def test_unsupported_family_names_itself_and_the_supported_ones():
         HFChunkedLossPolicy(Custom(FAMILIES["llama"]().config), 16)
 
 
-def test_issue_15_config_on_llama_works_and_errors_name_each_key_once():
-    """The issue's report: "mlme": {"attention": "sdpa", "chunked_loss": true} on a 5.24 Llama (already SDPA)."""
+def test_hf_config_on_llama_works_and_errors_name_each_key_once():
+    """A user's report: "mlme": {"attention": "sdpa", "chunked_loss": true} on a 5.24 Llama (already SDPA)."""
     torch.manual_seed(0)
     model = FAMILIES["llama"]()
     assert model.config._attn_implementation == "sdpa"
@@ -250,7 +250,7 @@ FULL = MLMEConfig(attention="tiled", tile=16, stripe_ffn=7, chunked_loss=True, l
 
 @pytest.mark.parametrize("family", list(FAMILIES) + ["mistral_window"])
 def test_every_mlme_part_on_each_family_equals_hf(family):
-    """Tiled attention + StripeFFN + block recompute + chunked loss together, right-padded batch (issue 15 item 3)."""
+    """Tiled attention + StripeFFN + block recompute + chunked loss together, right-padded batch."""
     torch.manual_seed(0)
     model = (_decoder(transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=8)()
              if family == "mistral_window" else FAMILIES[family]())
@@ -272,11 +272,12 @@ def test_every_mlme_part_on_each_family_equals_hf(family):
 
 def test_installed_transformers_is_in_the_range_the_package_declares():
     """The hf extra's range and the test extra's are the same, and the transformers these tests ran on is in it."""
-    import tomllib
+    import sys
     from pathlib import Path
+    toml = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")  # tomllib: Python 3.11 on
 
     from packaging.requirements import Requirement
-    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    meta = toml.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     extras = meta["optional-dependencies"]
     ranges = {name: [Requirement(r).specifier for r in reqs if Requirement(r).name == "transformers"]
               for name, reqs in extras.items()}

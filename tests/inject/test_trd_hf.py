@@ -1,4 +1,4 @@
-"""TRD on HF models (issue 15 item 4): the default include matches the block linears of HF Llama / Qwen2 /
+"""TRD on HF models: the default include matches the block linears of HF Llama / Qwen2 /
 Mistral / GPT-2, HF ``Conv1D`` (weight stored (in, out)) is replaced with its function kept, and ``tr_svd``
 reports the relative reconstruction error per layer. Tiny random configs built in code."""
 import copy

@@ -1,5 +1,6 @@
 """titan_ds.initialize builds ASDT (+BSPS) from the titan section; flags; metrics; resume bit-exact (stage 0, 2)."""
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -190,10 +191,34 @@ def test_scheduler_given_to_initialize_is_repointed(titan_lr):
     prepare(ctx)
     opt, base = ctx.optimizer, titan_lr or 1e-2
     assert sched.optimizer is opt and sched.base_lrs == [base, base]
-    for step in range(6):
-        assert [g["lr"] for g in opt.param_groups] == pytest.approx([base * _warmup(step)] * 2, rel=1e-12), step
-        opt.step()
-        sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "optimizer.step() has been overridden ..." among them
+        for step in range(6):
+            assert [g["lr"] for g in opt.param_groups] == pytest.approx([base * _warmup(step)] * 2, rel=1e-12), step
+            opt.step()
+            sched.step()
+
+
+@pytest.mark.parametrize("given", ["built over the passed optimizer", "built by DeepSpeed"])
+def test_torch_scheduler_sees_the_replaced_optimizer_step_first(dist_env, given):
+    """Through ``titan_ds.initialize`` at ZeRO-0 (where titan also guards the step against non-finite gradients):
+    a LambdaLR, whether built over the passed AdamW or by DeepSpeed over ASDT (a callable ``lr_scheduler``, as
+    launch/train.py passes), warms ASDT up and raises none of torch's scheduler warnings."""
+    model = GPT(TINY)
+    passed = _passed(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(passed, _warmup) if given.startswith("built over") else \
+        (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup))
+    engine, opt, _, sched = titan_ds.initialize(model=model, optimizer=passed, lr_scheduler=sched,
+                                                config=_cfg(0, {"optimizer": {"lr": 3e-3}}))
+    assert isinstance(opt, ASDT) and sched.optimizer is opt
+    batches = Batcher(load_corpus().train, 4, TINY.block_size, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for step in range(1, 6):
+            assert [g["lr"] for g in opt.param_groups] == pytest.approx([3e-3 * _warmup(step - 1)] * 2), step
+            x, y = batches.get(step)
+            engine.backward(engine(x, y))
+            engine.step()
 
 
 def test_deepspeed_scheduler_given_to_initialize_is_repointed():
@@ -236,10 +261,12 @@ def test_scheduler_not_given_still_drives_asdt_and_refuses_another_lr():
     ctx = InitContext(titan=TitanConfig(optimizer={}), ds_config={}, model=model, optimizer=passed)
     prepare(ctx)
     opt = ctx.optimizer
-    for step in range(6):
-        assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 * _warmup(step)] * 2, rel=1e-12), step
-        opt.step()
-        sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()" among them
+        for step in range(6):
+            assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-2 * _warmup(step)] * 2, rel=1e-12), step
+            opt.step()
+            sched.step()
 
 
 def test_lion_is_dense(dist_env):

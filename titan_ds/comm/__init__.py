@@ -1,4 +1,4 @@
-"""Gradient compression on DeepSpeed's reduce path (issue #6): compressors, and hooks that install them."""
+"""Gradient compression on DeepSpeed's reduce path: compressors, and hooks that install them."""
 from .base import Segment
 from .compressor import GradientReducer
 from .registry import REGISTRY, build_compressor

@@ -22,7 +22,7 @@ re-sends old gradients; measured worse). ``v`` is a journaled per-parameter stor
 back with the residuals when a step is skipped, saved in checkpoints. Cost: 4 bytes per element per rank, the
 optimizer then holds none (SGD without momentum).
 
-**``precondition="rms_mean"``: the RMS of the ranks' mean gradient, estimated on each rank** (issue 30, many
+**``precondition="rms_mean"``: the RMS of the ranks' mean gradient, estimated on each rank** (for many
 workers). Dense AdamW divides by the RMS of the *mean* of the ``W`` ranks' gradients, ``E[G^2] = mu^2 + s^2 / W``
 (``mu`` the expected gradient, ``s^2`` one rank's noise variance); ``rms`` divides by the RMS of one rank's own,
 ``mu^2 + s^2``. Where noise dominates, ``rms`` therefore steps up to ``sqrt(W)`` times less than Adam, and measured
@@ -38,11 +38,11 @@ is then ``W`` times Adam's normalized gradient, and the optimizer becomes **SGD 
 dampening ``beta1``: an EMA of the reduced updates, Adam's first moment taken after the reduction, where error
 feedback's bursts are smoothed rather than re-sent). ``m`` shapes only the denominator; what is sent is ``g``
 normalized. Cost: 8 bytes per element per rank (``m``, ``d``) plus the optimizer's momentum (4).
-Measured (issue 30, W = 32): close to dense uncompressed, far behind compressed; the momentum after the reduction is
+Measured (W = 32): close to dense uncompressed, far behind compressed; the momentum after the reduction is
 what breaks it there (``results/rms_compressed_w32_300.md``: SGD momentum after error feedback's bursts costs
 0.3-3 nats whatever the denominator).
 
-**``precondition="rms_sketch"``: the mean gradient's RMS level per tensor, from an all-reduced sketch** (issue 30).
+**``precondition="rms_sketch"``: the mean gradient's RMS level per tensor, from an all-reduced sketch**.
 Each rank keeps ``rms``'s ``v`` (the *shape* of its denominator) and, per tensor piece ``T`` of the bucket (a
 :class:`~titan_ds.comm.base.Segment`), one number: the mean square of the ranks' **mean** gradient over ``T``,
 estimated with a random sign projection that every rank draws alike from the call's seed. The projection is linear,

@@ -6,25 +6,17 @@ first disk tier with room; :meth:`TensorStore.rebalance` moves files so that the
 in the fastest tiers (placement by measured access counts). The compute-device budget is enforced by the
 users of the store (the ZeRO-3 parameter swapper counts the bytes it has handed out).
 
-File format (one file per key, ``<quoted key>.hms``)::
-
-    [0:8)   magic b"TITANHMS"      [8:12)  format version (u32 LE)   [12:16) header length = payload offset
-    [16:20) JSON length (u32 LE)   [20:24) CRC32 of the JSON (u32 LE)
-    [24:..) JSON {key, shape, dtype, nbytes, chunk, hash, crcs, gen}, zero-padded to the header length (a
-            multiple of ALIGN, sized for the largest possible checksum values so the payload can be written first)
-    payload: the tensor's bytes, zero-padded to a multiple of ALIGN (so O_DIRECT can read it whole)
-
-``crcs`` holds one checksum per ``chunk`` bytes of payload (of the tensor's bytes, never of the padding),
-computed by the I/O thread that writes or reads that chunk (so checksumming overlaps the transfer); ``hash``
-names the function: ``xxh3_64`` (format 2, written now: ~9 GB/s a core here, where zlib's CRC32 ran at
-2.1-3.1 GB/s) or ``crc32`` (format 1, still read). ``gen`` counts the versions
-written under that key.
+One file per key, checked (a checksum per 4 MiB of payload and one of the header): the format is
+:mod:`titan_ds.hms.store_format`. The DRAM cache is a :class:`~titan_ds.hms.store_cache.DramCache`, the writer
+threads :class:`~titan_ds.hms.store_writer.WriteLanes`; this class places files in tiers, keeps the index, and
+coordinates the cache, the prefetches and the writes in flight.
 
 Writes are atomic: the file is written to ``<name>.tmp.<pid>.<n>``, optionally fsync'ed (``durable``), then
 renamed over the old file, so a reader sees the old version or the new one, never a torn mix; a crash leaves
 at most a stray ``.tmp`` file, which :meth:`TensorStore.scan` removes. A full disk raises
 :class:`StoreFullError` naming the file, the bytes needed and the bytes free, and the previous version stays
-readable. A payload or header that does not match its checksum raises :class:`ChecksumError` naming the file.
+readable. A payload or header that does not match its checksum raises
+:class:`~titan_ds.hms.store_format.ChecksumError` naming the file.
 
 Write-behind: :meth:`TensorStore.put_behind` queues a ``put`` on one of the store's writer threads (lane
 ``"opt"``: optimizer state; lane ``"param"``: parameter partitions) and returns its ``Future``. Until that write is done, a ``get``, ``prefetch``, ``put`` or ``delete`` of the key waits for it
@@ -36,65 +28,27 @@ from __future__ import annotations
 
 import errno
 import itertools
-import json
 import logging
 import os
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
-from urllib.parse import quote, unquote
 
 import torch
-import xxhash
 
-from .io import ALIGN, AsyncIOHandle, aligned_empty, started_pool, tensor_bytes
+from . import store_format as fmt
+from .io import ALIGN, AsyncIOHandle, started_pool, tensor_bytes
+from .store_cache import CACHE_ITEM_FRACTION, DramCache
+from .store_format import FORMAT_VERSION, ChecksumError
+from .store_writer import WriteLanes
 
-__all__ = ["Tier", "TensorStore", "ChecksumError", "StoreFullError", "StoreStats", "FORMAT_VERSION"]
+__all__ = ["Tier", "TensorStore", "ChecksumError", "StoreFullError", "StoreStats", "FORMAT_VERSION",
+           "CACHE_ITEM_FRACTION"]
 
 log = logging.getLogger("titan_ds.hms")
-
-MAGIC = b"TITANHMS"
-FORMAT_VERSION = 2
-_READS = (1, 2)  # format 1: the same layout with CRC32 checksums
-_FIXED = struct.Struct("<8sIIII")
-# 4 MiB checksum chunks: big enough that the per-chunk Python overhead is negligible, small enough that a
-# 64 MiB tensor is checked by 16 parallel tasks.
-CRC_CHUNK = 4 << 20
-# the DRAM cache admits a tensor of at most 1/CACHE_ITEM_FRACTION of its budget: every admission is a copy (the
-# caller owns the tensor it put or got), and an LRU cache that admits tensors near its size holds one or two of
-# them, each evicted before its next use (measured: a 12x768 HMS step under a 64 MiB cache cloned every 40 MB
-# optimizer-state tensor and 9 MB partition it read or wrote, ~3 s of CPU a step, for no hits)
-CACHE_ITEM_FRACTION = 8
-# payload checksum of each format's files; each takes a bytes-like object and returns an int
-_HASHES = {"crc32": zlib.crc32, "xxh3_64": xxhash.xxh3_64_intdigest}
-HASH = "xxh3_64"
-_HASH_MAX = {"crc32": 0xFFFFFFFF, "xxh3_64": 0xFFFFFFFFFFFFFFFF}  # header sizing: the widest value
-_SUFFIX = ".hms"
-_DTYPES = {str(d): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-    *[getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)])}
-
-
-def _close_last_chunk(sums: list, h, view: torch.Tensor, body: int, nbytes: int, chunk: int) -> None:
-    """Finish ``sums`` (one checksum per ``chunk`` of ``view[:body]``) for the bytes ``[body, nbytes)`` that
-    followed as an unaligned tail: a new chunk, or the rest of the last one, which is hashed again whole (a
-    hash such as XXH3 cannot be continued from its digest, unlike CRC32; same values for CRC32)."""
-    lo = (body // chunk) * chunk
-    value = h(memoryview(view[lo:nbytes].numpy()))
-    if body % chunk:
-        sums[-1] = value
-    else:
-        sums.append(value)
-
-
-class ChecksumError(RuntimeError):
-    """A store file whose header or payload does not match its checksum (the message names the file)."""
 
 
 class StoreFullError(OSError):
@@ -175,10 +129,7 @@ class TensorStore:
             os.makedirs(t.path, exist_ok=True)
         self.io = io or AsyncIOHandle()
         self.durable, self.verify = durable, verify
-        self.cache_budget = int(dram_cache_bytes)
-        self.cache_item_max = self.cache_budget // CACHE_ITEM_FRACTION  # largest tensor the cache admits
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._cache_bytes = 0
+        self._cache = DramCache(dram_cache_bytes)
         self._index: dict[str, _Entry] = {}
         self._freq: dict[str, int] = {}
         self._staged: dict[str, object] = {}
@@ -188,19 +139,17 @@ class TensorStore:
         self.max_speculative = max_speculative
         # whole-file prefetch tasks run here, never on the I/O pool they wait on (nesting would deadlock)
         self._prefetch_pool = started_pool(int(prefetch_workers), "titan-hms-prefetch")
-        # put_behind runs here: one thread per lane, whose writes are split over the I/O pool (they release the
-        # GIL); lane "opt" (the default) and lane "param" (parameter partitions), so that a parameter write does not
-        # queue behind the optimizer state's end-of-step flush nor the other way round
-        self._writer = started_pool(1, "titan-hms-writer")
-        self._lanes = {"opt": self._writer, "param": started_pool(1, "titan-hms-writer-param")}
-        self._writes: dict[str, Future] = {}  # key -> its last queued write, until waited for
+        self._lock = threading.RLock()
+        # put_behind runs on these (lane "opt", the default, and lane "param"); the same dicts as the writer's
+        self._write_lanes = WriteLanes(self._lock)
+        self._lanes, self._writes = self._write_lanes.lanes, self._write_lanes.writes
+        self._writer = self._lanes["opt"]
         # key -> set when its in-place overwrite (see _put) is done; no read of the key runs meanwhile
         self._overwriting: dict[str, threading.Event] = {}
         # True: a put that is not durable rewrites a same-sized file where it is (see _put): for swap files,
         # which a restarted run discards; a crash then leaves that file torn. False: every put writes a new file
         # and renames it over the old one (a crash leaves the previous version whole)
         self.overwrite_in_place = bool(overwrite_in_place)
-        self._lock = threading.RLock()
         self._tmp = itertools.count()
         self.stats = StoreStats()
         # storage data_ptr -> [(key, byte offset in that storage, nbytes)]: values put by HMS's parameter swapper
@@ -209,9 +158,18 @@ class TensorStore:
         self.written_views: dict[int, list[tuple[str, int, int]]] = {}
 
     # ------------------------------------------------------------------ paths and index
+    @property
+    def cache_budget(self) -> int:
+        return self._cache.budget
+
+    @property
+    def cache_item_max(self) -> int:
+        """The largest tensor the DRAM cache admits."""
+        return self._cache.item_max
+
     def path(self, key: str, tier: Optional[int] = None) -> str:
         t = self._index[key].tier if tier is None else tier
-        return os.path.join(self.tiers[t].path, quote(key, safe="") + _SUFFIX)
+        return os.path.join(self.tiers[t].path, fmt.file_name(key))
 
     def __contains__(self, key: str) -> bool:
         return key in self._index or key in self._writes
@@ -235,10 +193,10 @@ class TensorStore:
                 if ".tmp." in name:
                     os.remove(full)
                     continue
-                if not name.endswith(_SUFFIX):
+                if not name.endswith(fmt.SUFFIX):
                     continue
                 meta, _ = self._read_header(full)
-                key = unquote(name[:-len(_SUFFIX)])
+                key = fmt.key_of(name)
                 size = os.path.getsize(full)
                 self._index[key] = _Entry(ti, size, meta["gen"])
                 tier.used_bytes += size
@@ -271,9 +229,7 @@ class TensorStore:
         with self._lock:
             old = self._index.get(key)
             gen = (old.gen + 1) if old else 1
-        meta = {"key": key, "shape": list(src.shape), "dtype": str(src.dtype), "nbytes": nbytes,
-                "chunk": CRC_CHUNK, "hash": HASH, "crcs": [_HASH_MAX[HASH]] * (-(-nbytes // CRC_CHUNK)), "gen": gen}
-        hlen = -(-(_FIXED.size + len(json.dumps(meta, separators=(",", ":")))) // ALIGN) * ALIGN  # upper bound
+        meta, hlen = fmt.new_header(key, src, nbytes, gen)
         padded = -(-nbytes // ALIGN) * ALIGN
         size = hlen + padded
         durable = self.durable if durable is None else durable
@@ -405,138 +361,32 @@ class TensorStore:
 
     def _wait_write(self, key: str) -> None:
         """Wait for the queued write of ``key``, if any; raise its failure (once)."""
-        with self._lock:
-            f = self._writes.get(key)
-        if f is None:
-            return
-        try:
-            f.result()
-        finally:
-            with self._lock:
-                if self._writes.get(key) is f:
-                    del self._writes[key]
+        self._write_lanes.wait(key)
 
     def pending_writes(self) -> list[str]:
         """Keys whose queued write is not done yet."""
-        with self._lock:
-            return [k for k, f in self._writes.items() if not f.done()]
+        return self._write_lanes.pending()
 
     def flush(self, prefix: str = "") -> None:
         """Wait for every queued write (of the keys that start with ``prefix``); raise the first failure (its
         message names the key), after all are done."""
-        with self._lock:
-            writes = {k: f for k, f in self._writes.items() if k.startswith(prefix)}
-            self._writes = {k: f for k, f in self._writes.items() if k not in writes}
-        first = None
-        for f in writes.values():
-            try:
-                f.result()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after every write is done
-                first = first or e
-        if first is not None:
-            raise first
-
-    def _encode_header(self, meta: dict, hlen: int) -> torch.Tensor:
-        js = json.dumps(meta, separators=(",", ":")).encode()
-        raw = _FIXED.pack(MAGIC, FORMAT_VERSION, hlen, len(js), zlib.crc32(js)) + js
-        if len(raw) > hlen:
-            raise AssertionError(f"header of {len(raw)} bytes exceeds its reserved {hlen}")  # bound is exact
-        head = aligned_empty(hlen)
-        head.zero_()
-        head[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        return head
+        self._write_lanes.flush(prefix)
 
     def _write_file(self, path: str, meta: dict, hlen: int, view: torch.Tensor, *, durable: bool) -> None:
-        """Payload first (checksummed chunk by chunk on the I/O threads), then the header with the CRCs."""
-        nbytes = view.numel()
-        body = nbytes - nbytes % ALIGN
-        h = _HASHES[meta["hash"]]
-
-        def crc(lo: int, hi: int) -> int:
-            return h(memoryview(view[lo:hi].numpy()))
-
-        crcs = self.io.transfer_with(True, view[:body], path, hlen, CRC_CHUNK, crc) if body else []
-        if nbytes > body:
-            tail = aligned_empty(ALIGN)
-            tail.zero_()
-            tail[:nbytes - body] = view[body:]
-            self.io.run_all([(True, tail, path, hlen + body)])
-            _close_last_chunk(crcs, h, view, body, nbytes, CRC_CHUNK)
-        meta = dict(meta, crcs=crcs)
-        self.io.run_all([(True, self._encode_header(meta, hlen), path, 0)])
-        if durable:
-            for target, flags in ((path, os.O_RDONLY), (os.path.dirname(path), os.O_RDONLY)):
-                fd = os.open(target, flags)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        fmt.write_file(self.io, path, meta, hlen, view, durable=durable)
 
     # ------------------------------------------------------------------ read
     def _read_header(self, path: str) -> tuple[dict, int]:
-        buf = aligned_empty(ALIGN)
-        n = self.io.sync_pread(buf, path, 0) if os.path.getsize(path) >= ALIGN else -1
-        if n < _FIXED.size:
-            raise ChecksumError(f"titan hms: {path!r} is truncated (no complete header); delete it or restore it")
-        magic, version, hlen, jlen, jcrc = _FIXED.unpack(bytes(buf[:_FIXED.size].numpy()))
-        if magic != MAGIC:
-            raise ChecksumError(f"titan hms: {path!r} is not an HMS store file (bad magic {magic!r})")
-        if version not in _READS:
-            raise ChecksumError(f"titan hms: {path!r} has format version {version}, this build reads "
-                                f"{', '.join(map(str, _READS))}")
-        if hlen % ALIGN or hlen < _FIXED.size + jlen:
-            raise ChecksumError(f"titan hms: {path!r} has a corrupt header (length {hlen})")
-        if hlen > ALIGN:
-            buf = aligned_empty(hlen)
-            self.io.sync_pread(buf, path, 0)
-        js = bytes(buf[_FIXED.size:_FIXED.size + jlen].numpy())
-        if zlib.crc32(js) != jcrc:
-            raise ChecksumError(f"titan hms: header checksum mismatch in {path!r}: the file is corrupt")
-        meta = json.loads(js)
-        meta.setdefault("hash", "crc32")  # format 1
-        if meta["hash"] not in _HASHES:
-            raise ChecksumError(f"titan hms: {path!r} uses checksum {meta['hash']!r}, unknown to this build")
-        return meta, hlen
+        return fmt.read_header(self.io, path)
 
     def _read_file(self, key: str, path: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Read and verify ``key``'s file; into ``out`` directly when it is a contiguous CPU tensor of the
-        stored size (no fresh allocation: first-touch page faults cost ~0.8 s/GiB on this VM)."""
-        meta, hlen = self._read_header(path)
-        nbytes = meta["nbytes"]
-        dtype = _DTYPES[meta["dtype"]]
-        direct = (out is not None and out.is_contiguous() and out.device.type == "cpu" and out.dtype == dtype
-                  and out.numel() * out.element_size() == nbytes)
-        if direct:
-            target, body = tensor_bytes(out), nbytes - nbytes % ALIGN
-        else:
-            target = aligned_empty(nbytes)
-            body = target.numel()  # padded: the whole payload in one aligned read
-        if nbytes:
-            verify, chunk, h = self.verify, meta["chunk"], _HASHES[meta["hash"]]
-
-            def crc(lo: int, hi: int) -> int:
-                return h(memoryview(target[lo:min(hi, nbytes)].numpy())) if verify else 0
-
-            got = self.io.transfer_with(False, target[:body], path, hlen, chunk, crc) if body else []
-            if direct and nbytes > body:
-                tail = aligned_empty(ALIGN)
-                self.io.run_all([(False, tail, path, hlen + body)])
-                target[body:] = tail[:nbytes - body]
-                if verify:
-                    _close_last_chunk(got, h, target, body, nbytes, chunk)
-            if verify and got != meta["crcs"]:
-                bad = next((i for i, (a, b) in enumerate(zip(got, meta["crcs"])) if a != b), 0)
-                lo = bad * chunk
-                raise ChecksumError(f"titan hms: checksum mismatch in {path!r} (key {key!r}, payload bytes "
-                                    f"[{lo}, {min(lo + chunk, nbytes)})): the file is corrupt")
+        stored size (:func:`titan_ds.hms.store_format.read_file`)."""
+        t, nbytes = fmt.read_file(self.io, key, path, out, verify=self.verify)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += nbytes
-        if direct:
-            return out
-        if nbytes == 0:
-            return torch.empty(meta["shape"], dtype=dtype)
-        return target[:nbytes].view(dtype).reshape(meta["shape"])
+        return t
 
     def get(self, key: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The tensor stored under ``key`` (caller-owned); copied into ``out`` when given."""
@@ -551,12 +401,11 @@ class TensorStore:
             self._freq[key] = self._freq.get(key, 0) + 1
             cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 self.stats.count(key, True, 0.0)
             # a finished prefetch also cached its value (_maybe_cache): a cache hit must drop the staged copy too,
             # or it is held until the key is next written (a full copy of every prefetched partition through
-            # forward and backward: the ~4 bytes/param HMS peak of issue 16)
+            # forward and backward: ~4 bytes/param more at HMS's peak)
             staged = self._unstage(key)
             if cached is not None:
                 staged = None
@@ -663,21 +512,14 @@ class TensorStore:
                 self._cache_insert(key, t.clone())
 
     def _cache_insert(self, key: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.cache_item_max:
-            return
-        while self._cache_bytes + nbytes > self.cache_budget and self._cache:
-            self._cache_drop(next(iter(self._cache)))
-        self._cache[key] = t
-        self._cache_bytes += nbytes
+        self._cache.insert(key, t)
 
     def _cache_drop(self, key: str) -> None:
-        t = self._cache.pop(key)
-        self._cache_bytes -= t.numel() * t.element_size()
+        self._cache.drop(key)
 
     @property
     def cache_bytes(self) -> int:
-        return self._cache_bytes
+        return self._cache.nbytes
 
     # ------------------------------------------------------------------ placement, deletion
     def rebalance(self) -> int:
@@ -725,7 +567,7 @@ class TensorStore:
         os.remove(self.path_for(key, e.tier))
 
     def path_for(self, key: str, tier: int) -> str:
-        return os.path.join(self.tiers[tier].path, quote(key, safe="") + _SUFFIX)
+        return os.path.join(self.tiers[tier].path, fmt.file_name(key))
 
     def close(self, *, io: bool = True) -> None:
         """Flush the queued writes (raising the first failure, after the pools are shut down), then stop the
@@ -734,8 +576,7 @@ class TensorStore:
             self.flush()
         finally:
             self.drop_staged()
-            for pool in self._lanes.values():
-                pool.shutdown(wait=True)
+            self._write_lanes.shutdown()
             self._prefetch_pool.shutdown(wait=True)
             if io:
                 self.io.close()

@@ -28,8 +28,11 @@ back to the host (the code maps and the encoding table are copied to each device
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import math
+import re
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -41,9 +44,41 @@ KINDS = {"8bit": (256, 8), "4bit": (128, 4)}  # block size, bits per code
 _CHUNK = 1 << 20
 
 
+class _Drop(logging.Filter):
+    """Drops the records whose message matches ``pattern`` (one known third-party line), passes the others."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+# What importing torchao 0.18 logs that does not concern titan, which uses only its pure-PyTorch quantizers:
+# its CUDA-only extensions failing to load on a machine without them ("Failed to load .../torchao/_C_mxfp8...so",
+# "_C_cutlass_90a"), and torch's deprecation of register_constant() on the Enum torchao registers.
+_TORCHAO_IMPORT_NOISE = {"torchao": r"^Failed to load \S*torchao/_C\w*",
+                         "torch.utils._pytree": r"is an Enum subclass and is now natively supported by torch\.compile"}
+
+
+@contextlib.contextmanager
+def _quiet_import():
+    """While titan imports torchao, drop those known lines (each by its message; every other record passes)."""
+    added = [(logging.getLogger(name), _Drop(pattern)) for name, pattern in _TORCHAO_IMPORT_NOISE.items()]
+    for logger, f in added:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in added:
+            logger.removeFilter(f)
+
+
 def _quant_utils():
     try:
-        from torchao.optim import quant_utils
+        with _quiet_import():
+            from torchao.optim import quant_utils
     except ImportError as e:  # torchao is an optional dependency (extra "quant")
         raise ImportError("ASDT's \"8bit\"/\"4bit\" state needs torchao (its quantizers): pip install "
                           "'titan-ds[quant]' (torchao==0.18.0), or use state_dtype \"bf16\"") from e
