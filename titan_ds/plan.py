@@ -362,6 +362,11 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
                    buffers=w * (bounds["reduce_bucket_size"] + bounds["stage3_prefetch_bucket_size"]))
         if hl.params_in_dram:  # titan.hms.param_tier "dram": the partitions in CPU memory (offload_param cpu)
             dram["parameters"] = w * P / N
+        if gpu and not hl.grads_on_disk:
+            # with the optimizer offloaded, ZeRO-3 keeps its fp32 gradient partition in CPU memory on a GPU too
+            # (DeepSpeed 0.19.8 stage3.py:333 self.device "cpu", :791 grad_partitions_flat_buffer), as zero3_cpu's
+            # and zero_inf's structure count it
+            dram["gradients"] = 4 * P / N
         # the sub-group's master, gradient and state, and the step's temporaries; plus the previous sub-group's
         # master and state still being written (titan.hms.pipeline_optimizer, on by default, depth 1)
         # and the next sub-group's master and state, read ahead while this one steps (titan_ds/hms/swapper.py:

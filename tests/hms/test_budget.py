@@ -169,6 +169,10 @@ def test_estimate_is_plans_prediction():
         pytest.approx(base - 4 * m.params)
     assert budget.estimate(settings=dict(DEFAULTS, optimizer_dram_mb=100), zero={}, **kw) == \
         pytest.approx(base + 100 * MiB)
+    # on a GPU, ZeRO-3 with the optimizer offloaded keeps its fp32 gradient partition in CPU memory all the same
+    gpu = dict(kw, gpu=True)
+    assert budget.estimate(settings=DEFAULTS, zero={}, **gpu) == pytest.approx(
+        budget.estimate(settings=dict(DEFAULTS, gradient_buffer="disk"), zero={}, **gpu) + 4 * m.params)
 
 
 # ------------------------------------------------------------------------------------------------ the pillar
