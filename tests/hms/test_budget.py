@@ -201,27 +201,37 @@ def test_pillar_picks_the_disk_buffer_and_keeps_the_explicit(monkeypatch, tmp_pa
 
 # ------------------------------------------------------------------------------------------------ a capped run
 @pytest.mark.slow
-def test_capped_run_picks_the_disk_buffer_and_trains(tmp_path):
+def test_capped_run_picks_the_disk_buffer_and_trains_or_refuses_what_the_user_set(tmp_path):
     """A 114M-parameter GPT built under titan_ds.zero_init with a new user's titan.hms section under a 1.3 GiB
-    cap: as configured HMS would hold its 0.42 GiB fp32 gradient partition in RAM (1.41 GiB predicted, 1.17
-    usable); it picks gradient_buffer "disk", says so, and trains 2 steps instead of being OOM-killed."""
+    cap: as configured HMS would hold its 0.42 GiB fp32 gradient partition in RAM (1.41 GiB estimated, 1.17
+    usable); it picks gradient_buffer "disk", says so, and trains 2 steps instead of being OOM-killed. With
+    gradient_buffer "dram" written by the user, initialize refuses, naming the setting, instead."""
     from titan_ds.memcap import cgroup_available, run_capped
     if not cgroup_available():
         pytest.skip("needs root and a cgroup v1 memory controller")
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "zero_optimization": {"stage": 3},
-           "titan": {"hms": {"nvme_path": str(tmp_path / "nvme"), "dram_cache_mb": 64, "prefetch": "trace"}}}
-    path, summary, err = tmp_path / "cfg.json", tmp_path / "summary.json", tmp_path / "stderr.txt"
-    path.write_text(json.dumps(cfg))
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(path), "--steps", "2",
-           "--layers", "16", "--width", "768", "--heads", "12", "--context", "128", "--micro-batch", "1",
-           "--val-batches", "1", "--warmup", "1", "--no-progress", "--zero-init", "--summary-out", str(summary)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(29500 + os.getpid() % 1000))
-    with open(err, "w") as f:
-        r = run_capped(cmd, int(1.3 * GiB), env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=f,
-                       timeout=600)
-    text = err.read_text()
+
+    def run(name, **hms):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+               "steps_per_print": 10**9, "zero_optimization": {"stage": 3},
+               "titan": {"hms": {"nvme_path": str(tmp_path / name), "dram_cache_mb": 64, "prefetch": "trace",
+                                 **hms}}}
+        path, summary, err = (tmp_path / f"{name}.{x}" for x in ("cfg.json", "summary.json", "stderr.txt"))
+        path.write_text(json.dumps(cfg))
+        cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(path), "--steps", "2",
+               "--layers", "16", "--width", "768", "--heads", "12", "--context", "128", "--micro-batch", "1",
+               "--val-batches", "1", "--warmup", "1", "--no-progress", "--zero-init", "--summary-out", str(summary)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        with open(err, "w") as f:
+            r = run_capped(cmd, int(1.3 * GiB), env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=f,
+                           timeout=600)
+        return r, err.read_text(), (json.loads(summary.read_text()) if summary.exists() else None)
+
+    r, text, summary = run("auto")
     assert r.ok, (r, text[-3000:])
     assert 'set titan.hms.gradient_buffer="disk"' in text and "memory.limit_in_bytes of" in text, text[-3000:]
-    assert math.isfinite(json.loads(summary.read_text())["val_loss"])
+    assert math.isfinite(summary["val_loss"])
+    r, text, summary = run("explicit", gradient_buffer="dram")
+    assert r.returncode not in (0, None) and not r.oom_killed and summary is None, (r, text[-3000:])
+    assert "TitanConfigError" in text and "you set titan.hms.gradient_buffer" in text, text[-3000:]
+    assert 'set titan.hms.gradient_buffer="disk"' in text and "memory.limit_in_bytes of" in text, text[-3000:]
