@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .hms.install import ZERO3_BOUNDS
+from .hms.bounds import ZERO3_BOUNDS
 
 __all__ = ["ModelSpec", "Candidate", "HMSLayout", "model_spec", "candidates", "plan", "candidate_config", "MODES",
            "CALIBRATION_FILE", "STEP_TEMP_FILE", "load_step_temp", "format_table"]

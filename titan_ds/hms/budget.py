@@ -157,7 +157,7 @@ def decide(need: Callable[[Mapping[str, Any]], float], settings: Mapping[str, An
                 f"{headroom:.0%} kept for the estimate's error)")
     if as_given <= usable:
         return Decision(True, as_given, usable, message=f"titan hms: about {as_given / GiB:.2f} GiB of RAM needed "
-                                                        f"(activations not counted), {have_txt}")
+                                                        f"(activations not counted); it has {have_txt}")
     auto = tuple(k for k in AUTO if k not in fixed)
     for knobs in _options(settings, auto):
         hit = _try(need, settings, knobs, usable)
@@ -165,8 +165,8 @@ def decide(need: Callable[[Mapping[str, Any]], float], settings: Mapping[str, An
             changes, n = hit
             return Decision(True, n, usable, changes, message=(
                 f"titan hms: set {_fmt(changes)}: as configured this run needs about {as_given / GiB:.2f} GiB of "
-                f"RAM, more than {have_txt}; with it about {n / GiB:.2f} GiB (set the key(s) yourself to "
-                f"silence this)"))
+                f"RAM, more than {have_txt}; with it about {n / GiB:.2f} GiB (write the key(s) into titan.hms "
+                f"to keep them and silence this)"))
     head = (f"titan.hms: this run needs about {as_given / GiB:.2f} GiB of RAM in initialize and the step (activations "
             f"not counted) and has {have_txt}")
     for knobs in _options(settings, tuple(KNOBS)):
@@ -208,7 +208,7 @@ def estimate(*, params: int, largest: int, settings: Mapping[str, Any], titan: A
     ``params`` elements (the largest one ``largest``) with ``settings`` (the :data:`KNOBS`), the ``titan``
     section, the ds_config's ``zero_optimization`` section ``zero`` and ``half`` (bf16/fp16 partitions)."""
     from ..plan import HMSLayout, ModelSpec, predict
-    from .install import ZERO3_BOUNDS
+    from .bounds import ZERO3_BOUNDS
     bounds = {k: int(zero[k]) if isinstance(zero.get(k), (int, float)) else v for k, v in ZERO3_BOUNDS.items()}
     opt = _optimizer_key(titan)
     layout = HMSLayout(optimizer=opt, weight_bytes=2 if half else 4,
