@@ -87,6 +87,16 @@ class HMSConfig(_Strict):
     state (fp32 master, moments, gradients) on disk: no parameter reads or writes per step, for models whose
     parameters (2-4 bytes each) fit in RAM but whose optimizer state (12-16 bytes each) does not.
     ``titan-ds plan`` picks it where it fits.
+
+    Memory check (``initialize``, before anything is touched; :mod:`titan_ds.hms.budget`): HMS reads the RAM
+    the process may use (its memory cgroup's limit, v1 ``memory.limit_in_bytes`` or v2 ``memory.max``, else
+    ``MemAvailable`` plus its own resident set) and estimates with ``titan-ds plan``'s calibrated model what
+    ``initialize`` and a step will hold for this model and these settings (activations not counted; plan's 10%
+    headroom kept). Where that does not fit, it lowers ``dram_cache_mb`` (not below 64) and/or sets
+    ``gradient_buffer`` to ``"disk"``, only where the key is absent, and logs a warning saying what and why;
+    where nothing it may change fits, ``initialize`` refuses, naming the bytes needed and available, where they
+    were read, and the settings (a value the user set included, never changed) that would fit, or ``titan-ds
+    plan``. Skipped with ``titan.trd`` (it changes the parameter count afterwards).
     """
 
     nvme_path: str
@@ -104,7 +114,8 @@ class HMSConfig(_Strict):
     nvme_capacity_mb: Optional[int] = Field(default=None, ge=1)
     # where ZeRO-3's fp32 gradient partition lives (4 bytes/param, DeepSpeed's grad_partitions_flat_buffer):
     # "dram" as DeepSpeed allocates it; "disk" a file mapping under nvme_path, which the kernel writes back and
-    # reclaims under memory pressure (for models whose gradients do not fit in RAM; slower)
+    # reclaims under memory pressure (for models whose gradients do not fit in RAM; slower). Absent: "dram", or
+    # "disk" where the memory check finds that "dram" does not fit (logged)
     gradient_buffer: Literal["dram", "disk"] = "dram"
     # pipelined optimizer step: while sub-group i steps, i+1's state is read and i-1's written in the
     # background (write-behind); pipeline_depth sub-groups' writes in flight at most (each one more sub-group's

@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .hms.install import ZERO3_BOUNDS
+from .hms.bounds import ZERO3_BOUNDS
 
-__all__ = ["ModelSpec", "Candidate", "model_spec", "candidates", "plan", "candidate_config", "MODES",
+__all__ = ["ModelSpec", "Candidate", "HMSLayout", "model_spec", "candidates", "plan", "candidate_config", "MODES",
            "CALIBRATION_FILE", "STEP_TEMP_FILE", "load_step_temp", "format_table"]
 
 GiB = 1 << 30
@@ -286,18 +286,44 @@ def activation_bytes(m: ModelSpec, seq: int, micro: int, elem: int = 4) -> float
     return m.layers * per_layer + 2 * micro * seq * m.vocab * elem
 
 
+@dataclass(frozen=True)
+class HMSLayout:
+    """Where an HMS run keeps what, as its ``titan.hms`` section and ds_config say: an HMS mode's defaults are
+    :meth:`of_mode` (what ``plan`` writes for it); :mod:`titan_ds.hms.budget` builds one from the config a user
+    passes to ``initialize``."""
+
+    optimizer: str = "adamw"       # a key of OPT_STATE_BYTES and of step_temp.json
+    weight_bytes: int = 4          # bytes of a parameter partition element on the CPU accelerator (2: bf16/fp16)
+    params_in_dram: bool = False   # titan.hms.param_tier "dram"
+    grads_on_disk: bool = False    # titan.hms.gradient_buffer "disk"
+    cache_bytes: int = 64 * 2**20  # titan.hms.dram_cache_mb (plan's candidates: 64)
+    resident_bytes: int = 0        # titan.hms.optimizer_dram_mb
+    bounds: tuple[tuple[str, int], ...] = tuple(ZERO3_BOUNDS.items())  # ZeRO-3's working-buffer bounds
+
+    @classmethod
+    def of_mode(cls, mode: str) -> "HMSLayout":
+        return cls(optimizer=MODE_OPTIMIZER[mode], weight_bytes=2 if mode == "hms_asdt_bf16" else 4,
+                   params_in_dram=mode == "hms_dram", grads_on_disk=mode in GRADS_ON_DISK_MODES)
+
+
 def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: bool,
-               step_temp: Optional[dict] = None, pipeline_depth: int = PIPELINE_DEPTH) -> dict[str, dict[str, float]]:
+               step_temp: Optional[dict] = None, pipeline_depth: int = PIPELINE_DEPTH,
+               layout: Optional[HMSLayout] = None) -> dict[str, dict[str, float]]:
     """Bytes per rank by tier and kind, before calibration (``phase``: the kinds held in one phase only).
     ``step_temp`` and ``pipeline_depth``: the optimizer's temporaries and sub-groups in flight of the code that ran
-    (default today's: titan_ds/step_temp.json, PIPELINE_DEPTH), for runs measured on earlier code."""
+    (default today's: titan_ds/step_temp.json, PIPELINE_DEPTH), for runs measured on earlier code. ``layout``: an
+    HMS mode's settings where they are not the mode's own (:class:`HMSLayout`; default ``HMSLayout.of_mode``)."""
     P, N = m.params, ranks
-    S = OPT_STATE_BYTES[MODE_OPTIMIZER[mode]]
+    hl = None  # the HMS modes' layout
+    if mode.startswith("hms"):
+        hl = layout if layout is not None else HMSLayout.of_mode(mode)
+    bounds = dict(hl.bounds) if hl is not None else ZERO3_BOUNDS
+    S = OPT_STATE_BYTES[hl.optimizer if hl is not None else MODE_OPTIMIZER[mode]]
     # parameter/gradient bytes on the device: bf16 on a GPU, fp32 on the CPU accelerator unless the mode is bf16
-    w = 2 if gpu or mode == "hms_asdt_bf16" else 4
+    w = 2 if gpu else hl.weight_bytes if hl is not None else 4
     # the optimizer step holds one sub-group; ZeRO-3 never splits a parameter, so a larger one is its own
-    sub = max(min(ZERO3_BOUNDS["sub_group_size"], P / N), min(m.largest, P / N))
-    live = min(ZERO3_BOUNDS["stage3_max_live_parameters"], P)
+    sub = max(min(bounds["sub_group_size"], P / N), min(m.largest, P / N))
+    live = min(bounds["stage3_max_live_parameters"], P)
     dev: dict[str, float] = {"activations": activation_bytes(m, seq, micro, w)}
     if mode in OFFLOAD_MODES:
         # backward's working set beside a parameter's gathered copy (counted in ``live``): its gradient (w), that
@@ -331,23 +357,29 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
         dram.update(parameters=w * P / N, gradients=4 * P / N, optimizer=ZERO_INF_BUFFER_COUNT * 4 * sub)
         disk.update(optimizer=(4 + S) * P / N, gradients=4 * P / N)
     else:  # hms*: partitions, masters and optimizer state on disk; one sub-group in DRAM during the step
-        grads_on_disk = mode in GRADS_ON_DISK_MODES and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
+        grads_on_disk = hl.grads_on_disk and not gpu  # titan.hms.gradient_buffer "disk" (a file mapping)
         dev.update(parameters=w * live, gradients=0 if grads_on_disk else w * P / N,
-                   buffers=w * (ZERO3_BOUNDS["reduce_bucket_size"] + ZERO3_BOUNDS["stage3_prefetch_bucket_size"]))
-        if mode == "hms_dram":  # titan.hms.param_tier "dram": the partitions in CPU memory (offload_param cpu)
+                   buffers=w * (bounds["reduce_bucket_size"] + bounds["stage3_prefetch_bucket_size"]))
+        if hl.params_in_dram:  # titan.hms.param_tier "dram": the partitions in CPU memory (offload_param cpu)
             dram["parameters"] = w * P / N
+        if gpu and not hl.grads_on_disk:
+            # with the optimizer offloaded, ZeRO-3 keeps its fp32 gradient partition in CPU memory on a GPU too
+            # (DeepSpeed 0.19.8 stage3.py:333 self.device "cpu", :791 grad_partitions_flat_buffer), as zero3_cpu's
+            # and zero_inf's structure count it
+            dram["gradients"] = 4 * P / N
         # the sub-group's master, gradient and state, and the step's temporaries; plus the previous sub-group's
         # master and state still being written (titan.hms.pipeline_optimizer, on by default, depth 1)
-        # and the next sub-group's master and state, read ahead while this one steps
-        # (titan_ds/hms/optimizer_swapper.py: swap_in_optimizer_state prefetches async_parameter's keys; before the
-        # pipelined step too)
-        temp = (step_temp or load_step_temp())[MODE_OPTIMIZER[mode]]
+        # and the next sub-group's master and state, read ahead while this one steps (titan_ds/hms/optimizer_swapper.py:
+        # swap_in_optimizer_state prefetches async_parameter's keys; before the pipelined step too)
+        temp = (step_temp or load_step_temp())[hl.optimizer]
         dram.update(optimizer=sub * (4 + 4 + S + temp) + sub * (4 + S) * (pipeline_depth + 1),
-                    cache=64 * 2**20)
+                    cache=hl.cache_bytes)
+        if hl.resident_bytes:  # titan.hms.optimizer_dram_mb: sub-groups kept in DRAM between steps
+            dram["resident"] = hl.resident_bytes
         # fp32 masters + state; the gradients are read where ZeRO-3 keeps them (its CPU buffer, or the file
         # mapping of gradient_buffer "disk", counted on disk)
         disk.update(optimizer=(4 + S) * P / N, gradients=4 * P / N if grads_on_disk else 0)
-        if mode != "hms_dram":
+        if not hl.params_in_dram:
             disk["parameters"] = w * P / N
     phase = {"activations": "forward/backward", "backward": "forward/backward"}
     if mode.startswith("hms"):
@@ -361,8 +393,8 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
 
 def predict(mode: str, m: ModelSpec, *, ranks: int = 1, seq: int = 128, micro: int = 1, gpu: bool = False,
             calibration: Optional[dict] = None, step_temp: Optional[dict] = None,
-            pipeline_depth: int = PIPELINE_DEPTH) -> Candidate:
-    t = _structure(mode, m, ranks, seq, micro, gpu, step_temp, pipeline_depth)
+            pipeline_depth: int = PIPELINE_DEPTH, layout: Optional[HMSLayout] = None) -> Candidate:
+    t = _structure(mode, m, ranks, seq, micro, gpu, step_temp, pipeline_depth, layout)
     c = Candidate(mode, DESCRIPTION[mode], device=t["device"], dram=t["dram"], disk=t["disk"], phase=t["phase"])
     modes = (calibration or load_calibration())["modes"]
     cal = modes.get(mode, modes.get(CALIBRATION_OF.get(mode, "")))

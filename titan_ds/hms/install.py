@@ -2,7 +2,10 @@
 
 ``validate`` (pure): ``titan.hms.nvme_path`` and every ``spill_tiers[i].path`` must be a folder that exists or
 can be created in a writable parent (checked with ``stat``/``access``, nothing written); a model built under
-plain ``deepspeed.zero.Init`` (DeepSpeed's swapper) is refused. The ds_config conflicts (another ZeRO stage,
+plain ``deepspeed.zero.Init`` (DeepSpeed's swapper) is refused. Then the memory check (:mod:`titan_ds.hms.budget`):
+the RAM this process may use against what ``initialize`` and a step will hold for this model; where the settings
+as given do not fit, a smaller ``dram_cache_mb`` and/or ``gradient_buffer: "disk"`` where the user did not set them
+(``apply`` uses them and logs why), else a refusal naming the bytes and the setting that would fit. The ds_config conflicts (another ZeRO stage,
 another offload device, ``fast_init``) are cross-field rules: :func:`configure_ds_config`, run by
 :mod:`titan_ds.rules` on a copy.
 
@@ -45,6 +48,8 @@ from .. import deepspeed_compat as dsc
 from ..config import TitanConfigError, ds_precision
 from ..pillar import Pillar, View
 from ..utils import after_init_distributed
+from . import budget
+from .bounds import ZERO3_BOUNDS
 from .gradnorm import ScratchNorm
 from .io import AsyncIOHandle
 from .prefetch import make_predictor
@@ -112,20 +117,6 @@ def _make_folder(path: str, key: str, txn: Any = None) -> str:
     return full
 
 
-# DeepSpeed's ZeRO-3 defaults size its working buffers for a GPU beside a large host: reduce_bucket_size 5e8 is a
-# 2 GB fp32 bucket, stage3_max_live_parameters / stage3_max_reuse_distance 1e9 let up to 1e9 gathered elements
-# (4 GB) stay resident, sub_group_size 1e9 makes the optimizer step swap in 1e9 elements of fp32 state at once
-# (16 GB with Adam). A 404M-parameter model under a 4 GiB cgroup was OOM-killed with them and trained with
-# 2e7-5e7; the step of a 57M model peaks 1.2 GB higher with sub_group_size 5e7 than with 1e7
-# (measured). HMS exists for models that do not fit, so it bounds them unless the user set them; ``titan-ds
-# plan`` sizes them for a given budget (titan_ds/plan.py).
-ZERO3_BOUNDS: dict[str, int] = {
-    "reduce_bucket_size": 20_000_000,
-    "stage3_prefetch_bucket_size": 20_000_000,
-    "stage3_max_live_parameters": 40_000_000,
-    "stage3_max_reuse_distance": 40_000_000,
-    "sub_group_size": 10_000_000,
-}
 
 
 def configure_ds_config(ds: dict[str, Any], nvme_path: str, param_tier: str = "nvme") -> list[str]:
@@ -399,15 +390,26 @@ class HMSPillar(Pillar):
 
     key = "hms"
 
+    decision: Optional[budget.Decision] = None  # the memory check's (validate); apply acts on it
+
     def validate(self, view: View) -> list[str]:
         out = _folders_problems(self.cfg)
         try:
             _adopted_swapper(view.model, self.cfg.param_tier)
         except TitanConfigError as e:
             out += e.errors
+        if not out:
+            self.decision = _memory_decision(self.cfg, view)
+            if self.decision is not None and not self.decision.fits:
+                out.append(self.decision.message)
         return out
 
     def apply(self, ctx: Any) -> None:
+        if self.decision is not None and self.decision.changes:  # only keys the user left unset (budget.decide)
+            log.warning("%s", self.decision.message)  # a warning: seen without a logging setup, as it changes the run
+            self.cfg = self.cfg.model_copy(update=self.decision.changes)
+        elif self.decision is not None:
+            log.info("%s", self.decision.message)
         hms, txn = self.cfg, ctx.txn
         root = _prepare(hms, ctx.ds_config, txn)
         if hms.param_tier == "dram":  # the parameters stay in CPU memory: only the optimizer state goes to the store
@@ -453,6 +455,38 @@ class HMSPillar(Pillar):
 
 
 PILLAR = HMSPillar
+
+
+def _local_ranks(world_size: int) -> int:
+    """Processes of this run sharing this machine's memory (the launchers' LOCAL_WORLD_SIZE / LOCAL_SIZE)."""
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return max(1, int(os.environ[var]))
+    return max(1, world_size)
+
+
+def _memory_decision(hms: Any, view: View) -> Optional[budget.Decision]:
+    """:func:`budget.decide` for this model and config; None (logged) where it cannot be judged here."""
+    if view.titan.trd is not None:  # the estimate would count the dense layers TRD replaces after this check
+        log.info("titan hms: memory check skipped: titan.trd changes the parameter count after it")
+        return None
+    have = budget.read_memory()
+    if have is None:
+        log.info("titan hms: memory check skipped: neither a cgroup limit nor /proc/meminfo could be read")
+        return None
+    sizes = [int(p.ds_numel) if dsc.is_zero_param(p) else p.numel() for p in view.model.parameters()]
+    from deepspeed.accelerator import get_accelerator
+    from ..plan import HEADROOM
+    ranks = _local_ranks(view.world_size)
+    kw = dict(params=sum(sizes), largest=max(sizes, default=0), titan=view.titan, zero=view.zero(),
+              ranks=max(1, view.world_size), half=view.precision() in ("bf16", "fp16"), gpu=get_accelerator().device_name() != "cpu")
+    fixed = {k: f"you set titan.hms.{k}; HMS does not override a value you set" for k in budget.KNOBS
+             if k in hms.model_fields_set}
+    if any(map(dsc.is_zero_param, view.model.parameters())) and hms.param_tier == "nvme":
+        fixed["dram_cache_mb"] = ("titan.hms.dram_cache_mb sized the store when titan_ds.zero_init built the model: "
+                                  "set it in the ds_config you build the model with")
+    return budget.decide(lambda s: budget.estimate(settings=s, **kw) * ranks, budget.settings_of(hms), fixed, have,
+                         HEADROOM)
 
 
 class _HMSRuntime:
