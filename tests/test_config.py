@@ -119,7 +119,7 @@ def test_compression_methods_come_from_the_registry():
     assert set(valid) | {"method", "warmup_steps", "momentum_masking", "ratio_warmup_start", "gather_share",
                          "precondition", "precondition_beta1", "precondition_beta2", "precondition_eps",
                          "residuals_follow_lr", "sync_every", "outer_lr", "outer_momentum",
-                         "outer_nesterov"} == \
+                         "outer_nesterov", "allow_dense_parameter_gather"} == \
         set(CompressionConfig.model_fields), "a new titan.compression key: add a valid value here"
     assert typing.get_args(CompressionConfig.model_fields["method"].annotation) == tuple(REGISTRY)
     for name, cls in REGISTRY.items():

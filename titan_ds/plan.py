@@ -369,8 +369,9 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
             dram["gradients"] = 4 * P / N
         # the sub-group's master, gradient and state, and the step's temporaries; plus the previous sub-group's
         # master and state still being written (titan.hms.pipeline_optimizer, on by default, depth 1)
-        # and the next sub-group's master and state, read ahead while this one steps (titan_ds/hms/optimizer_swapper.py:
-        # swap_in_optimizer_state prefetches async_parameter's keys; before the pipelined step too)
+        # and the next sub-group's master and state, read ahead while this one steps
+        # (titan_ds/hms/optimizer_swapper.py: swap_in_optimizer_state prefetches async_parameter's keys; before the
+        # pipelined step too)
         temp = (step_temp or load_step_temp())[hl.optimizer]
         dram.update(optimizer=sub * (4 + 4 + S + temp) + sub * (4 + S) * (pipeline_depth + 1),
                     cache=hl.cache_bytes)

@@ -12,14 +12,14 @@ listed once per layout in a small device table (:func:`_table`: 6 int64 per tile
 per chunk plan as ``ASDT`` caches the plan itself.
 
 **Bias corrections from a host counter.** The eager loop counts each unit's steps on the device (``seconds[:, 1]``)
-and computes ``(1 - b1^t)`` and ``1 / (1 - b2^t)`` from it in fp64 (:func:`core.bias_corrections`). The dense path
+and computes ``(1 - b1^t)`` and ``1 / (1 - b2^t)`` from it in fp64 (:func:`moments.bias_corrections`). The dense path
 steps every unit of a tensor at every step, so their ``t`` is one number: it is read from the device once, when a
 ``seconds`` buffer is first seen (or after anything else wrote to it: its version counter moved), and counted on
 the host after that; the corrections are computed on the host in fp64 and rounded to fp32 as the eager loop rounds
 them, and the kernel writes the new ``t``. Python's ``pow`` (glibc) and ATen's CPU ``pow`` (Sleef) differ in the
 last fp64 bit for ~0.1-5% of ``t``, which rounding to fp32 absorbed for every ``t`` up to 10^6 and the betas
 0.9, 0.95, 0.98, 0.99, 0.999, 0.9999 (checked on this machine); a CUDA ``pow`` may differ likewise. Units whose
-counts differ take the per-unit corrections of :func:`core.bias_corrections` (a few device ops more).
+counts differ take the per-unit corrections of :func:`moments.bias_corrections` (a few device ops more).
 
 **Stochastic rounding** (bf16 weights): the kernel draws Philox words (``tl.randint``), one per value (its index
 in the buffer), keyed by the generator's seed and a number the generator advances on the host (:func:`_seed`: a
@@ -30,7 +30,7 @@ draws chunk after chunk) and passes them in: the tests compare the kernel with t
 **The per-unit second moment** (``second_moment="unit"``, the HF rows): the op makes two small launches before
 the step: each tile's fp64 sum of squared gradients, then one program per unit adds its tiles' sums (block after
 block of :data:`UNIT_BLOCK`), updates ``v`` and ``t`` and computes the denominator ``(sqrt(v / bc2) + eps) * bc1``
-in fp64 (the arithmetic of :func:`core._unit_second_moment`); the step divides each tile by its unit's. The fp64
+in fp64 (the arithmetic of :func:`moments.unit_second_moment`); the step divides each tile by its unit's. The fp64
 sum is added in another order than the eager loop's (``segment_reduce`` / ATen's ``sum``, itself different on a
 CPU and a GPU), so it may differ in its last bits; each term ``g^2`` is exact in fp64, so each sum is within
 ``n * 2^-53`` (relative) of the exact one and the fp32 mean within one ulp of the eager loop's; the tests bound
@@ -293,7 +293,7 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, 
     """:func:`core.dense_step`'s adaptive update of the whole tensor as one op; the count of changed values (an
     int64 device tensor: ``count``, added to in place, when given). ``unit_numels`` instead of ``variance``: the
     per-unit second moment (each piece a whole unit of that size)."""
-    from . import core
+    from . import moments
     b1, b2 = betas
     dev = w_flat.device
     table, tiles = _table(slices, dev)[:2]
@@ -305,14 +305,14 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list, momentum, *, 
         t_new = float(t + 1)
     if variance is None and t is None:  # the eager loop's denominators, per unit
         bc_mode = 2
-        unit_denom = core._unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
+        unit_denom = moments.unit_second_moment(g_flat, slices, seconds, unit_numels, betas, eps)
     elif variance is None:
         bc_mode = 3
         units = _units(slices, unit_numels, dev)
         bits = [_bits(1 - b1 ** (t + 1)), _bits(1 - b2 ** (t + 1)), _bits(eps)]
     elif t is None:
         bc_mode = 1
-        bc1, inv_bc2 = core.bias_corrections(seconds, betas)
+        bc1, inv_bc2 = moments.bias_corrections(seconds, betas)
     else:
         bc_mode = 0
         bc1_s, ibc2_s = 1 - b1 ** (t + 1), 1 / (1 - b2 ** (t + 1))
