@@ -40,3 +40,13 @@ def test_describe_and_no_eager_triton_import():
     code = "import sys, titan_ds.kernels, titan_ds.inject.mlme; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # importing the kernels or the policy never imports triton
+
+
+def test_triton_attention_in_the_interpreter_refuses_bf16(monkeypatch):
+    """Triton's interpreter computes titan's attention kernel wrongly in bf16, with no error: refused by name."""
+    from titan_ds.kernels.attention import tiled_attention
+    monkeypatch.setenv("TITAN_KERNELS", "triton")
+    monkeypatch.setattr(_guard, "triton_interpreting", lambda: True)
+    q = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(_guard.KernelBackendError, match="only fp32 correctly; they are torch.bfloat16"):
+        tiled_attention(q, q, q, causal=True, tile=16)

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ._guard import kernel_backend, requested_backend
+from ._guard import KernelBackendError, kernel_backend, requested_backend
 
 __all__ = ["tiled_attention", "tiled_attention_reference", "eager_attention", "TiledAttention", "attention_kernel",
            "AttentionCall", "choose_kernel", "sdpa_mask_args", "kernels_by_device", "KERNELS", "SDPA_KERNELS",
@@ -370,6 +370,12 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if kernel in SDPA_KERNELS:
         return _fused_sdpa(q, k, v, causal=causal, kpm=key_padding_mask, dense=attn_mask, scale=scale, tile=tile)
+    if not q.is_cuda and q.dtype != torch.float32:
+        # Triton's interpreter gets this kernel's bf16/fp16 arithmetic wrong with no error (a relative error of
+        # 1e9 on bf16 inputs, where fp32 agrees to 1e-7): refused rather than returned
+        raise KernelBackendError(f"TITAN_KERNELS=triton runs titan's Triton attention in Triton's interpreter on "
+                                 f"these CPU tensors, which computes only fp32 correctly; they are {q.dtype}: cast "
+                                 f"them to fp32, or set TITAN_KERNELS=reference")
     from ._attention_triton import triton_attention  # imported only once Triton is known to be usable
     return triton_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, tile=tile)
 
