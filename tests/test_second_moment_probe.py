@@ -1,7 +1,7 @@
 """launch/bench/second_moment_probe.py: the probe's rules are what its table says they are.
 
 ``Probe`` stays in the bench script: it is a one-off probe whose only output is
-results/second_moment_probe.md, quoted by docs/asdt.md; the rule it chose is ASDT's ``update="adaptive"``,
+results/second_moment_probe.md, quoted by docs/log.md (ASDT); the rule it chose is ASDT's ``update="adaptive"``,
 tested against its own reference in tests/optim. These tests keep that table's row descriptions true."""
 import importlib.util
 

@@ -1,5 +1,5 @@
 """Which second moment does a bf16-momentum optimizer need to train like AdamW? (the probe behind
-ASDT's ``update="adaptive"``, docs/asdt.md).
+ASDT's ``update="adaptive"``, docs/log.md (ASDT)).
 
     python launch/bench/second_moment_probe.py --steps 300 --seed 0 --out results/second_moment_probe
 

@@ -22,7 +22,7 @@ coordinate took 1.2 s). It replaces ASDT's former sketch's 31-bit multiply-xorsh
 Temporal superposition: ``decay_(beta); update((1 - beta) g)`` keeps the sketch of the per-element EMA of
 ``g`` exactly. Sketches with the same ``(width, depth, seed)`` add (``merge_``, ``+``, or an all-reduce of
 ``table``). ``dct_chunk=C`` (CountSketch only) sketches the orthonormal DCT-II coefficients of ``C``-aligned
-chunks instead of the values; ``docs/asdt.md`` has its measurement.
+chunks instead of the values; ``results/asdt_sketch.md`` has its measurement.
 
 **The compressor** (``tgss``): per call, a ``rows x 2k`` count sketch of the error-compensated gradient,
 with a seed that includes the step (``GradientReducer``) so a collision pattern does not persist; the

@@ -17,7 +17,7 @@ gradient, ``w`` the weight, ``m`` the momentum, all fp32 in the arithmetic; ``m`
 ``density=1`` is Lion (Chen et al. 2023) with decoupled weight decay; ``optimizer.name="lion"`` in the titan
 config builds exactly that.
 
-``update="adaptive"`` (the sign step costs quality; docs/asdt.md has the measurements) replaces steps 1,
+``update="adaptive"`` (the sign step costs quality; docs/log.md (ASDT) has the measurements) replaces steps 1,
 4 and 5 of a Growth unit by an Adam step whose second moment is *one number per unit* (Adam-mini's idea; with
 ``granularity="row"`` a unit is one output channel of a linear layer or one token of an embedding):
 
