@@ -1,6 +1,6 @@
 """``titan-ds gpu-check``: the few-minute self-test to run first on a machine with a GPU.
 
-    titan-ds gpu-check --out gpu_check.json                      # every shipped profile, 20 steps each
+    titan-ds gpu-check --out gpu_check.json                      # every shipped profile, 20 steps each (5 on a CPU)
     titan-ds gpu-check --profiles titan_memory --steps 5 --out x.json
 
 For each shipped profile (:data:`PROFILES`, the ds_configs in ``--configs``):
@@ -456,7 +456,9 @@ def format_report(rep: dict[str, Any]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", default=",".join(PROFILES),
                    help=f"comma-separated shipped profiles (default: all of {', '.join(PROFILES)})")
-    p.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per run (default 20 on a GPU; 5 on the CPU, where Triton's interpreter runs "
+                        "each kernel program in Python)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default 4)")
     p.add_argument("--configs", default=str(CONFIG_DIR), help="the folder of the profiles' ds_configs")
@@ -488,6 +490,8 @@ def main(argv: Optional[list[str]] = None, args: Optional[argparse.Namespace] = 
     if baselines not in ("torchao", "none"):
         print(f"titan-ds gpu-check: --baselines {baselines!r}: choose torchao or none", file=sys.stderr)
         return 2
+    if args.steps is None:
+        args.steps = 20 if gpu else 5
     if args.steps < 1:
         print(f"titan-ds gpu-check: --steps must be >= 1, got {args.steps}", file=sys.stderr)
         return 2
