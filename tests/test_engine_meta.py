@@ -68,6 +68,10 @@ def meta_accelerator(monkeypatch, dist_env):
     from deepspeed.accelerator import get_accelerator
     deepspeed.init_distributed()  # (gloo, on the CPU) before the accelerator names meta as its device
     acc = get_accelerator()
+    # an earlier zero.Init in this process leaves F.linear as ZeRO-3's memory-efficient wrapper ("This will persist
+    # unless manually reset", DeepSpeed's own log line), which asks autocast for meta's dtype and fails: the plain
+    # linear of a process that never entered zero.Init
+    monkeypatch.setattr(torch.nn.functional, "linear", torch._C._nn.linear)
     monkeypatch.setattr(acc, "device_name", lambda device_index=None: "meta")
     monkeypatch.setattr(acc, "current_device_name", lambda: "meta")
     monkeypatch.setattr(acc, "device", lambda device_index=None: META)

@@ -126,7 +126,7 @@ def test_metrics_are_read_once_per_logging_window(tmp_path, dist_env, monkeypatc
 
     monkeypatch.setattr(train, "log_records", spy)
     out = tmp_path / "m.jsonl"
-    summary = train.main(["--deepspeed_config", "ds_configs/demo.json", *TINY, "--steps", "5", "--log-every", "2",
+    summary = train.main(["--deepspeed_config", "tests/configs/demo.json", *TINY, "--steps", "5", "--log-every", "2",
                           "--metrics-out", str(out)])
     assert windows == [[1, 2], [3, 4], [5]]
     # ASDT's count of changed elements: a device tensor until logged (under ZeRO it lags one step, and BSPS's
@@ -140,4 +140,4 @@ def test_metrics_are_read_once_per_logging_window(tmp_path, dist_env, monkeypatc
 
 def test_log_every_must_be_positive():
     with pytest.raises(SystemExit, match="--log-every must be >= 1"):
-        _train_module().main(["--deepspeed_config", "ds_configs/demo.json", "--log-every", "0"])
+        _train_module().main(["--deepspeed_config", "tests/configs/demo.json", "--log-every", "0"])

@@ -66,6 +66,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 TOLERANCE = {"fp32": 2.0 ** 14 * 2.0 ** -24, "bf16": 8 * 2.0 ** -8}
 # the tiny reference GPT of the check (titan_ds.models.gpt.GPTConfig fields)
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 32, "vocab_size": 256}
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _AUTO = {"train_micro_batch_size_per_gpu": None, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
 
 
@@ -297,7 +298,9 @@ def _children(groups: dict[str, tuple[dict[str, Optional[str]], list[dict[str, A
     root = str(Path(__file__).resolve().parents[1])
     out: dict[str, list[dict[str, Any]]] = {}
     for name, (env, jobs) in groups.items():
-        full = dict(os.environ)
+        # each worker is a one-process world of its own: a launcher's (or a test session's) RANK, WORLD_SIZE and
+        # MASTER_PORT would make it rendezvous on a port the parent's process group already holds
+        full = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
         full["PYTHONPATH"] = root + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
         for key, value in env.items():
             if value is None:
