@@ -48,6 +48,8 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
                  "hf_asdt_8bit vs torchao AdamW8bit; alternated repeats"),
     "hf-trd-ranks": ("launch/bench/hf_trd_ranks.py", "TR-SVD of a pretrained model by rank"),
     "soak": ("launch/bench/soak.py", "3000 steps, every pillar, 2 ranks: leaks and bit-exact resume"),
+    "op-count": ("launch/bench/op_count.py", "ops one optimizer step dispatches on meta (a GPU's kernel launches): "
+                 "shipped sections vs foreach AdamW"),
     "optimizer-step": ("launch/bench/optim_step.py", "one optimizer step: elements/s, temporaries, state by optimizer, "
                        "size, dtype (titan_ds/step_temp.json)"),
     "trd": ("launch/bench/bench_trd.py", "TRD ranks vs dense AdamW"),
@@ -280,6 +282,9 @@ RESULTS: list[Result] = [
                                                          "before training", "rank", "16"), "python launch/bench/hf_trd_ranks.py"),
     Result("soak", "results/soak/soak.md", lambda p: f"{sum(r.get('result') == 'ok' for r in table_rows(ROOT / p))}"
            f" of {sum('result' in r for r in table_rows(ROOT / p))} checks ok"),
+    Result("op-count", "results/op_count.md", _f(
+        "titan_balanced: {ops_per_step} ops a step on meta, {vs_foreach_AdamW} foreach AdamW's", "optimizer",
+        "titan_balanced")),
     Result("optimizer-step", "results/optim_step.md", _f(
         "titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24 (x torchao AdamW8bit {x_torchao_2^24}), "
         "temporaries {temp_B_el_2^26} B/element at 2^26, state {state_B_el_2^26} B/element", "optimizer",

@@ -3,14 +3,8 @@ replaces, on CPU tensors in Triton's interpreter (conftest.py sets TRITON_INTERP
 same weights and the same stored state, bit for bit, for the state kinds of the shipped configs, over several
 steps; production's in-kernel stochastic rounding is unbiased; and on ``meta`` one step of a GPT-shaped model
 dispatches at most 3x the ops of torch's foreach AdamW."""
-import collections
-import json
-from pathlib import Path
-
 import pytest
 import torch
-import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torchao")  # the quantized state's code maps
 from tests.helpers.deps import require  # noqa: E402
@@ -18,6 +12,7 @@ from tests.helpers.deps import require  # noqa: E402
 require("triton")
 
 import titan_ds.optim.asdt as asdt_mod  # noqa: E402
+from launch.bench.op_count import ops_per_step  # noqa: E402  (the op counts of results/op_count.md)
 from titan_ds.kernels import _guard  # noqa: E402
 from titan_ds.optim import core, core_cpu, core_triton  # noqa: E402
 from titan_ds.optim.asdt import ASDT  # noqa: E402
@@ -25,7 +20,6 @@ from titan_ds.optim.asdt import ASDT  # noqa: E402
 pytestmark = pytest.mark.skipif(not (_guard.triton_interpreting() or torch.cuda.is_available()),
                                 reason="needs CUDA or TRITON_INTERPRET=1")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
 
 # several units of different lengths, units longer than a tile (256) with partial last blocks, odd sizes
 SHAPES = [(37, 29), (5,), (300,), (3, 4, 6), (1,), (600,)]
@@ -202,52 +196,6 @@ def test_in_kernel_stochastic_rounding_is_unbiased(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ ops per step, on meta
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _gpt(dtype, vocab=50304, d=512, layers=4, ctx=1024) -> nn.Module:
-    """A GPT-2-shaped parameter set on meta: 52 tensors, 38.9M values (at the default vocabulary)."""
-    shapes = {"wte": (vocab, d), "wpe": (ctx, d), "lnf_w": (d,), "lnf_b": (d,)}
-    for i in range(layers):
-        shapes.update({f"h{i}_ln1_w": (d,), f"h{i}_ln1_b": (d,), f"h{i}_qkv_w": (3 * d, d), f"h{i}_qkv_b": (3 * d,),
-                       f"h{i}_proj_w": (d, d), f"h{i}_proj_b": (d,), f"h{i}_ln2_w": (d,), f"h{i}_ln2_b": (d,),
-                       f"h{i}_fc_w": (4 * d, d), f"h{i}_fc_b": (4 * d,), f"h{i}_out_w": (d, 4 * d),
-                       f"h{i}_out_b": (d,)})
-    m = nn.Module()
-    for name, s in shapes.items():
-        m.register_parameter(name, nn.Parameter(torch.empty(s, device="meta", dtype=dtype)))
-    return m
-
-
-def _ops_of_second_step(opt, params) -> collections.Counter:
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.empty_like(p)
-        with _Ops() as mode:
-            opt.step()
-    return mode.ops
-
-
-def ops_per_step(section: str, vocab: int = 50304) -> tuple[int, int, collections.Counter]:
-    """(ops of one steady-state step of ``section``'s optimizer, of torch AdamW(foreach=True), the former's ops by
-    name) on :func:`_gpt`'s parameters on meta."""
-    from titan_ds.config import TitanConfig
-    from titan_ds.optim.install import build_optimizer
-    cfg = TitanConfig.from_ds_config(json.loads((CONFIGS / f"{section}.json").read_text())).optimizer
-    model = _gpt(torch.bfloat16 if cfg.weight_dtype == "bf16" else torch.float32, vocab)
-    ops = _ops_of_second_step(build_optimizer(model, cfg), list(model.parameters()))
-    ref = _gpt(torch.float32, vocab)
-    adamw = _ops_of_second_step(torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True), list(ref.parameters()))
-    return sum(ops.values()), sum(adamw.values()), ops
-
-
 @pytest.fixture
 def _meta_generator(monkeypatch):
     """meta has no generator of its own (tests/optim/test_meta_device.py): a CPU one."""
