@@ -18,6 +18,7 @@ running anything (all of the suite's committed tables, ``TABLES``, or the one at
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -48,6 +49,8 @@ SUITES: dict[str, tuple[str, str]] = {  # name -> (script, what it measures)
                  "hf_asdt_8bit vs torchao AdamW8bit; alternated repeats"),
     "hf-trd-ranks": ("launch/bench/hf_trd_ranks.py", "TR-SVD of a pretrained model by rank"),
     "soak": ("launch/bench/soak.py", "3000 steps, every pillar, 2 ranks: leaks and bit-exact resume"),
+    "gpu-check": ("titan_ds/gpu_check.py", "`titan-ds gpu-check`: each shipped profile on the device beside a CPU "
+                  "reference, peak memory, the optimizer step against fused AdamW (on a CPU: Triton's interpreter)"),
     "op-count": ("launch/bench/op_count.py", "ops one optimizer step dispatches on meta (a GPU's kernel launches): "
                  "shipped sections vs foreach AdamW"),
     "optimizer-step": ("launch/bench/optim_step.py", "one optimizer step: elements/s, temporaries, state by optimizer, "
@@ -282,6 +285,10 @@ RESULTS: list[Result] = [
                                                          "before training", "rank", "16"), "python launch/bench/hf_trd_ranks.py"),
     Result("soak", "results/soak/soak.md", lambda p: f"{sum(r.get('result') == 'ok' for r in table_rows(ROOT / p))}"
            f" of {sum('result' in r for r in table_rows(ROOT / p))} checks ok"),
+    Result("gpu-check", "results/gpu_check/gpu_check.md", lambda p: (lambda r: (
+        f"{'GPU' if r['gpu'] else 'no GPU'}: {sum(x['ok'] for x in r['profiles'])} of {len(r['profiles'])} profiles within "
+        f"tolerance of the CPU reference"))(json.loads((ROOT / p).with_suffix('.json').read_text())),
+        "titan-ds gpu-check --out results/gpu_check/gpu_check.json"),
     Result("op-count", "results/op_count.md", _f(
         "titan_balanced: {ops_per_step} ops a step on meta, {vs_foreach_AdamW} foreach AdamW's", "optimizer",
         "titan_balanced")),
