@@ -306,6 +306,9 @@ RESULTS: list[Result] = [
         "C++ kernel with bf16 weights' stochastic rounding moved into it, titan_memory, fp32 table: {M_s_2^24} M "
         "elements/s at 2^24, {x_DS_2^24}x DeepSpeedCPUAdam (AVX-512 machine; bf16 rows in the file)", "optimizer",
         "titan_memory")),
+    Result("optimizer-step", "results/optim_step_keyed/step.md", _f(
+        "C++ kernel built per CPU (flags-keyed name), titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24, "
+        "{x_DS_2^24}x DeepSpeedCPUAdam (AVX-512 machine)", "optimizer", "titan_balanced")),
     Result("optimizer-step", "results/optim_step_avx512/step.md", _f(
         "C++ kernel with AVX-512 paths, titan_balanced, fp32: {M_s_2^24} M elements/s at 2^24, {x_DS_2^24}x "
         "DeepSpeedCPUAdam (AVX-512 machine)", "optimizer", "titan_balanced")),
@@ -329,6 +332,9 @@ RESULTS: list[Result] = [
     Result("speed", "results/speed_kernel_sr.md", _f(
         "titan_memory {tokens_s} tokens/s, {vs_plain} plain's with the AVX-512 kernel rounding bf16 weights in "
         "the kernel", "row", "titan_memory")),
+    Result("speed", "results/speed_fused.md", _f(
+        "titan_memory {tokens_s} tokens/s, {vs_plain} plain's after the fused GPU op, the per-CPU kernel build and "
+        "the metrics read per logging window (titan_balanced in the file)", "row", "titan_memory")),
     Result("speed", "results/speed_peer_memory.md", _f(
         "titan_memory {tokens_s} tokens/s, {vs_plain} plain's, beside torchao AdamW4bit bf16 + the same MLME in "
         "one invocation", "row", "titan_memory")),
