@@ -88,11 +88,11 @@ def _val_loss(model: torch.nn.Module, tokens, n: int, micro_batch: int, context:
 
 
 def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Optional[int] = None,
-                 dgc: Optional[dict] = None) -> GradientReducer:
+                 dgc: Optional[dict] = None, beta2: Optional[float] = None) -> GradientReducer:
     """The worker's reducer: ``dgc`` is ``topk`` with DGC's options (``dgc``: momentum, masking, clip, ramp_steps,
     ramp_start), ``powersgd`` needs ``rank``; the others are built from ``ratio``. A preconditioned method's name
     ending in ``_gradres`` keeps its residuals in gradient units (``residuals_follow_lr: false``; the same run as
-    without the suffix under a constant lr)."""
+    without the suffix under a constant lr). ``beta2``: the preconditioner's (None: :class:`RMSOptions`'s default)."""
     follow = not method.endswith("_gradres")
     method = method.removesuffix("_gradres")
     if method == "dgc":
@@ -104,10 +104,14 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
     elif method in ("rms", "rms_randk", "rms_cltk", "rms_mean", "rms_sketch"):  # topk / randk / cltk of each worker's normalized gradient
         return GradientReducer({"rms": "topk", "rms_randk": "randk", "rms_cltk": "cltk", "rms_mean": "topk",
                                 "rms_sketch": "topk"}[method],
-                               ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method),
+                               ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method, beta2),
                                residuals_follow_lr=follow)
+    elif (m := re.fullmatch(r"rms(?:_mean|_sketch)?_(hge|tgss)", method)) is not None:  # the all-reducible
+        # sketches with the same local preconditioner (``titan.compression`` method hge/tgss + ``precondition``)
+        return GradientReducer(m.group(1), ratio, warmup_steps=warmup, seed=seed,
+                               precondition=_rms_options(method, beta2), residuals_follow_lr=follow)
     elif (q := qtopk_options(method)) is not None:  # rms[_mean]_qtopk<bits>[c<chunk>]: chunked low-bit top-k of the same
-        return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method),
+        return GradientReducer("qtopk", ratio, warmup_steps=warmup, seed=seed, precondition=_rms_options(method, beta2),
                                residuals_follow_lr=follow, **q)
     elif method == "powersgd":
         if rank is None:
@@ -117,14 +121,15 @@ def make_reducer(method: str, ratio: float, *, warmup: int, seed: int, rank: Opt
         return GradientReducer(method, ratio, warmup_steps=warmup, seed=seed)
 
 
-def _rms_options(method: str) -> RMSOptions:
+def _rms_options(method: str, beta2: Optional[float] = None) -> RMSOptions:
     """``rms_mean...``: ``precondition: "rms_mean"`` (the ranks' mean gradient's RMS; SGD with momentum 0.9 applies
     the sum); ``rms_sketch...``: ``precondition: "rms_sketch"`` (rms's shape at the mean gradient's level per tensor,
     from an all-reduced projection; SGD without momentum); else ``"rms"``."""
+    extra = {} if beta2 is None else {"beta2": beta2}
     for kind in ("rms_mean", "rms_sketch"):
         if method.startswith(kind):
-            return RMSOptions(kind=kind)
-    return RMSOptions()
+            return RMSOptions(kind=kind, **extra)
+    return RMSOptions(**extra)
 
 
 def qtopk_options(method: str) -> Optional[dict]:
@@ -145,30 +150,43 @@ def qtopk_options(method: str) -> Optional[dict]:
 def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micro_batch: int = 4,
               context: int = 64, n_layer: int = 2, n_embd: int = 64, lr: float = 1e-3, seed: int = 0,
               warmup: int = 0, val_batches_n: int = 8, rank: Optional[int] = None,
-              dgc: Optional[dict] = None, curve_every: int = 0, schedule: Optional[str] = None) -> dict[str, Any]:
+              dgc: Optional[dict] = None, curve_every: int = 0, schedule: Optional[str] = None,
+              betas: Optional[str] = None, weight_decay: Optional[float] = None) -> dict[str, Any]:
     """Train the tiny GPT data-parallel over ``world`` virtual workers with ``method``; one result row.
 
     ``rank``: PowerSGD's; ``dgc``: DGC's options plus ``beta1``, the AdamW beta1 of this row; ``curve_every``: also
     record the validation loss every that many steps (``curve``: ``[step, val_loss]`` pairs; 0: only the last);
-    ``schedule``: None, a constant lr; ``"warmup_cosine"``, launch/train.py's (:func:`lr_factor`)."""
+    ``schedule``: None, a constant lr; ``"warmup_cosine"``, launch/train.py's (:func:`lr_factor`). ``betas``
+    (``"b1,b2"``) and ``weight_decay``: a shipped optimizer section's (:func:`section_settings`), as the engine uses
+    them: dense AdamW's betas and decoupled decay; under ``rms*`` the preconditioner's ``beta2`` (``rms_options``)
+    and SGD's decay of the update (AdamW's decoupled one). None: the settings every row had before (AdamW (0.9,
+    0.999), no decay; the preconditioner's defaults)."""
     torch.manual_seed(seed)
     model = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)
     layout, params = _layout(model)
     n = sum(p.numel() for p in params)
     beta1 = dgc["beta1"] if dgc is not None and dgc["momentum"] > 0 else 0.9
+    beta2, wd = 0.999, 0.0
+    if betas is not None:
+        beta1, beta2 = (float(b) for b in betas.split(","))
+    if weight_decay is not None:
+        wd = float(weight_decay)
+    rms_beta2 = beta2 if betas is not None else None
     rho, method_reducer = None, method
     if method.startswith("rms_rho"):  # the workers' reducers are rms's; the rescale is applied to their sum below
         rho = torch.zeros(n)
         method_reducer = method.replace("rms_rho", "rms", 1)
     if method.startswith("rms_mean") or method.startswith("rms_rho"):  # rms_mean: Adam's first moment after the reduction (precondition.py)
-        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, weight_decay=0.0, momentum=0.9, dampening=0.9)
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, weight_decay=wd, momentum=beta1,
+                                                     dampening=beta1)
     elif method.startswith("rms"):  # the reduced sum is already an Adam-scaled update (titan_ds/comm/precondition.py)
-        opt = torch.optim.SGD(params, lr=lr, weight_decay=0.0)
+        opt = torch.optim.SGD(params, lr=lr, weight_decay=wd)
     else:
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(beta1, 0.999))
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, betas=(beta1, beta2))
     train = np.asarray(corpus.train, dtype=np.int64)  # one copy shared by every worker's Batcher (each would make its own)
     batchers = [Batcher(train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
-    reducers = [make_reducer(method_reducer, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc) for _ in range(world)]
+    reducers = [make_reducer(method_reducer, ratio, warmup=warmup, seed=seed, rank=rank, dgc=dgc, beta2=rms_beta2)
+                for _ in range(world)]
     sim = SimCollective(world)
     curve: list[list[float]] = []
     t0 = time.perf_counter()
@@ -205,7 +223,7 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     extra = {"curve": curve + [[steps, val]]} if curve_every else {}
     return {"method": method, "ratio": ratio, "world": world, "steps": steps, "micro_batch": micro_batch,
             "context": context, "n_layer": n_layer, "n_embd": n_embd, "lr": lr, "seed": seed, "warmup": warmup,
-            "rank": rank, "dgc": _dgc_label(dgc), "schedule": schedule,
+            "rank": rank, "dgc": _dgc_label(dgc), "schedule": schedule, "betas": betas, "weight_decay": weight_decay,
             "params": n, "val_loss": val,
             "sent_per_worker_step": sent / steps, "recv_per_worker_step": recv / steps,
             "dense_ring_per_worker_step": dense / steps,
@@ -216,11 +234,26 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
 
 # ----------------------------------------------------------------------------------------- table
 _KEY = ("method", "ratio", "world", "steps", "micro_batch", "context", "n_layer", "n_embd", "lr", "seed", "warmup",
-        "rank", "dgc", "schedule")
+        "rank", "dgc", "schedule", "betas", "weight_decay")
+_OPTIONAL = ("schedule", "betas", "weight_decay")  # key fields a row written before them lacks (None: left out)
 
 
 def _key(row: dict) -> tuple:
     return tuple(row.get(k) for k in _KEY)  # rows written before rank/dgc/schedule existed have none: None
+
+
+def section_settings(path: str) -> dict[str, Any]:
+    """``{betas: "b1,b2", weight_decay}`` of a ds_config's ``Adam``/``AdamW`` optimizer section (torch's defaults
+    where it leaves them out): what the engine runs dense AdamW with, and what ``titan.compression``'s ``rms*``
+    preconditioners take their ``beta2`` and SGD its decay from (``titan_ds.comm.hooks.rms_options``)."""
+    import json
+    section = json.loads(Path(path).read_text()).get("optimizer") or {}
+    if str(section.get("type", "")).lower() not in ("adam", "adamw"):
+        raise SystemExit(f"--section {path}: its optimizer section is {section.get('type')!r}, not Adam/AdamW; "
+                         "give a config whose optimizer section is AdamW")
+    params = section.get("params", {}) or {}
+    b1, b2 = params.get("betas", (0.9, 0.999))
+    return {"betas": f"{float(b1):g},{float(b2):g}", "weight_decay": float(params.get("weight_decay", 0.01))}
 
 
 def lr_factor(schedule: Optional[str], step: int, steps: int) -> float:
@@ -248,9 +281,9 @@ _CONFIG = ("method", "ratio", "rank", "dgc", "world", "lr")  # the row; the othe
 
 
 def _identity(row: dict) -> dict:
-    # a constant-lr row keeps the settings (and hash) it had before ``schedule`` existed
+    # a constant-lr row keeps the settings (and hash) it had before ``schedule`` (``betas``, ...) existed
     return fields_identity(row, _CONFIG, [k for k in _KEY if k not in _CONFIG and k != "seed"
-                                          and (k != "schedule" or row.get("schedule") is not None)])
+                                          and (k not in _OPTIONAL or row.get(k) is not None)])
 
 
 def open_store(path: Path, reuse_stale: bool = False) -> Store:
@@ -432,6 +465,10 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
     p.add_argument("--schedule", choices=("constant", "warmup_cosine"), default="constant",
                    help="the lr schedule of every row (lr_factor): constant, or launch/train.py's (linear warm-up, "
                         "cosine decay to 10%%)")
+    p.add_argument("--section", default="",
+                   help="a shipped ds_config (e.g. ds_configs/compress_rms_sketch.json): every row runs its optimizer "
+                        "section's betas and weight decay as the engine would (section_settings); default: AdamW "
+                        "(0.9, 0.999), no decay, as the rows before")
     p.add_argument("--ranks", default="1,2", help="PowerSGD ranks (method powersgd: one row per rank, no ratio)")
     add_dgc_args(p)
     p.add_argument("--out", default="results/compress_scale")
@@ -452,12 +489,13 @@ def main(argv: Optional[list[str]] = None, command: Optional[str] = None) -> Non
     ratios = [float(x) for x in a.ratios.split(",")]
     dgc = dict(momentum=a.dgc_momentum, masking=not a.dgc_no_masking, clip=a.dgc_clip, ramp_steps=a.dgc_ramp_steps,
                ramp_start=a.dgc_ramp_start, beta1=a.dgc_beta1)
+    shipped = section_settings(a.section) if a.section else {"betas": None, "weight_decay": None}
     wanted, specs = [], {}
     for seed in seeds:
         for lr in lrs:
             settings = dict(steps=a.steps, micro_batch=a.micro_batch, context=a.context, n_layer=a.n_layer,
                             n_embd=a.n_embd, lr=lr, seed=seed, warmup=a.warmup,
-                            schedule=None if a.schedule == "constant" else a.schedule)
+                            schedule=None if a.schedule == "constant" else a.schedule, **shipped)
             for world in (int(x) for x in a.workers.split(",")):
                 for m in a.methods.split(","):
                     if m == "powersgd":
