@@ -50,44 +50,62 @@ from titan_ds.models import GPT  # noqa: E402
 log = logging.getLogger("titan_ds.bench.diloco")
 
 _KEY = ("method", "ratio", "sync_every", "world", "steps", "lr", "seed", "outer_lr", "outer_momentum")
+_OPTIONAL = ("betas", "weight_decay", "schedule")  # settings a row written before them lacks (None: left out)
 
 
 def diloco_row(method: str, ratio: float, sync_every: int, world: int, steps: int, *, corpus, lr: float, seed: int,
                outer_lr: float = 0.7, outer_momentum: float = 0.9, micro_batch: int = 4, context: int = 64,
-               n_layer: int = 2, n_embd: int = 64) -> dict[str, Any]:
-    if steps % sync_every:
-        raise ValueError(f"steps={steps} must be a multiple of sync_every={sync_every}")
+               n_layer: int = 2, n_embd: int = 64, betas: Optional[str] = None, weight_decay: Optional[float] = None,
+               schedule: Optional[str] = None, curve_every: int = 0) -> dict[str, Any]:
+    """One DiLoCo row. ``betas``/``weight_decay``: the inner AdamW's (a shipped section's, as
+    ``compress_scale.section_settings`` reads it; None: (0.9, 0.999) and no decay, the rows before); ``schedule``:
+    the inner lr's (``compress_scale.lr_factor``); ``curve_every``: the validation loss after every outer step
+    that ends a multiple of it (a multiple of ``sync_every``) as ``curve`` ``[step, loss]`` pairs. The time
+    model's inputs (launch/bench/wallclock.py) are recorded as in ``compress_scale.train_row``."""
+    if steps % sync_every or (curve_every and curve_every % sync_every):
+        raise ValueError(f"steps={steps} and curve_every={curve_every} must be multiples of sync_every={sync_every}")
     torch.manual_seed(seed)
     base = GPT(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=context)  # the same init as compress_scale
     models = [copy.deepcopy(base) for _ in range(world)]
-    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.999)) for m in models]
+    b1, b2 = (float(b) for b in betas.split(",")) if betas is not None else (0.9, 0.999)
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay or 0.0, betas=(b1, b2)) for m in models]
     outers = [OuterStep(list(m.named_parameters()), _reducer(method, ratio, seed),
                         outer_lr=outer_lr, outer_momentum=outer_momentum) for m in models]
     batchers = [Batcher(corpus.train, micro_batch, context, seed=seed, rank=w, world=world) for w in range(world)]
     sim = SimCollective(world)
     n = sum(p.numel() for p in base.parameters())
-    t0, compute = time.perf_counter(), 0.0
+    t0, compute, compute_cpu, curve = time.perf_counter(), 0.0, 0.0, []
     for step in range(steps):
-        c0 = time.perf_counter()
+        c0, cpu0 = time.perf_counter(), time.thread_time()
+        lr_t = lr * cs.lr_factor(schedule, step, steps)
         for w in range(world):
             x, y = batchers[w].get(step)
             opts[w].zero_grad(set_to_none=True)
             models[w](x, y).backward()
+            for g in opts[w].param_groups:
+                g["lr"] = lr_t
             opts[w].step()
         compute += time.perf_counter() - c0
+        compute_cpu += time.thread_time() - cpu0
         if (step + 1) % sync_every == 0:
             sim.run(lambda w, comm: outers[w].sync(comm))
+            if curve_every and (step + 1) % curve_every == 0 and step + 1 < steps:
+                curve.append([step + 1, cs._val_loss(models[0], corpus.val, 8, micro_batch * 4, context)])
     for m in models[1:]:
         for a, b in zip(models[0].parameters(), m.parameters()):
             if not torch.equal(a, b):
                 raise RuntimeError("workers hold different parameters after the last outer step")
     dense = ring_allreduce_bytes(4 * n, world) * steps
     sent, recv = sum(sim.sent) / world, sum(sim.received) / world
+    val = cs._val_loss(models[0], corpus.val, 8, micro_batch * 4, context)
     return {"method": "diloco" if method == "none" else f"diloco+{method}", "ratio": ratio, "sync_every": sync_every,
             "world": world, "steps": steps, "lr": lr, "seed": seed, "outer_lr": outer_lr,
             "outer_momentum": outer_momentum, "micro_batch": micro_batch, "context": context, "params": n,
-            "val_loss": cs._val_loss(models[0], corpus.val, 8, micro_batch * 4, context),
-            "sent_per_worker": sent, "recv_per_worker": recv, "dense_ring_per_worker": dense,
+            "betas": betas, "weight_decay": weight_decay, "schedule": schedule, "val_loss": val,
+            **({"curve": curve + [[steps, val]]} if curve_every else {}),
+            "compute_per_worker_step": compute_cpu / (world * steps),
+            "codec_per_worker_step": sum(sim.cpu_seconds) / (world * steps),
+            "rounds_per_worker_step": sim.wire[0].rounds / steps, "sent_per_worker": sent, "recv_per_worker": recv, "dense_ring_per_worker": dense,
             "x_sent": dense / sent, "x_recv": dense / recv, "compute_s_per_worker_step": compute / (steps * world),
             "seconds": time.perf_counter() - t0}
 
@@ -159,7 +177,8 @@ def _key(row: dict) -> tuple:
 
 
 def _identity(row: dict) -> dict:
-    return fields_identity(row, [k for k in _KEY if k not in ("steps", "seed")], ["steps"])
+    return fields_identity(row, [k for k in _KEY if k not in ("steps", "seed")],
+                           ["steps"] + [k for k in _OPTIONAL if row.get(k) is not None])
 
 
 def open_store(path: Path, reuse_stale: bool = False) -> Store:
@@ -279,6 +298,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--no-uncompressed", dest="uncompressed", action="store_false",
                    help="skip the uncompressed-outer (method none) row at each H")
     p.add_argument("--only-baselines", action="store_true", help="the baseline rows alone, no local-update rows")
+    p.add_argument("--section", default="", help="a shipped ds_config: the inner AdamW's betas and weight decay "
+                   "(compress_scale.section_settings); default (0.9, 0.999), no decay, as the rows before")
+    p.add_argument("--schedule", choices=("constant", "warmup_cosine"), default="constant",
+                   help="the inner lr's schedule (compress_scale.lr_factor)")
+    p.add_argument("--curve-every", type=int, default=0, help="also record the validation loss every N steps "
+                   "(a multiple of H; the row's `curve`, used by launch/bench/wallclock.py)")
     p.add_argument("--out", default="results/diloco")
     add_store_args(p)
     a = p.parse_args(argv)
@@ -300,7 +325,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if a.only_baselines:
         grid = [s for s in grid if s["sync_every"] == 1]
     store = open_store(jsonl, a.reuse_stale)
+    shipped = cs.section_settings(a.section) if a.section else {"betas": None, "weight_decay": None}
+    shipped["schedule"] = None if a.schedule == "constant" else a.schedule
+    if a.section or shipped["schedule"]:
+        grid = [s for s in grid if s["sync_every"] > 1]  # dense / rms rows with these settings: compress_scale.py
     for spec in grid:
+        spec = {**spec, **shipped}
         want = {**spec, "method": _label(spec)}
         if store.find(**_identity(want)) is not None:
             continue
@@ -309,7 +339,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         else:
             row = diloco_row(spec["method"], spec["ratio"], spec["sync_every"], spec["world"], a.steps, corpus=corpus,
                              lr=spec["lr"], seed=spec["seed"], outer_lr=spec["outer_lr"],
-                             outer_momentum=spec["outer_momentum"])
+                             outer_momentum=spec["outer_momentum"], curve_every=a.curve_every, **shipped)
         store.append(**_identity(row), result=row)  # at once: a rerun skips it
         write_report(out, store)
         log.info("%s H=%s ratio=%g W=%d lr=%g outer=%s/%s: val %.4f, x_recv %.1f, %.0fs", row["method"], row["sync_every"],

@@ -60,11 +60,11 @@ from titan_ds.comm import GradientReducer  # noqa: E402
 from titan_ds.comm.base import Segment  # noqa: E402
 from titan_ds.comm.dgc import DGCOptions  # noqa: E402
 from titan_ds.comm.precondition import RMSOptions  # noqa: E402
-from titan_ds.comm.wire import SimCollective, ring_allgather_bytes, ring_allreduce_bytes  # noqa: E402,F401
+from titan_ds.comm.wire import SimCollective, ring_allgather_bytes, ring_allreduce_bytes, ring_rounds  # noqa: E402,F401
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
 from titan_ds.models import GPT  # noqa: E402
 
-__all__ = ["SimCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "train_row", "main"]
+__all__ = ["SimCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_rounds", "section_settings", "train_row", "main"]
 
 log = logging.getLogger("titan_ds.bench.compress_scale")
 
@@ -189,14 +189,17 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
                 for _ in range(world)]
     sim = SimCollective(world)
     curve: list[list[float]] = []
+    compute_cpu = 0.0  # CPU seconds of the workers' forward + backward (time model: launch/bench/wallclock.py)
     t0 = time.perf_counter()
     for step in range(steps):
         flats = []
+        c0 = time.thread_time()
         for w in range(world):
             model.zero_grad(set_to_none=True)
             x, y = batchers[w].get(step)
             model(x, y).backward()
             flats.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        compute_cpu += time.thread_time() - c0
         lr_t = lr * lr_factor(schedule, step, steps)  # what the optimizer applies this step's sum with
         outs = sim.run(lambda w, comm: reducers[w].reduce(flats[w], layout, comm, step, lr=lr_t))
         for w in range(1, world):
@@ -229,7 +232,12 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
             "dense_ring_per_worker_step": dense / steps,
             "wire_x_sent": dense / sent if sent else math.inf, "wire_x_recv": dense / recv if recv else math.inf,
             "handed_x": reducers[0].total_dense / reducers[0].total_wire if reducers[0].total_wire else math.inf,
-            "collectives_per_step": sim.calls / steps, "seconds": time.perf_counter() - t0, **extra}
+            "collectives_per_step": sim.calls / steps, "seconds": time.perf_counter() - t0,
+            # the time model's inputs (launch/bench/wallclock.py): per worker and step, CPU seconds of its forward +
+            # backward and of its encode/decode (SimCollective.cpu_seconds), and the message rounds it waits through
+            "compute_per_worker_step": compute_cpu / (world * steps),
+            "codec_per_worker_step": sum(sim.cpu_seconds) / (world * steps),
+            "rounds_per_worker_step": sim.wire[0].rounds / steps, **extra}
 
 
 # ----------------------------------------------------------------------------------------- table

@@ -221,3 +221,59 @@ def test_bf16_suffix_is_scale_dtype_and_the_reducer_gets_it():
     assert "scale_dtype" not in cs.qtopk_options("rms_sketch_qtopk2c256_sharded_g0.7")
     red = cs.make_reducer("rms_sketch_qtopk2c256_sharded_g0.8_bf16", 100.0, warmup=0, seed=0)
     assert red.compressor.scale_dtype == "bf16" and red.compressor.gather_share == 0.8
+
+
+def test_rounds_are_counted_per_collective_and_cpu_seconds_leave_out_waits_and_the_networks_sums():
+    """The time model's inputs: a ring all-reduce waits through 2 (W - 1) message rounds, an all-gather W - 1; a
+    worker's CPU seconds are its own thread's (a sleeping worker costs none), less the collectives' arithmetic."""
+    import time as _time
+    assert [cs.ring_rounds(op, 4) for op in ("all_reduce", "all_gather", "all_to_all_single", "broadcast")] == [6, 3, 3, 2]
+    assert cs.ring_rounds("all_reduce", 1) == 0
+    with pytest.raises(ValueError, match="unknown collective"):
+        cs.ring_rounds("gossip", 4)
+    sim = cs.SimCollective(4)
+    a = torch.randn(256, 256)
+
+    def fn(w, comm):
+        if w == 0:
+            t0 = _time.thread_time()
+            while _time.thread_time() - t0 < 0.05:  # 50 ms of this worker's CPU
+                a @ a
+        if w == 1:
+            _time.sleep(0.2)  # waiting costs no CPU
+        comm.all_reduce_sum(torch.zeros(1000))
+        comm.all_gather(torch.zeros(10, dtype=torch.int32))
+
+    sim.run(fn)
+    assert all(c.rounds == 9 for c in sim.wire)
+    assert sim.cpu_seconds[0] >= 0.05 and sim.cpu_seconds[1] < 0.04 and max(sim.cpu_seconds[1:]) < 0.04
+
+
+def test_section_settings_reach_adamw_the_preconditioner_and_sgd_and_old_rows_keep_their_identity(tmp_path):
+    """``--section``: the shipped config's betas / weight decay drive dense AdamW, the rms preconditioner's beta2
+    and SGD's decay (as titan_ds.comm.hooks.rms_options does on real ranks); rows without them keep their key."""
+    import json
+    s = cs.section_settings(str(ROOT / "ds_configs" / "compress_rms_sketch.json"))
+    assert s == {"betas": "0.9,0.95", "weight_decay": 0.1}
+    bad = tmp_path / "sgd.json"
+    bad.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}))
+    with pytest.raises(SystemExit, match="not Adam/AdamW"):
+        cs.section_settings(str(bad))
+    red = cs.make_reducer("rms_sketch_qtopk2c256_sharded_g0.6_bf16", 100.0, warmup=0, seed=0, beta2=0.95)
+    assert red.precondition.beta2 == 0.95 and red.precondition.kind == "rms_sketch"
+    hge = cs.make_reducer("rms_sketch_hge", 100.0, warmup=0, seed=0, beta2=0.95)
+    assert hge.method == "hge" and hge.precondition.kind == "rms_sketch"
+    rng = np.random.default_rng(3)
+    corpus = Corpus(train=rng.integers(0, 256, 50_000, dtype=np.uint8),
+                    val=rng.integers(0, 256, 5_000, dtype=np.uint8), source="random")
+    small = dict(corpus=corpus, micro_batch=2, context=16, val_batches_n=2)
+    plain = cs.train_row("none", 1.0, 2, 3, **small)
+    shipped = cs.train_row("none", 1.0, 2, 3, **s, **small)
+    sk = cs.train_row("rms_sketch_hge", 20.0, 2, 3, **s, **small)
+    assert shipped["val_loss"] != plain["val_loss"] and cs._key(shipped) != cs._key(plain)
+    assert cs._identity(shipped)["settings"]["betas"] == "0.9,0.95"
+    old = {k: v for k, v in plain.items() if k not in ("betas", "weight_decay")}
+    assert cs._identity(old) == cs._identity(plain)
+    for r in (plain, sk):
+        assert r["compute_per_worker_step"] > 0 and r["codec_per_worker_step"] > 0
+    assert sk["rounds_per_worker_step"] == 2 * 3  # HGE's two all-reduces + the sketch's one, 2 (W - 1) each

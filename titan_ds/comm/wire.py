@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -25,8 +26,8 @@ import torch
 
 from .base import check_splits
 
-__all__ = ["DistCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_bytes", "WireCount", "count_collectives",
-           "SimCollective", "split_bytes"]
+__all__ = ["DistCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_bytes", "ring_rounds", "WireCount",
+           "count_collectives", "SimCollective", "split_bytes"]
 
 
 def ring_allreduce_bytes(nbytes: int, world: int) -> float:
@@ -58,22 +59,40 @@ def ring_bytes(op: str, nbytes: int, world: int, *, is_root: bool = False, is_la
                      f"reduce_scatter_tensor, all_to_all_single, broadcast")
 
 
+def ring_rounds(op: str, world: int) -> int:
+    """Message rounds one worker waits through in ``op`` (the latency term of an alpha-beta model, each round one
+    link latency): a ring all-reduce ``2 (W - 1)`` (reduce-scatter, then all-gather), a ring all-gather,
+    reduce-scatter or pairwise all-to-all ``W - 1``, a tree broadcast ``ceil(log2 W)``."""
+    if world <= 1:
+        return 0
+    if op in ("all_reduce", "all_reduce_sum"):
+        return 2 * (world - 1)
+    if op in ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        return world - 1
+    if op == "broadcast":
+        return (world - 1).bit_length()
+    raise ValueError(f"unknown collective {op!r}; choose one of all_reduce, all_gather, all_gather_into_tensor, "
+                     f"reduce_scatter_tensor, all_to_all_single, broadcast")
+
+
 @dataclass
 class WireCount:
-    """Bytes one worker sent and received, and collective calls, by op."""
+    """Bytes one worker sent and received, collective calls by op, and message rounds (:func:`ring_rounds`)."""
 
     sent: float = 0.0
     received: float = 0.0
     calls: dict[str, int] = field(default_factory=dict)
+    rounds: int = 0
 
     def add(self, op: str, nbytes: int, world: int, **kw: Any) -> None:
         s, r = ring_bytes(op, nbytes, world, **kw)
-        self.add_exact(op, s, r)
+        self.add_exact(op, s, r, rounds=ring_rounds(op, world))
 
-    def add_exact(self, op: str, sent: float, received: float) -> None:
+    def add_exact(self, op: str, sent: float, received: float, rounds: int = 0) -> None:
         """A call whose bytes are known piece by piece (an all-to-all with unequal splits)."""
         self.sent += sent
         self.received += received
+        self.rounds += rounds
         self.calls[op] = self.calls.get(op, 0) + 1
 
 
@@ -122,7 +141,7 @@ def count_collectives(count: WireCount) -> Iterator[WireCount]:
             if active and depth == 0:
                 nbytes, extra = size(*args, **kwargs)
                 if "exact" in extra:
-                    count.add_exact(name, *extra["exact"])
+                    count.add_exact(name, *extra["exact"], rounds=ring_rounds(name, world(kwargs.get("group"))))
                 else:
                     count.add(name, nbytes, world(kwargs.get("group")), **extra)
             _COUNTING.depth = depth + 1
@@ -240,7 +259,10 @@ class SimCollective:
     same tensor, so sums are identical on all workers by construction.
 
     Bytes: ``wire[w]`` is worker ``w``'s :class:`WireCount` (the same costs as :func:`count_collectives`);
-    ``sent``/``received`` list them; ``calls`` counts collectives.
+    ``sent``/``received`` list them; ``calls`` counts collectives. Time: ``cpu_seconds[w]`` is the CPU time worker
+    ``w``'s thread spent in ``fn`` (:meth:`run`) less the collectives' own arithmetic (the sums a network would do),
+    i.e. its encode/decode work: measured with ``time.thread_time`` so turn waits are not in it (exact with
+    ``OMP_NUM_THREADS=1``, where torch computes on the calling thread).
     """
 
     def __init__(self, world_size: int):
@@ -249,6 +271,7 @@ class SimCollective:
         self.world_size = world_size
         self.wire = [WireCount() for _ in range(world_size)]
         self.calls = 0
+        self.cpu_seconds = [0.0] * world_size
         self._cond = threading.Condition()
         self._turn = 0
         self._slots: list[Optional[tuple[str, torch.Tensor]]] = [None] * world_size
@@ -280,7 +303,9 @@ class SimCollective:
     def _collective(self, w: int, op: str, t: torch.Tensor, splits: Optional[tuple[list[int], list[int]]] = None) -> Any:
         self._slots[w] = (op, t.detach().clone(), splits)
         if w == self.world_size - 1:
+            t0 = time.thread_time()
             self._result = self._compute()
+            self.cpu_seconds[w] -= time.thread_time() - t0  # the network's work, not the worker's
         self._pass_turn(w)
         self._wait_turn(w)
         return self._result
@@ -322,7 +347,8 @@ class SimCollective:
         pieces = [list(torch.split(s[1], s[2][0])) for s in slots]  # type: ignore[index]
         for w, c in enumerate(self.wire):
             c.add_exact("all_to_all_single", *split_bytes(slots[w][2][0], slots[w][2][1], w,  # type: ignore[index]
-                                                           slots[w][1].element_size()))  # type: ignore[index]
+                                                           slots[w][1].element_size()),  # type: ignore[index]
+                        rounds=ring_rounds("all_to_all_single", W))
         self.calls += 1
         self._slots = [None] * W
         return [torch.cat([pieces[i][w] for i in range(W)]) for w in range(W)]
@@ -335,7 +361,9 @@ class SimCollective:
         def target(w: int) -> None:
             try:
                 self._wait_turn(w)
+                t0 = time.thread_time()
                 out[w] = fn(w, self.worker(w))
+                self.cpu_seconds[w] += time.thread_time() - t0  # its own thread: turn waits cost no CPU
                 self._pass_turn(w)
             except _Abort:
                 pass
