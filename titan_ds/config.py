@@ -110,6 +110,9 @@ class HMSConfig(_Strict):
     io_threads: int = Field(default=4, ge=1, le=64)
     # "detect" (not "auto": the titan section rejects "auto" values, which HF accelerate would try to fill)
     direct_io: Literal["detect", "on", "off"] = "detect"
+    # xxh3 checksums on the per-step swap files too (snapshots and checkpoints are always checked): off by
+    # default, as a swap file never outlives the run; on to catch a disk that corrupts data while training
+    swap_checksums: bool = False
     spill_tiers: list[DiskTier] = Field(default_factory=list)
     nvme_capacity_mb: Optional[int] = Field(default=None, ge=1)
     # where ZeRO-3's fp32 gradient partition lives (4 bytes/param, DeepSpeed's grad_partitions_flat_buffer):

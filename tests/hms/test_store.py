@@ -508,3 +508,36 @@ def test_io_buffers_are_aligned_huge_page_mappings_that_read_direct(tmp_path, mo
     c = io_empty(n, torch.float32)
     assert c.data_ptr() % ALIGN == 0 and c.numel() == n
     assert hio.aligned_empty(4 << 20, huge=False).data_ptr() % ALIGN == 0
+
+
+@pytest.mark.parametrize("numel", [1, 1025, (4 << 20) // 4 + 3])
+def test_swap_files_carry_no_payload_checksum_and_snapshot_files_keep_theirs(tmp_path, numel):
+    """HMS's per-step swap files (a restarted run discards them) are written with hash ``none``: no I/O-thread
+    CPU on checksums, read back bit exact; a store with checksums (snapshots, checkpoints) still detects
+    corruption; ``hms.swap_checksums`` puts them back on the swap store."""
+    import xxhash
+    from titan_ds.config import HMSConfig
+    from titan_ds.hms.install import build_store
+    swap = TensorStore([Tier(str(tmp_path / "swap"))], durable=False, checksum=False)
+    x = _random(torch.float32, (numel,))
+    swap.put("k", x)
+    _, meta, _ = _payload_sums(swap.path("k"), xxhash.xxh3_64_intdigest)
+    assert meta["hash"] == "none" and meta["crcs"] == []
+    assert _bits_equal(swap.get("k"), x) and _bits_equal(swap.get("k", out=torch.empty(numel)), x)
+    snap = TensorStore([Tier(str(tmp_path / "snap"))], durable=True)
+    snap.put("k", swap.get("k"))
+    version, meta, sums = _payload_sums(snap.path("k"), xxhash.xxh3_64_intdigest)
+    assert meta["hash"] == "xxh3_64" and meta["crcs"] == sums
+    with open(snap.path("k"), "r+b") as f:
+        f.seek(ALIGN)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        snap.get("k")
+    for on in (False, True):
+        st = build_store(HMSConfig(nvme_path=str(tmp_path / f"b{on}"), swap_checksums=on), str(tmp_path / f"b{on}"))
+        try:
+            assert st.checksum is on
+        finally:
+            st.close()

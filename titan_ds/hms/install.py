@@ -250,9 +250,10 @@ def build_store(hms, root: str, txn: Any = None) -> TensorStore:
     # a predictor names prefetch_depth keys ahead after each access; twice that many unread guesses means
     # the trace went wrong (e.g. step 2 replays DeepSpeed's differently ordered first step): drop the oldest
     # swap files (a new run empties the folder): rewritten in place, not replaced (2.4x the write speed here)
+    # swap files are discarded by the next run: written unchecked unless swap_checksums (snapshots stay checked)
     store = TensorStore(tiers, dram_cache_bytes=hms.dram_cache_mb * _MB, io=io, durable=False,
                         prefetch_workers=hms.prefetch_workers, max_speculative=max(2, 2 * hms.prefetch_depth),
-                        overwrite_in_place=True)
+                        overwrite_in_place=True, checksum=hms.swap_checksums)
     if txn is not None:
         txn.on_undo("close the HMS store (its I/O threads)", store.close)
     return store

@@ -121,7 +121,7 @@ class TensorStore:
 
     def __init__(self, tiers: list[Tier], *, dram_cache_bytes: int = 0, io: Optional[AsyncIOHandle] = None,
                  durable: bool = True, verify: bool = True, prefetch_workers: int = 2,
-                 max_speculative: Optional[int] = None, overwrite_in_place: bool = False):
+                 max_speculative: Optional[int] = None, overwrite_in_place: bool = False, checksum: bool = True):
         if not tiers:
             raise ValueError("TensorStore needs at least one disk tier")
         self.tiers = tiers
@@ -129,6 +129,8 @@ class TensorStore:
             os.makedirs(t.path, exist_ok=True)
         self.io = io or AsyncIOHandle()
         self.durable, self.verify = durable, verify
+        # False: swap files, written with no payload checksums (store_format: a restarted run discards them)
+        self.checksum = bool(checksum)
         self._cache = DramCache(dram_cache_bytes)
         self._index: dict[str, _Entry] = {}
         self._freq: dict[str, int] = {}
@@ -229,7 +231,7 @@ class TensorStore:
         with self._lock:
             old = self._index.get(key)
             gen = (old.gen + 1) if old else 1
-        meta, hlen = fmt.new_header(key, src, nbytes, gen)
+        meta, hlen = fmt.new_header(key, src, nbytes, gen, checksum=self.checksum)
         padded = -(-nbytes // ALIGN) * ALIGN
         size = hlen + padded
         durable = self.durable if durable is None else durable

@@ -11,8 +11,11 @@ File format (one file per key, ``<quoted key>.hms``)::
 ``crcs`` holds one checksum per ``chunk`` bytes of payload (of the tensor's bytes, never of the padding),
 computed by the I/O thread that writes or reads that chunk (so checksumming overlaps the transfer); ``hash``
 names the function: ``xxh3_64`` (format 2, written now: ~9 GB/s a core here, where zlib's CRC32 ran at
-2.1-3.1 GB/s) or ``crc32`` (format 1, still read). ``gen`` counts the versions written under that key. A payload
-or header that does not match its checksum raises :class:`ChecksumError` naming the file.
+2.1-3.1 GB/s) or ``crc32`` (format 1, still read), or ``none`` (``crcs`` empty): a swap file, which a restarted
+run discards (HMS's per-step traffic; ZeRO-Infinity's swap is unchecked too), so checksumming it would spend the
+I/O threads' CPU on bytes that never outlive the process; the files that do (snapshots, checkpoints, the disk
+probe's) keep ``xxh3_64``. ``gen`` counts the versions written under that key. A payload or header that does not
+match its checksum raises :class:`ChecksumError` naming the file (the header is checked in every file).
 
 :func:`write_file` and :func:`read_file` move one file through an :class:`~titan_ds.hms.io.AsyncIOHandle`; where
 the file goes, when it is renamed and what is cached is the store's.
@@ -31,7 +34,7 @@ import xxhash
 
 from .io import ALIGN, AsyncIOHandle, aligned_empty, tensor_bytes
 
-__all__ = ["ChecksumError", "FORMAT_VERSION", "HASH", "CRC_CHUNK", "SUFFIX", "file_name", "key_of", "new_header",
+__all__ = ["ChecksumError", "FORMAT_VERSION", "HASH", "NO_HASH", "CRC_CHUNK", "SUFFIX", "file_name", "key_of", "new_header",
            "write_file", "read_header", "read_file"]
 
 MAGIC = b"TITANHMS"
@@ -45,6 +48,7 @@ CRC_CHUNK = 4 << 20
 _HASHES = {"crc32": zlib.crc32, "xxh3_64": xxhash.xxh3_64_intdigest}
 HASH = "xxh3_64"
 _HASH_MAX = {"crc32": 0xFFFFFFFF, "xxh3_64": 0xFFFFFFFFFFFFFFFF}  # header sizing: the widest value
+NO_HASH = "none"  # a swap file's payload: unchecked (module docstring)
 SUFFIX = ".hms"
 _DTYPES = {str(d): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
@@ -65,11 +69,13 @@ def key_of(name: str) -> str:
     return unquote(name[:-len(SUFFIX)])
 
 
-def new_header(key: str, src: torch.Tensor, nbytes: int, gen: int) -> tuple[dict, int]:
+def new_header(key: str, src: torch.Tensor, nbytes: int, gen: int, *, checksum: bool = True) -> tuple[dict, int]:
     """The header of ``src`` (``nbytes`` of payload) as generation ``gen``, with placeholder checksums, and the
-    header's length: an upper bound (every checksum at its widest), so the payload can be written first."""
+    header's length: an upper bound (every checksum at its widest), so the payload can be written first.
+    ``checksum=False``: a swap file's (hash ``none``, no payload checksums)."""
+    crcs = [_HASH_MAX[HASH]] * (-(-nbytes // CRC_CHUNK)) if checksum else []
     meta = {"key": key, "shape": list(src.shape), "dtype": str(src.dtype), "nbytes": nbytes,
-            "chunk": CRC_CHUNK, "hash": HASH, "crcs": [_HASH_MAX[HASH]] * (-(-nbytes // CRC_CHUNK)), "gen": gen}
+            "chunk": CRC_CHUNK, "hash": HASH if checksum else NO_HASH, "crcs": crcs, "gen": gen}
     hlen = -(-(_FIXED.size + len(json.dumps(meta, separators=(",", ":")))) // ALIGN) * ALIGN  # upper bound
     return meta, hlen
 
@@ -98,13 +104,14 @@ def _encode_header(meta: dict, hlen: int) -> torch.Tensor:
 
 
 def write_file(io: AsyncIOHandle, path: str, meta: dict, hlen: int, view: torch.Tensor, *, durable: bool) -> None:
-    """Payload first (checksummed chunk by chunk on the I/O threads), then the header with the CRCs."""
+    """Payload first (checksummed chunk by chunk on the I/O threads unless the hash is ``none``), then the header
+    with the checksums."""
     nbytes = view.numel()
     body = nbytes - nbytes % ALIGN
-    h = _HASHES[meta["hash"]]
+    h = _HASHES.get(meta["hash"])  # None: a swap file, unchecked
 
     def crc(lo: int, hi: int) -> int:
-        return h(memoryview(view[lo:hi].numpy()))
+        return h(memoryview(view[lo:hi].numpy())) if h is not None else 0
 
     crcs = io.transfer_with(True, view[:body], path, hlen, CRC_CHUNK, crc) if body else []
     if nbytes > body:
@@ -112,8 +119,9 @@ def write_file(io: AsyncIOHandle, path: str, meta: dict, hlen: int, view: torch.
         tail.zero_()
         tail[:nbytes - body] = view[body:]
         io.run_all([(True, tail, path, hlen + body)])
-        _close_last_chunk(crcs, h, view, body, nbytes, CRC_CHUNK)
-    meta = dict(meta, crcs=crcs)
+        if h is not None:
+            _close_last_chunk(crcs, h, view, body, nbytes, CRC_CHUNK)
+    meta = dict(meta, crcs=crcs if h is not None else [])
     io.run_all([(True, _encode_header(meta, hlen), path, 0)])
     if durable:
         for target, flags in ((path, os.O_RDONLY), (os.path.dirname(path), os.O_RDONLY)):
@@ -146,7 +154,7 @@ def read_header(io: AsyncIOHandle, path: str) -> tuple[dict, int]:
         raise ChecksumError(f"titan hms: header checksum mismatch in {path!r}: the file is corrupt")
     meta = json.loads(js)
     meta.setdefault("hash", "crc32")  # format 1
-    if meta["hash"] not in _HASHES:
+    if meta["hash"] not in _HASHES and meta["hash"] != NO_HASH:
         raise ChecksumError(f"titan hms: {path!r} uses checksum {meta['hash']!r}, unknown to this build")
     return meta, hlen
 
@@ -157,6 +165,7 @@ def read_file(io: AsyncIOHandle, key: str, path: str, out: Optional[torch.Tensor
     ``out`` directly when it is a contiguous CPU tensor of the stored size (no fresh allocation: first-touch page
     faults cost ~0.8 s/GiB on this VM)."""
     meta, hlen = read_header(io, path)
+    verify = verify and meta["hash"] != NO_HASH  # a swap file carries no payload checksums
     nbytes = meta["nbytes"]
     dtype = _DTYPES[meta["dtype"]]
     direct = (out is not None and out.is_contiguous() and out.device.type == "cpu" and out.dtype == dtype
@@ -167,7 +176,7 @@ def read_file(io: AsyncIOHandle, key: str, path: str, out: Optional[torch.Tensor
         target = aligned_empty(nbytes)
         body = target.numel()  # padded: the whole payload in one aligned read
     if nbytes:
-        chunk, h = meta["chunk"], _HASHES[meta["hash"]]
+        chunk, h = meta["chunk"], _HASHES.get(meta["hash"])
 
         def crc(lo: int, hi: int) -> int:
             return h(memoryview(target[lo:min(hi, nbytes)].numpy())) if verify else 0
