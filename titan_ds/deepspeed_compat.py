@@ -167,6 +167,8 @@ SYMBOLS: tuple[Symbol, ...] = (
            "DeepSpeedZeroOptimizer_Stage3._constant_buffered_norm2", ("self", "input", "buffer_size")),
     Symbol("ZeRO-3: the dtype gradients are converted to for their norms, a module global", _Z3, "get_norm_dtype",
            ()),
+    Symbol("ZeRO-3: unscale and clip one sub-group's fp32 gradient partition in place", _Z3,
+           "DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads", ("self", "sub_group_id", "total_norm")),
     Symbol("ZeRO-3: rewrite parameter partitions from the fp32 masters", _Z3,
            "DeepSpeedZeroOptimizer_Stage3.reset_swap_buffers", ("self",)),
     Symbol("ZeRO-0 gradient all-reduce of one bucket", _ENGINE, "DeepSpeedEngine.allreduce_bucket",
@@ -204,7 +206,7 @@ INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
                                       "fp16_partitioned_groups_flat_numel", "fp16_partitioned_groups_flat",
                                       "sub_group_process_groups",
                                       "dp_process_group", "optimizer_swapper", "grad_partitions_flat_buffer",
-                                      _Z3_GRAD_PARTITIONS),
+                                      "loss_scale", "clip_grad", _Z3_GRAD_PARTITIONS),
 }
 
 
@@ -381,6 +383,22 @@ def z3_grad_norm(opt: Any, wrap: Callable[[Callable[..., Any]], Callable[..., An
     the partition converted to ``get_norm_dtype()``, fp64 here, its 2-norm), wrapped on this instance. Not
     applied."""
     return override(opt, "_constant_buffered_norm2", wrap(opt._constant_buffered_norm2))
+
+
+def z3_unscale_and_clip(opt: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Patch:
+    """ZeRO-3's ``unscale_and_clip_grads(sub_group_id, total_norm)`` (stage3.py:2979: ``combined_scale`` =
+    ``loss_scale``, times ``clamp((total_norm / loss_scale + 1e-6) / clip_grad, min=1)`` when ``clip_grad > 0``;
+    then the sub-group's fp32 gradient ``mul_(1 / combined_scale)``), wrapped on this instance. Not applied."""
+    return override(opt, "unscale_and_clip_grads", wrap(opt.unscale_and_clip_grads))
+
+
+def z3_combined_scale(opt: Any, total_norm: Any) -> Any:
+    """The factor ZeRO-3's ``unscale_and_clip_grads`` divides a sub-group's gradient by (the same expression, its
+    ``loss_scale`` and ``clip_grad``): a float, or a tensor where the norm is one."""
+    combined = opt.loss_scale
+    if opt.clip_grad > 0.:
+        combined = torch.clamp(((total_norm / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0) * opt.loss_scale
+    return combined
 
 
 def z3_norm_dtype() -> torch.dtype:

@@ -62,3 +62,16 @@ def test_clipped_runs_equal_deepspeeds_cpu_offload(tmp):
     hms, = run(tmp, "hms_c", "--mode", "hms", "--clip", 0.01)
     assert_same(ref, hms)
     assert hms["grad_norm_calls"] > 0 and ref["grad_norm_calls"] == 0
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e6])
+def test_a_unit_unscale_factor_is_skipped_bit_for_bit(tmp, clip):
+    """No clipping, or a clip above the norm: ZeRO-3's factor is exactly 1, so HMS skips its pass over the
+    gradients (``skip_unit_unscale``); the run equals DeepSpeed's CPU offload (which multiplies by 1.0) bit for
+    bit. The active clip of the test above goes through DeepSpeed's own unscale every time."""
+    ref, = run(tmp, f"cpu_u{clip:g}", "--mode", "cpu", "--clip", clip)
+    hms, = run(tmp, f"hms_u{clip:g}", "--mode", "hms", "--clip", clip)
+    assert_same(ref, hms)
+    assert hms["unscale"]["skipped"] > 0 and hms["unscale"]["called"] == 0, hms["unscale"]
+    clipped, = run(tmp, "hms_c", "--mode", "hms", "--clip", 0.01)
+    assert clipped["unscale"]["called"] > 0 and clipped["unscale"]["skipped"] == 0, clipped["unscale"]

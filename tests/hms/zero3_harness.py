@@ -277,6 +277,8 @@ def main():
            "optimizer": type(engine.optimizer.optimizer).__name__}
     rt = getattr(getattr(engine, "titan", None), "reports", {}).get("hms")
     res["grad_norm_calls"] = rt.grad_norm.calls if rt is not None and rt.grad_norm is not None else 0
+    unscale = getattr(engine.optimizer, "unscale_and_clip_grads", None)
+    res["unscale"] = {"skipped": getattr(unscale, "skipped", None), "called": getattr(unscale, "called", None)}
     if a.mode == "hms":
         res["hms"] = metrics
         gb = engine.optimizer.grad_partitions_flat_buffer
