@@ -28,18 +28,20 @@ META = torch.device("meta")
 aten = torch.ops.aten
 
 
-class NoHostCopies(TorchDispatchMode):
-    """Raise on a copy of a CPU tensor into a meta tensor (``_to_copy`` to meta, ``copy_`` from CPU) and on a
-    host read of a device tensor, naming the op and the shape. Host reads of CPU tensors are fine."""
+class _TensorFactoryWatch(TorchDispatchMode):
+    """A dispatch mode that also sees ``torch.tensor(data, device=...)``, which copies from the host below the
+    dispatcher (unseen by ``__torch_dispatch__``): while entered, such a call to a non-CPU device goes to
+    :meth:`_device_tensor` first."""
 
-    def __enter__(self) -> "NoHostCopies":
-        # torch.tensor(data, device=...) copies from the host below the dispatcher, unseen by __torch_dispatch__
+    def _device_tensor(self, device: Any) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
         self._tensor = torch.tensor
 
         def tensor(data: Any, *a: Any, device: Any = None, **kw: Any) -> torch.Tensor:
             if device is not None and torch.device(device).type != "cpu":
-                raise AssertionError(f"torch.tensor(..., device={device}) in the step: a blocking host-to-device "
-                                     f"copy (make it on the host and copy it asynchronously, or once)")
+                self._device_tensor(device)
             return self._tensor(data, *a, device=device, **kw)
 
         torch.tensor = tensor
@@ -48,6 +50,15 @@ class NoHostCopies(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         torch.tensor = self._tensor
         return super().__exit__(*exc)
+
+
+class NoHostCopies(_TensorFactoryWatch):
+    """Raise on a copy of a CPU tensor into a meta tensor (``_to_copy`` to meta, ``copy_`` from CPU) and on a
+    host read of a device tensor, naming the op and the shape. Host reads of CPU tensors are fine."""
+
+    def _device_tensor(self, device: Any) -> None:
+        raise AssertionError(f"torch.tensor(..., device={device}) in the step: a blocking host-to-device "
+                             f"copy (make it on the host and copy it asynchronously, or once)")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -82,7 +93,7 @@ def all_meta(*objs: Any) -> bool:
     return all(t.device.type == "meta" for t in tree_leaves(objs) if isinstance(t, torch.Tensor))
 
 
-class HostReads(TorchDispatchMode):
+class HostReads(_TensorFactoryWatch):
     """Record, instead of raising, every host read of a device tensor (``.item()``, ``bool(t)``, ``float(t)``...)
     and every blocking host-to-device copy (``torch.tensor(..., device=)``, ``.to(device)``, ``copy_``), each by
     its call site: ``path:function`` of the first frame outside torch (``titan_ds/engine.py:step``,
@@ -113,20 +124,8 @@ class HostReads(TorchDispatchMode):
                 break
         self.sites.append((kind, f"{name}:{f.f_code.co_name}"))
 
-    def __enter__(self) -> "HostReads":
-        self._tensor = torch.tensor
-
-        def tensor(data: Any, *a: Any, device: Any = None, **kw: Any) -> torch.Tensor:
-            if device is not None and torch.device(device).type != "cpu":
-                self._record("torch.tensor(..., device=)")
-            return self._tensor(data, *a, device=device, **kw)
-
-        torch.tensor = tensor
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.tensor = self._tensor
-        return super().__exit__(*exc)
+    def _device_tensor(self, device: Any) -> None:
+        self._record("torch.tensor(..., device=)")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
