@@ -162,29 +162,35 @@ def render(rows: list[dict[str, Any]], command: str, alpha: float = ALPHA, proje
         lines += ["", f"## Projected to {project_params / 1e9:g}B parameters", "",
                   f"Bytes scaled by {scale:.0f} (parameters {project_params:.3g} / {n}); rounds as measured; "
                   f"compute taken as {project_compute:g} s a step (an assumption, not a measurement: about a 1B "
-                  "model's 6 N x 8K tokens at 160 TFLOP/s); codec at the per-element CPU rate of the table above "
-                  "(a GPU's would be lower; 0 where not measured). The loss is not projected: what a step would "
-                  "cost, not what it would reach.",
-                  "", "| W | method | codec s | step s at 1 Gbit/s | step s at 10 Gbit/s | x dense's step at 1 Gbit/s "
-                  "| x dense's step at 10 Gbit/s |", "|---|---|---|---|---|---|---|"]
+                  "model's 6 N x 8K tokens at 160 TFLOP/s). Encode / decode twice: at the per-element rate of the "
+                  "table above (one CPU core a worker: where the codec would run beside a CPU-bound step), and at 0 "
+                  "(a bound for a codec on the accelerator, which this project has not measured). Dense DDP's "
+                  "all-reduce has no codec in either (the simulator's copies for it are left out). The loss is not "
+                  "projected: what a step would cost, not what it would reach.",
+                  "", "| W | method | codec s (CPU) | step s at 1 Gbit/s (CPU codec) | step s at 10 Gbit/s (CPU codec) "
+                  "| step s at 1 Gbit/s (no codec) | step s at 10 Gbit/s (no codec) | x dense at 1 Gbit/s (no codec) "
+                  "| x dense at 10 Gbit/s (no codec) |", "|---|---|---|---|---|---|---|---|---|"]
 
         def codec_rate(r: dict[str, Any]) -> float:
+            if r["family"].startswith("dense"):
+                return 0.0
             if r["family"].startswith("DiLoCo") and "dense outer" in r["family"]:  # a dense reduce every H steps
                 return rate.get("dense DDP (AdamW, all-reduce)", 0.0) / r["sync_every"]
             return rate.get(r["family"], 0.0)
 
-        def proj(r: dict[str, Any], bw: float) -> float:
-            c = codec_rate(r) * project_params
+        def proj(r: dict[str, Any], bw: float, with_codec: bool) -> float:
+            c = codec_rate(r) * project_params if with_codec else 0.0
             return project_compute + c + r["rounds_per_worker_step"] * alpha + scale * r["recv_step"] / bw
 
         for (w, fam), rs in sorted(groups.items()):
             dense = groups.get((w, "dense DDP (AdamW, all-reduce)"))
-            t = {k: mean(proj(r, bw) for r in rs) for k, bw in LINKS.items()}
-            d = {k: mean(proj(r, bw) for r in dense) for k, bw in LINKS.items()} if dense else None
+            t = {(k, c): mean(proj(r, bw, c) for r in rs) for k, bw in LINKS.items() for c in (True, False)}
+            d = {k: mean(proj(r, bw, False) for r in dense) for k, bw in LINKS.items()} if dense else None
             lines.append(f"| {w} | {fam} | {mean(codec_rate(r) for r in rs) * project_params:.2f} "
-                         f"| {t['1 Gbit/s']:.2f} | {t['10 Gbit/s']:.2f} "
-                         + (f"| {t['1 Gbit/s'] / d['1 Gbit/s']:.3f} | {t['10 Gbit/s'] / d['10 Gbit/s']:.3f} |"
-                            if d else "| n/a | n/a |"))
+                         f"| {t[('1 Gbit/s', True)]:.2f} | {t[('10 Gbit/s', True)]:.2f} "
+                         f"| {t[('1 Gbit/s', False)]:.2f} | {t[('10 Gbit/s', False)]:.2f} "
+                         + (f"| {t[('1 Gbit/s', False)] / d['1 Gbit/s']:.3f} "
+                            f"| {t[('10 Gbit/s', False)] / d['10 Gbit/s']:.3f} |" if d else "| n/a | n/a |"))
     return "\n".join(lines) + "\n"
 
 
