@@ -129,3 +129,24 @@ def test_compressor_keys_hold_no_full_size_tensor():
     keys = HGECompressor(100.0, 3).keys(1 << 20, 4000, 1, None)
     assert (keys.rows, keys.slots) == (3, 2000)  # cols // 2 complex slots: rows x cols reals on the wire
     assert not any(isinstance(v, torch.Tensor) for v in vars(keys).values())
+
+
+@pytest.mark.parametrize("method", ["hge", "tgss"])
+def test_the_sketch_methods_warn_that_they_are_experimental_naming_the_measured_loss(method, caplog):
+    """HGE and TGSS lost 0.7-1.0 nats to dense AdamW with the rms preconditioners (results/many_workers/hge.md):
+    initialize says so once, naming the measured loss and the section to use; the recommended method does not."""
+    import logging
+
+    from tests.comm.test_precondition import _ctx
+    from titan_ds.engine import prepare
+    with caplog.at_level(logging.WARNING, logger="titan_ds.comm"):
+        prepare(_ctx({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                     compression={"method": method, "ratio": 50, "precondition": "rms_sketch"}))
+    said = [r.getMessage() for r in caplog.records if "experimental" in r.getMessage()]
+    assert len(said) == 1 and f"method={method!r}" in said[0]
+    assert "0.7 to 1.0 nats" in said[0] and "compress_rms_sketch.json" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="titan_ds.comm"):
+        prepare(_ctx({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                     compression={"method": "qtopk", "ratio": 50, "precondition": "rms_sketch"}))
+    assert not [r for r in caplog.records if "experimental" in r.getMessage()]

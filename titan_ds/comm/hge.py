@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .base import SketchCompressor
+from .base import EXPERIMENTAL_NOTE, SketchCompressor
 from .tgss import hash_index
 
 __all__ = ["Hologram", "HGECompressor", "CHUNK"]
@@ -102,6 +102,9 @@ class HGECompressor(SketchCompressor):
     """
 
     name = "hge"
+    # said at initialize (CompressionPillar.apply): measured far behind the recommended section, which is why no
+    # shipped profile uses it (results/many_workers/hge.md)
+    experimental = EXPERIMENTAL_NOTE.format(method="HGE")
 
     def keys(self, n, cols, seed, device):
         return Hologram(self.rows, max(1, cols // 2), seed)

@@ -40,6 +40,7 @@ from .base import Segment, workspace_zeros
 from .compressor import GradientReducer
 from .dgc import DGCOptions
 from .precondition import RMSOptions
+from .registry import REGISTRY
 from .wire import DistCollective
 
 __all__ = ["CompressionPillar", "PILLAR", "CompressionHooks", "DistCollective", "rms_options"]
@@ -400,6 +401,9 @@ class CompressionPillar(Pillar):
 
     def apply(self, ctx: Any) -> None:
         cfg = self.cfg
+        note = getattr(REGISTRY.get(cfg.method), "experimental", "")
+        if note:  # measured behind the recommended section: said once, before training
+            log.warning("titan.compression.method=%r is experimental: %s", cfg.method, note)
         if cfg.local_updates:  # the compressor acts on the outer gradient (titan_ds/comm/diloco.py)
             self.reducer = GradientReducer(cfg.method, cfg.ratio, error_feedback=cfg.error_feedback,
                                            rows=cfg.sketch_rows, seed=cfg.seed, rank=cfg.rank,

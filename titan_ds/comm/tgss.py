@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from .base import SketchCompressor, to_device_async
+from .base import EXPERIMENTAL_NOTE, SketchCompressor, to_device_async
 
 __all__ = ["hash_index", "hash_bins", "sketch_keys", "add_rows_", "read_rows", "median_rows", "dct_matrix",
            "CountSketch", "CountMinSketch", "TGSSCompressor"]
@@ -266,6 +266,9 @@ class TGSSCompressor(SketchCompressor):
     """
 
     name = "tgss"
+    # said at initialize (CompressionPillar.apply): measured far behind the recommended section, which is why no
+    # shipped profile uses it (results/many_workers/hge.md)
+    experimental = EXPERIMENTAL_NOTE.format(method="TGSS")
 
     def keys(self, n: int, cols: int, seed: int, device: Any) -> Keys:
         return sketch_keys(torch.arange(n, dtype=torch.int64, device=device), self.rows, cols, seed)
