@@ -133,7 +133,7 @@ def test_compressor_keys_hold_no_full_size_tensor():
 
 @pytest.mark.parametrize("method", ["hge", "tgss"])
 def test_the_sketch_methods_warn_that_they_are_experimental_naming_the_measured_loss(method, caplog):
-    """HGE and TGSS lost 0.7-1.0 nats to dense AdamW with the rms preconditioners (results/many_workers/hge.md):
+    """HGE and TGSS lost 0.7-2.2 nats to dense AdamW with the rms preconditioners (results/many_workers/hge.md):
     initialize says so once, naming the measured loss and the section to use; the recommended method does not."""
     import logging
 
@@ -144,7 +144,7 @@ def test_the_sketch_methods_warn_that_they_are_experimental_naming_the_measured_
                      compression={"method": method, "ratio": 50, "precondition": "rms_sketch"}))
     said = [r.getMessage() for r in caplog.records if "experimental" in r.getMessage()]
     assert len(said) == 1 and f"method={method!r}" in said[0]
-    assert "0.7 to 1.0 nats" in said[0] and "compress_rms_sketch.json" in said[0]
+    assert "0.7 to 2.2 nats" in said[0] and "compress_rms_sketch.json" in said[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="titan_ds.comm"):
         prepare(_ctx({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},

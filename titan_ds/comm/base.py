@@ -527,7 +527,7 @@ class SketchCompressor:
 
 
 # the warning ``titan.compression`` gives at initialize for an experimental method (a compressor's ``experimental``)
-EXPERIMENTAL_NOTE = ("{method} with the sketch preconditioner (precondition \"rms_sketch\") was 0.7 to 1.0 nats behind "
-                     "dense AdamW at 100x on 2 and 8 simulated workers, 400 steps, each at its best lr, where the "
+EXPERIMENTAL_NOTE = ("{method} with the sketch preconditioner (precondition \"rms_sketch\") was 0.7 to 2.2 nats behind "
+                     "dense AdamW at 100x on 2, 8 and 32 simulated workers, 400 steps, each at its best lr, where the "
                      "recommended section (ds_configs/compress_rms_sketch.json: qtopk, sharded exchange) was within "
                      "0.1 (results/many_workers/hge.md); use that section")
