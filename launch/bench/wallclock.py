@@ -18,8 +18,8 @@ No overlap of communication with compute is assumed (a bound on what overlap can
 measured on this machine's CPU, one core a worker; ``--project-params`` adds a table that scales the bytes and the
 codec time linearly to a larger model and takes its compute per step as given. Command::
 
-    python launch/bench/wallclock.py --stores results/many_workers/heldout.jsonl \\
-        --diloco results/many_workers/diloco/rows.jsonl --out results/many_workers/wallclock
+    python launch/bench/wallclock.py --stores results/compress_heldout/heldout.jsonl \\
+        --diloco results/compress_heldout/diloco/rows.jsonl --out results/compress_heldout/wallclock
 """
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    "(codec_seconds; kept in <out>.codec.json, reused unless --remeasure)")
     p.add_argument("--codec-world", type=int, default=8)
     p.add_argument("--remeasure", action="store_true")
-    p.add_argument("--out", default="results/many_workers/wallclock")
+    p.add_argument("--out", default="results/compress_heldout/wallclock")
     a = p.parse_args(argv)
     rows = collect([s for s in a.stores.split(",") if s], [s for s in a.diloco.split(",") if s])
     if not rows:

@@ -133,7 +133,7 @@ def test_compressor_keys_hold_no_full_size_tensor():
 
 @pytest.mark.parametrize("method", ["hge", "tgss"])
 def test_the_sketch_methods_warn_that_they_are_experimental_naming_the_measured_loss(method, caplog):
-    """HGE and TGSS lost 0.7-2.2 nats to dense AdamW with the rms preconditioners (results/many_workers/hge.md):
+    """HGE and TGSS lost 0.7-2.2 nats to dense AdamW with the rms preconditioners (results/compress_heldout/hge.md):
     initialize says so once, naming the measured loss and the section to use; the recommended method does not."""
     import logging
 

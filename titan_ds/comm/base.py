@@ -530,4 +530,4 @@ class SketchCompressor:
 EXPERIMENTAL_NOTE = ("{method} with the sketch preconditioner (precondition \"rms_sketch\") was 0.7 to 2.2 nats behind "
                      "dense AdamW at 100x on 2, 8 and 32 simulated workers, 400 steps, each at its best lr, where the "
                      "recommended section (ds_configs/compress_rms_sketch.json: qtopk, sharded exchange) was within "
-                     "0.1 (results/many_workers/hge.md); use that section")
+                     "0.1 (results/compress_heldout/hge.md); use that section")

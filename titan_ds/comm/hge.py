@@ -103,7 +103,7 @@ class HGECompressor(SketchCompressor):
 
     name = "hge"
     # said at initialize (CompressionPillar.apply): measured far behind the recommended section, which is why no
-    # shipped profile uses it (results/many_workers/hge.md)
+    # shipped profile uses it (results/compress_heldout/hge.md)
     experimental = EXPERIMENTAL_NOTE.format(method="HGE")
 
     def keys(self, n, cols, seed, device):

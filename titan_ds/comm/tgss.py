@@ -267,7 +267,7 @@ class TGSSCompressor(SketchCompressor):
 
     name = "tgss"
     # said at initialize (CompressionPillar.apply): measured far behind the recommended section, which is why no
-    # shipped profile uses it (results/many_workers/hge.md)
+    # shipped profile uses it (results/compress_heldout/hge.md)
     experimental = EXPERIMENTAL_NOTE.format(method="TGSS")
 
     def keys(self, n: int, cols: int, seed: int, device: Any) -> Keys:
