@@ -141,9 +141,9 @@ def record_store_ops(store):
         ops.append(("get", key, t.numel() * t.element_size()))
         return t
 
-    def rec_prefetch(key, speculative=False):
+    def rec_prefetch(key, speculative=False, out=None):
         ops.append(("prefetch", key, 0))
-        return prefetch(key, speculative=speculative)
+        return prefetch(key, speculative=speculative, out=out)
 
     def rec_stage(key, tensor):
         ops.append(("stage", key, 0))

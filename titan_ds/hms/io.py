@@ -36,7 +36,7 @@ from typing import Literal, Optional
 
 import torch
 
-__all__ = ["ALIGN", "AsyncIOHandle", "HUGE_PAGES", "aligned_empty", "io_empty", "probe_direct_io", "tensor_bytes",
+__all__ = ["ALIGN", "AsyncIOHandle", "BufferPool", "HUGE_PAGES", "aligned_empty", "io_empty", "probe_direct_io", "tensor_bytes",
            "reference_pread", "reference_pwrite", "TitanAIOBuilder", "deepspeed_aio_available"]
 
 log = logging.getLogger("titan_ds.hms")
@@ -84,6 +84,42 @@ def io_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     reused buffers): aligned (``O_DIRECT`` straight into it, no bounce copy) and on huge pages from 2 MiB up."""
     nbytes = int(numel) * dtype.itemsize
     return aligned_empty(nbytes, huge=True)[:nbytes].view(dtype)
+
+
+class BufferPool:
+    """Reused read buffers (:func:`io_empty`: aligned, on huge pages from 2 MiB up) by size. ``take`` hands out a
+    free one of that many bytes (or a new one), ``give`` returns it once nothing reads or writes it any more (any
+    thread), ``clear`` lets the free ones go. A read into a fresh tensor faults every 4 KiB page in and has the
+    kernel zero it: on this VM 40 MB store reads ran at 1.07 GB/s into fresh tensors against 2.13 into reused
+    buffers, and the optimizer swapper's state reads moved to the pool took the like-for-like step from 1.64 to
+    1.40 s (results/hms_ab_pool.md)."""
+
+    def __init__(self):
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers made (not taken from the free list): the faults paid
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of exactly ``nbytes`` (its storage ALIGN-aligned)."""
+        with self._lock:
+            free = self._free.get(int(nbytes))
+            if free:
+                return free.pop()
+            self.allocated += 1
+        return io_empty(int(nbytes), torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel() * buf.element_size(), []).append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(n * len(v) for n, v in self._free.items())
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False, huge: bool = False) -> torch.Tensor:

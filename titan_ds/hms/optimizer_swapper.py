@@ -28,13 +28,14 @@ import ctypes
 import logging
 import mmap
 import os
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .io import io_empty
+from .io import BufferPool, io_empty
 from .store import TensorStore, Tier
 from .timeline import current as _timeline
 from .writes import drain, wait_all
@@ -140,6 +141,12 @@ class HMSOptimizerSwapper:
         self._master_reuse = False
         self.param_swapper: Optional[HMSParamSwapper] = None
         self.stall_s = 0.0
+        # the swapped state is read into reused buffers (_state_buffer), not fresh tensors: pid -> {name: (shape,
+        # dtype)} as last written (a prefetch knows the size it reads), and the buffers handed out, pid -> {name:
+        # (the pool's uint8 buffer, the typed view the state holds)}, back to the pool once written
+        self._pool = BufferPool()
+        self._state_meta: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        self._lent: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     # ------------------------------------------------------------------ interface used by stage3.py
     def is_swappable_tensor(self, tensor=None, numel=None) -> bool:
@@ -171,11 +178,14 @@ class HMSOptimizerSwapper:
         backward (a write still reading a master keeps its buffer alive until it lands)."""
         self._grad_scratch = None
         self._masters = [None, None]
-        if not self._writing and not any(k.startswith("opt/") for k in self.store.pending_writes()):
-            self.store.flush("opt/")  # a failure already done but not yet raised
-            return
-        # then the optimizer state's writes only: parameter writes go on into the forward
-        drain(self._writing, "opt write", lambda: self.store.flush("opt/"))
+        try:
+            if not self._writing and not any(k.startswith("opt/") for k in self.store.pending_writes()):
+                self.store.flush("opt/")  # a failure already done but not yet raised
+                return
+            # then the optimizer state's writes only: parameter writes go on into the forward
+            drain(self._writing, "opt write", lambda: self.store.flush("opt/"))
+        finally:
+            self._pool.clear()  # the state's read buffers, like the masters, are not held through forward
 
     def _wait_oldest(self) -> None:
         wait_all(self._writing.popleft())
@@ -214,9 +224,54 @@ class HMSOptimizerSwapper:
         return master
 
     def _read_state(self, pid, name: str) -> torch.Tensor:
-        """Sub-group ``pid``'s swapped state tensor ``name``: kept in memory (``optimizer_dram_mb``) or its file."""
+        """Sub-group ``pid``'s swapped state tensor ``name``: kept in memory (``optimizer_dram_mb``) or its file
+        (read into the buffer its prefetch used, else a pooled one: :meth:`_state_buffer`)."""
         kept = self._resident.get(pid)
-        return kept[name] if kept is not None else self.store.get(f"opt/{pid}/state/{name}")
+        if kept is not None:
+            return kept[name]
+        return self.store.get(f"opt/{pid}/state/{name}", out=self._state_buffer(pid, name))
+
+    def _state_buffer(self, pid, name: str) -> Optional[torch.Tensor]:
+        """The reused buffer that state ``name`` of ``pid`` is read into (the one handed out for it already, else
+        one from the pool), or None where its size is not known (before its first write here, after a restore)."""
+        lent = self._lent.get(pid, {}).get(name)
+        if lent is not None:
+            return lent[1]
+        meta = self._state_meta.get(pid, {}).get(name)
+        if meta is None:
+            return None
+        shape, dtype = meta
+        raw = self._pool.take(shape.numel() * dtype.itemsize)
+        typed = raw.view(dtype).view(shape)
+        self._lent.setdefault(pid, {})[name] = (raw, typed)
+        return typed
+
+    def _give_back(self, pid, written: list, futures: list) -> None:
+        """Return ``pid``'s lent state buffers to the pool once ``futures`` (the writes of ``written``) are done;
+        only those that were written (a buffer the optimizer let go of may still be referenced elsewhere)."""
+        lent = self._lent.pop(pid, None)
+        if not lent:
+            return
+        ptrs = {v.untyped_storage().data_ptr() for v in written if torch.is_tensor(v)}
+        bufs = [raw for raw, _ in lent.values() if raw.untyped_storage().data_ptr() in ptrs]
+        if not bufs:
+            return
+        pending = [f for f in futures if not f.done()]
+        if not pending:
+            for b in bufs:
+                self._pool.give(b)
+            return
+        left, lock = [len(pending)], threading.Lock()
+
+        def one_done(_f) -> None:  # on a writer thread
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                for b in bufs:
+                    self._pool.give(b)
+        for f in pending:
+            f.add_done_callback(one_done)
 
     def _stored_as_partitions(self, parameter) -> Optional[list[tuple[str, int, int]]]:
         """The partitions written from ``parameter``'s master since it was read (its whole range, in the master's
@@ -240,7 +295,8 @@ class HMSOptimizerSwapper:
                 *([] if kept is not None else (f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, []))),
                 *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
         for key in keys:
-            self.store.prefetch(key)
+            name = key.rsplit("/", 1)[1] if key.startswith(f"opt/{pid}/state/") else None
+            self.store.prefetch(key, out=None if name is None else self._state_buffer(pid, name))
         self._advise_gradient(pid)
 
     def _advise_gradient(self, pid) -> None:
@@ -408,13 +464,19 @@ class HMSOptimizerSwapper:
                 items.append((f"opt/{pid}/state/{name}", value))
                 names.append(name)
         self._state_names[pid] = names
+        self._state_meta[pid] = {n: (self.optimizer.state[parameter][n].shape, self.optimizer.state[parameter][n].dtype)
+                                 for n in names}
+        written = [value for _, value in items]
         if not behind:
             for key, value in items:
                 self.store.put(key, value, durable=False)
+            self._give_back(pid, written, [])
             return []
         tl = _timeline()
         done = None if tl is None else (lambda a, b: tl.add("opt write (bg)", a, b, lane="writer"))
-        return [self.store.put_behind(key, value.detach(), durable=False, on_done=done) for key, value in items]
+        futures = [self.store.put_behind(key, value.detach(), durable=False, on_done=done) for key, value in items]
+        self._give_back(pid, written, futures)
+        return futures
 
     def _release(self, parameter) -> None:
         parameter.data = torch.empty(0, dtype=self.dtype)
@@ -471,6 +533,7 @@ class HMSOptimizerSwapper:
             kept["fp32"] = master
         self._resident[pid] = kept
         self._state_names[pid] = names
+        self._lent.pop(pid, None)  # its read buffers stay with the resident state
         self._master_parts.pop(pid, None)
         for key in [f"opt/{pid}/fp32", *(f"opt/{pid}/state/{n}" for n in names)]:  # stale from now on
             if key in self.store:
@@ -547,6 +610,8 @@ class HMSOptimizerSwapper:
                 if f"opt/{pid}/state/{name}" in self.store:  # a resident sub-group's state had no file
                     self.store.delete(f"opt/{pid}/state/{name}")
             names.clear()
+        self._state_meta.clear()
+        self._lent.clear()
 
     # ------------------------------------------------------------------ checkpoint
     def snapshot(self, folder: str, fp32_params: list) -> dict:
@@ -608,6 +673,8 @@ class HMSOptimizerSwapper:
                 raise RuntimeError(f"titan hms: checkpoint {folder!r} has no sub-group {pid} of the same size; "
                                    f"resume with the same model, world size and sub_group_size")
             self.store.put(f"opt/{pid}/fp32", snap.get(f"opt/{pid}/fp32"), durable=False)
+            self._state_meta.pop(pid, None)  # read by size again once written (the files are the snapshot's)
+            self._lent.pop(pid, None)
             self._master_parts.pop(pid, None)  # the restored master is its file until its partitions are written
             self._master_in_partitions.discard(pid)
             if not load_optimizer_states:

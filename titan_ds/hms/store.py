@@ -442,10 +442,15 @@ class TensorStore:
         self._speculative.pop(key, None)
         return self._staged.pop(key, None)
 
-    def prefetch(self, key: str, speculative: bool = False) -> None:
+    def prefetch(self, key: str, speculative: bool = False, out: Optional[torch.Tensor] = None) -> None:
         """Start reading ``key`` in the background (no-op if cached, already staged, or unknown).
         ``speculative``: a guess, bounded by ``max_speculative`` (see the class docstring); a plain prefetch of
-        a key staged by a guess makes it a plain one."""
+        a key staged by a guess makes it a plain one. ``out``: read into this tensor (a buffer the caller reuses,
+        of the stored dtype and size: no fresh allocation, and ``get(key, out=out)`` then returns it without a
+        copy); the caller must not touch it until that ``get`` returned. Not with ``speculative`` (a dropped
+        guess would still be reading into it)."""
+        if out is not None and speculative:
+            raise ValueError("prefetch: a speculative read cannot target the caller's buffer (out)")
         with self._lock:
             if key in self._staged and not speculative:
                 self._speculative.pop(key, None)
@@ -465,7 +470,7 @@ class TensorStore:
                     write.result()  # a failure is raised by the get that takes this read
                     with self._lock:
                         path, gen = self.path(key), self._index[key].gen
-                t = self._read_file(key, path)
+                t = self._read_file(key, path, out)
                 with self._lock:
                     self.stats.bytes_prefetched += t.numel() * t.element_size()
                 self._maybe_cache(key, t, gen)
