@@ -105,7 +105,8 @@ def write(runs: dict, a, sha: str, after: str, dirty: bool, out: Path) -> None:
     for side in ("before", "after"):
         rs = runs[side]
         ph = rs[0].get("phases") or {}
-        lines.append(f"| {side} | {med[side]:.3f} | {' '.join(f'{r['step_s_median']:.2f}' for r in rs)} | "
+        each = " ".join(f"{r['step_s_median']:.2f}" for r in rs)
+        lines.append(f"| {side} | {med[side]:.3f} | {each} | "
                      f"{med[side] / med['before']:.3f} | {same} | " +
                      " | ".join(f"{ph.get(k, 0.0):.3f}" for k in PHASES) + " |")
     lines += ["", f"losses (first run, warm-up included): {' '.join(f'{x:.4f}' for x in runs['after'][0]['loss_all'])}"]
