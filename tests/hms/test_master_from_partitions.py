@@ -116,3 +116,32 @@ def test_off_writes_the_master_file(tmp_path):
     assert "opt/0_2/fp32" in store
     assert torch.equal(store.get("opt/0_2/fp32"), want)
     store.close()
+
+
+def test_with_the_partitions_in_ram_the_master_is_the_partition_flat_itself(tmp_path):
+    """param_tier "dram": once the partitions in CPU memory hold the master's bits, the swapped-in master is that
+    flat (no copy): the optimizer steps it in place, ZeRO-3's copy of the master into it is a copy onto itself,
+    and the write compares one pointer. A restored master (its own file) is a separate tensor again until written."""
+    store = TensorStore([Tier(str(tmp_path / "s"))], durable=False)
+    opt = _Opt()
+    osw = HMSOptimizerSwapper(None, None, str(tmp_path / "base"), opt, 5000, "cpu", torch.float32, None,
+                              store=store)
+    master = torch.nn.Parameter(torch.arange(5000, dtype=torch.float32))
+    master.ds_id = "0_0"
+    osw.initialize_parameters([master], [master.data.clone()])
+    flat = torch.zeros(5000)
+    assert osw.use_partition_masters([(master, flat)]) == 1
+    for step in range(3):
+        osw.swap_in_optimizer_state(master)
+        if step:
+            assert master.data.data_ptr() == flat.data_ptr()  # the partitions' own bytes
+        master.data.add_(1.0)
+        flat.copy_(master.data)  # ZeRO-3's _reassign_or_swap_out_partitioned_parameters
+        opt.state[master] = {"exp_avg": master.data * 2}
+        osw.swap_out_optimizer_state(master)
+        osw.log_timers()
+        assert "opt/0_0/fp32" not in store and torch.equal(flat, torch.arange(5000.0) + step + 1)
+    osw.swap_in_optimizer_state(master)
+    assert torch.equal(opt.state[master]["exp_avg"], (torch.arange(5000.0) + 3) * 2)
+    osw.swap_out_optimizer_state(master)
+    store.close()

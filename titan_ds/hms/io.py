@@ -91,8 +91,8 @@ class BufferPool:
     free one of that many bytes (or a new one), ``give`` returns it once nothing reads or writes it any more (any
     thread), ``clear`` lets the free ones go. A read into a fresh tensor faults every 4 KiB page in and has the
     kernel zero it: on this VM 40 MB store reads ran at 1.07 GB/s into fresh tensors against 2.13 into reused
-    buffers, and the optimizer swapper's state reads moved to the pool took the like-for-like step from 1.64 to
-    1.40 s (results/hms_ab_pool.md)."""
+    buffers, and the optimizer swapper's state reads moved to the pool took the like-for-like step from 1.606 to
+    1.382 s (results/hms_ab_pool.md)."""
 
     def __init__(self):
         self._free: dict[int, list[torch.Tensor]] = {}

@@ -72,6 +72,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` hold the same bytes (NaNs and signed zeros included), compared as integers in place."""
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
         return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():  # one tensor's bytes (the aliased master)
+        return True
     as_int = _INT_OF_SIZE.get(a.element_size())
     if as_int is None or not a.is_floating_point():
         return torch.equal(a, b)
@@ -216,9 +218,12 @@ class HMSOptimizerSwapper:
         in_ram = pid in self._master_in_partitions
         if parts is None and not in_ram:
             return self.store.get(f"opt/{pid}/fp32")
+        if in_ram:  # param_tier "dram": the partitions ZeRO-3 keeps in CPU memory hold the master's bits. The
+            # master is that flat itself: the optimizer steps it in place, ZeRO-3's copy of the master into its
+            # partitions is then a copy onto itself (torch returns at once) and the write's bit comparison is one
+            # pointer check. Nothing reads the partitions during the step (the next forward gathers them)
+            return self._partition_flats[pid]
         master = self._master_buffer(self._numel[pid]) if reuse else io_empty(self._numel[pid], self.dtype)
-        if in_ram:  # param_tier "dram": the partitions ZeRO-3 keeps in CPU memory hold the master's bits
-            return master.copy_(self._partition_flats[pid])
         for key, off, n in parts:
             self.store.get(key, out=master.narrow(0, off, n))
         return master
