@@ -21,10 +21,11 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
 - ``hms``: ZeRO-3 with titan HMS (parameters and optimizer state on disk), torch AdamW;
 - ``hms_gdisk``: ``hms`` (torch AdamW) with ``titan.hms.gradient_buffer: "disk"`` (plan's candidate of that name): DeepSpeed's fp32 gradient
   partitions in a file mapping as ``hms_balanced`` has them (``hms`` keeps them in DRAM, 4 bytes a parameter), so
-  the AdamW row and the titan-optimizer row differ only in the optimizer;
+  the AdamW row and the titan-optimizer row differ only in the optimizer; ``hms_wb``: ``hms`` with
+  ``titan.hms.param_write_behind`` (the updated parameter partitions written on the store's writer thread);
 - ``hms_cpuadam``: ``hms`` stepping with DeepSpeed's ``DeepSpeedCPUAdam`` (its fused C++ op), built by DeepSpeed
   from the same ``optimizer`` section as ``zero_inf`` (so the optimizer is ZeRO-Infinity's, like for like; the
-  weight decay applies to every tensor, as there);
+  weight decay applies to every tensor, as there); ``hms_cpuadam_wb``: the same with ``param_write_behind``;
 - ``hms_dram`` / ``hms_dram_cpuadam``: ``hms`` / ``hms_cpuadam`` with ``titan.hms.param_tier: "dram"``: the
   parameter partitions in CPU memory as ZeRO-Infinity keeps them here, HMS only for the optimizer state
   (ZeRO-Infinity's form, like for like with ``zero_inf``);
@@ -96,11 +97,11 @@ from titan_ds.utils import free_port  # noqa: E402
 
 MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
          "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16",
-         "hms_dram_cpuadam_4k", "hms_balanced_4k", "hms_gdisk")
+         "hms_dram_cpuadam_4k", "hms_balanced_4k", "hms_gdisk", "hms_wb", "hms_cpuadam_wb")
 BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_balanced_res": "hms", "hms_balanced_wb": "hms",
-             "hms_cpuadam": "hms", "hms_dram_balanced": "hms",
+             "hms_cpuadam": "hms", "hms_dram_balanced": "hms", "hms_wb": "hms", "hms_cpuadam_wb": "hms",
              "hms_dram": "hms", "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
-CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res", "hms_dram_cpuadam_4k")
+CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_cpuadam_wb", "hms_dram_cpuadam", "hms_dram_cpuadam_res", "hms_dram_cpuadam_4k")
 RESIDENT_MB = 512  # the *_res modes' titan.hms.optimizer_dram_mb (--optimizer-dram-mb)  # DeepSpeed builds DeepSpeedCPUAdam from the config's optimizer  # the titan_ds.plan mode each extra mode starts from
 GiB = 1 << 30
 # ZeRO-Infinity's parameter placement: "cpu". With "nvme", DeepSpeed 0.19.8 fails at the second step here ("param 3
@@ -212,11 +213,11 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg["titan"]["hms"]["param_tier"] = "dram"
     if mode.endswith("_res"):
         cfg["titan"]["hms"]["optimizer_dram_mb"] = RESIDENT_MB
-    if mode in ("hms_cpuadam", "hms_dram_cpuadam", "hms_dram_cpuadam_res"):
+    if mode in ("hms_cpuadam", "hms_cpuadam_wb", "hms_dram_cpuadam", "hms_dram_cpuadam_res"):
         cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
         cfg["zero_force_ds_cpu_optimizer"] = True  # HMS offloads the optimizer to "nvme": DeepSpeedCPUAdam
         cfg.pop("zero_allow_untested_optimizer")
-    if mode == "hms_balanced_wb":
+    if mode in ("hms_balanced_wb", "hms_wb", "hms_cpuadam_wb"):
         cfg["titan"]["hms"]["param_write_behind"] = True
     if mode in ("hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced"):
         balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
