@@ -81,3 +81,32 @@ def test_before_attach_every_master_is_a_fresh_tensor(tmp_path):
     _, ptrs = _step(pswap, osw, opt, masters, parts, 2.0)
     assert osw._masters == [None, None] and not osw._master_reuse
     store.close()
+
+
+def test_masters_are_prefetched_into_their_buffer_and_an_untaken_prefetch_is_let_go(tmp_path):
+    """Once attached, a sub-group's master is prefetched straight into the master buffer its swap-in takes (the
+    partitions' reads land there: no fresh tensor, no copy). A step that ends without taking it (ZeRO-3's overflow
+    return, which flushes) lets those reads go: the next forward's parameter fetch must get its own tensor, never a
+    view of a master buffer that a later sub-group will overwrite."""
+    store, pswap, osw, opt, masters, parts = _setup(tmp_path)
+    osw.reuse_master_buffers(pswap)
+    _step(pswap, osw, opt, masters, parts, 1.0)  # from now on each master is read from its partitions
+    want, _ = _step(pswap, osw, opt, masters, parts, 2.0)
+    osw.post_backward()  # the first sub-group's master prefetched into a master buffer
+    buf, reads = osw._master_pending["0_0"]
+    assert [k for k, *_ in reads] == [f"param/{p.ds_id}" for p in parts[0]]
+    osw.log_timers()  # the step returned early (overflow): nothing took it
+    assert osw._master_pending == {}
+    got = store.get(f"param/{parts[0][0].ds_id}")
+    assert got.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert torch.equal(got, want[0][:SIZES[0]])
+    osw.post_backward()
+    buf, _ = osw._master_pending["0_0"]
+    osw.swap_in_optimizer_state(masters[0], masters[1])
+    assert masters[0].data.data_ptr() == buf.data_ptr() and torch.equal(masters[0].data, want[0])
+    assert "0_1" in osw._master_pending  # the next one's read started into the other buffer
+    assert osw._master_pending["0_1"][0].data_ptr() != buf.data_ptr()
+    osw.swap_out_optimizer_state(masters[0])
+    osw.log_timers()
+    pswap.flush()
+    store.close()

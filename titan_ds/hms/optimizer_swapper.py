@@ -141,6 +141,9 @@ class HMSOptimizerSwapper:
         self._masters: list[Optional[torch.Tensor]] = [None, None]
         self._master_turn = 0
         self._master_reuse = False
+        # a sub-group's master prefetched straight into its master buffer (_prefetch_master): pid -> (buffer,
+        # [(key, element offset, numel, the exact view the read targets)]), taken by its swap-in
+        self._master_pending: dict[str, tuple[torch.Tensor, list[tuple[str, int, int, torch.Tensor]]]] = {}
         self.param_swapper: Optional[HMSParamSwapper] = None
         self.stall_s = 0.0
         # the swapped state is read into reused buffers (_state_buffer), not fresh tensors: pid -> {name: (shape,
@@ -180,6 +183,7 @@ class HMSOptimizerSwapper:
         backward (a write still reading a master keeps its buffer alive until it lands)."""
         self._grad_scratch = None
         self._masters = [None, None]
+        self._drop_master_pending()
         try:
             if not self._writing and not any(k.startswith("opt/") for k in self.store.pending_writes()):
                 self.store.flush("opt/")  # a failure already done but not yet raised
@@ -216,6 +220,16 @@ class HMSOptimizerSwapper:
             return kept["fp32"]
         parts = self._master_parts.get(pid)
         in_ram = pid in self._master_in_partitions
+        pending = self._master_pending.pop(pid, None)
+        if pending is not None and reuse and not in_ram:
+            buf, reads = pending
+            if [(k, o, n) for k, o, n, _ in reads] == self._master_layout(pid):  # what was prefetched is current
+                for key, _, _, view in reads:
+                    self.store.get(key, out=view)  # the read that went into this very view: no copy
+                return buf
+            self._unstage(reads)
+        elif pending is not None:
+            self._unstage(pending[1])
         if parts is None and not in_ram:
             return self.store.get(f"opt/{pid}/fp32")
         if in_ram:  # param_tier "dram": the partitions ZeRO-3 keeps in CPU memory hold the master's bits. The
@@ -294,9 +308,48 @@ class HMSOptimizerSwapper:
             pos += nbytes // esize
         return parts if pos == n else None
 
+    def _master_layout(self, pid) -> list[tuple[str, int, int]]:
+        """Where sub-group ``pid``'s master is read from: its partitions' keys with their element ranges, or its
+        own file (the whole range)."""
+        parts = self._master_parts.get(pid)
+        return list(parts) if parts is not None else [(f"opt/{pid}/fp32", 0, self._numel[pid])]
+
+    def _prefetch_master(self, pid) -> bool:
+        """Once the step's master buffers are in use (:meth:`reuse_master_buffers`), read sub-group ``pid``'s
+        master from the store straight into the master buffer its swap-in will use (its turn of the two is
+        taken now, and the partition writes still reading that buffer are waited for, as there): no fresh tensor
+        per read and no second copy at the swap-in. False where it does not apply (the master kept in memory, or in
+        the partitions in RAM, or before attach); the caller then prefetches the keys as before."""
+        if not self._master_reuse or pid in self._master_in_partitions or pid in self._master_pending:
+            return pid in self._master_pending
+        kept = self._resident.get(pid)
+        if kept is not None and "fp32" in kept:
+            return False
+        layout = self._master_layout(pid)
+        if layout[0][0] not in self.store:
+            return False
+        buf = self._master_buffer(self._numel[pid])
+        reads = [(key, off, n, buf.narrow(0, off, n)) for key, off, n in layout]
+        for key, _, _, view in reads:
+            self.store.prefetch(key, out=view)
+        self._master_pending[pid] = (buf, reads)
+        return True
+
+    def _unstage(self, reads) -> None:
+        """Forget the prefetches into a master buffer that no swap-in took (their reads waited for): a later
+        ``get`` of those keys (a parameter fetch in the next forward) must read its own copy, not this buffer."""
+        for key, _, _, _ in reads:
+            self.store.unstage(key)
+
+    def _drop_master_pending(self) -> None:
+        pending, self._master_pending = self._master_pending, {}
+        for _, reads in pending.values():
+            self._unstage(reads)
+
     def _prefetch_subgroup(self, pid) -> None:
         kept = self._resident.get(pid)
-        keys = [*([] if kept is not None and "fp32" in kept else self._master_keys(pid)),
+        direct = self._prefetch_master(pid)
+        keys = [*([] if direct or kept is not None and "fp32" in kept else self._master_keys(pid)),
                 *([] if kept is not None else (f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, []))),
                 *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
         for key in keys:

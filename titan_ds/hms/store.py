@@ -498,6 +498,17 @@ class TensorStore:
             self._staged[key] = f
             self.stats.staged_writes += 1
 
+    def unstage(self, key: str) -> None:
+        """Forget ``key``'s prefetched-but-unused read (after it finished): the next ``get`` reads the file (or the
+        cache). For a read into the caller's buffer (``prefetch(out=...)``) that the caller will not take."""
+        with self._lock:
+            f = self._unstage(key)
+        if f is not None:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - a failed read is not used; the next get raises its own
+                pass
+
     def drop_staged(self) -> None:
         """Forget prefetched-but-unused reads (after waiting for them)."""
         with self._lock:
