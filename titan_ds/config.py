@@ -127,6 +127,10 @@ class HMSConfig(_Strict):
     pipeline_depth: int = Field(default=1, ge=1, le=8)
     # the updated parameter partitions written behind as well (pipeline_depth sub-groups in flight at most)
     param_write_behind: bool = False
+    # the optimizer state read into reused huge-page buffers instead of fresh tensors: 0.860x the step alone at
+    # 12x768 (results/hms_ab_pool.md), but ~180 MB more peak at 8x768 (1.455 against 1.271 GiB, not yet explained
+    # nor counted by plan), which took plan's 1.5 GiB config over its cap: off until plan counts it
+    pooled_reads: bool = False
     # fp32 partitions: each sub-group's fp32 master is kept as the parameter partitions ZeRO-3 writes from it (the
     # same bytes) instead of a second file (opt/<id>/fp32): 4 bytes/param less written per step
     master_from_partitions: bool = True

@@ -430,7 +430,7 @@ class HMSPillar(Pillar):
         factory = functools.partial(HMSOptimizerSwapper, store=store, rank=rank, grad_file=grad_file,
                                     pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0,
                                     master_from_partitions=hms.master_from_partitions,
-                                    resident_bytes=hms.optimizer_dram_mb * _MB)
+                                    resident_bytes=hms.optimizer_dram_mb * _MB, pooled_reads=hms.pooled_reads)
         # only for the duration of deepspeed.initialize: attach undoes them
         self.patches = [ctx.patch(p) for p in dsc.route_optimizer_swapper(factory)]
         if grad_file is not None:

@@ -28,7 +28,6 @@ import ctypes
 import logging
 import mmap
 import os
-import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Optional
@@ -89,7 +88,7 @@ class HMSOptimizerSwapper:
 
     def __init__(self, swap_config, aio_config, base_folder, optimizer, largest_numel, device, dtype, timers,
                  *, store: TensorStore, rank: int = 0, grad_file: Any = None, pipeline_depth: int = 0,
-                 master_from_partitions: bool = True, resident_bytes: int = 0):
+                 master_from_partitions: bool = True, resident_bytes: int = 0, pooled_reads: bool = True):
         self.store = store
         # titan.hms.optimizer_dram_mb: sub-groups whose state (and master, unless the partitions in RAM hold it)
         # stays in DRAM between steps, admitted at their first swap-out while it fits: pid -> {name: tensor}
@@ -150,8 +149,10 @@ class HMSOptimizerSwapper:
         # dtype)} as last written (a prefetch knows the size it reads), and the buffers handed out, pid -> {name:
         # (the pool's uint8 buffer, the typed view the state holds)}, back to the pool once written
         self._pool = BufferPool()
+        self.pooled_reads = bool(pooled_reads)  # titan.hms.pooled_reads
         self._state_meta: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self._lent: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._returning: list[tuple[list[torch.Tensor], list]] = []  # (buffers, the writes reading them)
 
     # ------------------------------------------------------------------ interface used by stage3.py
     def is_swappable_tensor(self, tensor=None, numel=None) -> bool:
@@ -191,7 +192,8 @@ class HMSOptimizerSwapper:
             # then the optimizer state's writes only: parameter writes go on into the forward
             drain(self._writing, "opt write", lambda: self.store.flush("opt/"))
         finally:
-            self._pool.clear()  # the state's read buffers, like the masters, are not held through forward
+            self._returning = []  # the state's read buffers, like the masters, are not held through forward
+            self._pool.clear()
 
     def _wait_oldest(self) -> None:
         wait_all(self._writing.popleft())
@@ -257,9 +259,10 @@ class HMSOptimizerSwapper:
         if lent is not None:
             return lent[1]
         meta = self._state_meta.get(pid, {}).get(name)
-        if meta is None:
+        if meta is None or not self.pooled_reads:
             return None
         shape, dtype = meta
+        self._reclaim()
         raw = self._pool.take(shape.numel() * dtype.itemsize)
         typed = raw.view(dtype).view(shape)
         self._lent.setdefault(pid, {})[name] = (raw, typed)
@@ -267,31 +270,28 @@ class HMSOptimizerSwapper:
 
     def _give_back(self, pid, written: list, futures: list) -> None:
         """Return ``pid``'s lent state buffers to the pool once ``futures`` (the writes of ``written``) are done;
-        only those that were written (a buffer the optimizer let go of may still be referenced elsewhere)."""
+        only those that were written (a buffer the optimizer let go of may still be referenced elsewhere). Checked
+        on this thread at the next take (:meth:`_reclaim`), never from a writer thread: the step's flush then drops
+        every buffer, none comes back after it."""
         lent = self._lent.pop(pid, None)
         if not lent:
             return
         ptrs = {v.untyped_storage().data_ptr() for v in written if torch.is_tensor(v)}
         bufs = [raw for raw, _ in lent.values() if raw.untyped_storage().data_ptr() in ptrs]
-        if not bufs:
-            return
-        pending = [f for f in futures if not f.done()]
-        if not pending:
-            for b in bufs:
-                self._pool.give(b)
-            return
-        left, lock = [len(pending)], threading.Lock()
+        if bufs:
+            self._returning.append((bufs, futures))
+            self._reclaim()
 
-        def one_done(_f) -> None:  # on a writer thread
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
+    def _reclaim(self) -> None:
+        """Buffers whose writes have landed go back to the pool."""
+        keep = []
+        for bufs, futures in self._returning:
+            if all(f.done() for f in futures):
                 for b in bufs:
                     self._pool.give(b)
-        for f in pending:
-            f.add_done_callback(one_done)
-
+            else:
+                keep.append((bufs, futures))
+        self._returning = keep
     def _stored_as_partitions(self, parameter) -> Optional[list[tuple[str, int, int]]]:
         """The partitions written from ``parameter``'s master since it was read (its whole range, in the master's
         dtype, as :func:`_note_view` recorded them), or None when they do not cover it exactly once."""
