@@ -128,9 +128,10 @@ class HMSConfig(_Strict):
     # the updated parameter partitions written behind as well (pipeline_depth sub-groups in flight at most)
     param_write_behind: bool = False
     # the optimizer state read into reused huge-page buffers instead of fresh tensors: 0.860x the step alone at
-    # 12x768 (results/hms_ab_pool.md), but ~180 MB more peak at 8x768 (1.455 against 1.271 GiB, not yet explained
-    # nor counted by plan), which took plan's 1.5 GiB config over its cap: off until plan counts it
-    pooled_reads: bool = False
+    # 12x768 (results/hms_ab_pool.md). The pool keeps a buffer only while a read still to come this step can reuse
+    # it (io.BufferPool.expect), so it holds no more than fresh tensors do where no size repeats (plan's 8x768
+    # config under 1.5 GiB: 1.455 GiB peak when it kept every buffer to the step's end, now as without it)
+    pooled_reads: bool = True
     # fp32 partitions: each sub-group's fp32 master is kept as the parameter partitions ZeRO-3 writes from it (the
     # same bytes) instead of a second file (opt/<id>/fp32): 4 bytes/param less written per step
     master_from_partitions: bool = True

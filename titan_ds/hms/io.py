@@ -88,33 +88,73 @@ def io_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 class BufferPool:
     """Reused read buffers (:func:`io_empty`: aligned, on huge pages from 2 MiB up) by size. ``take`` hands out a
-    free one of that many bytes (or a new one), ``give`` returns it once nothing reads or writes it any more (any
-    thread), ``clear`` lets the free ones go. A read into a fresh tensor faults every 4 KiB page in and has the
-    kernel zero it: on this VM 40 MB store reads ran at 1.07 GB/s into fresh tensors against 2.13 into reused
-    buffers, and the optimizer swapper's state reads moved to the pool took the like-for-like step from 1.606 to
-    1.382 s (results/hms_ab_pool.md)."""
+    free one of that many bytes (or a new one), ``give`` returns it once nothing reads or writes it any more, ``clear``
+    lets the free ones go. A read into a fresh tensor faults every 4 KiB page in and has the kernel zero it: on this VM
+    40 MB store reads ran at 1.07 GB/s into fresh tensors against 2.13 into reused buffers, and the optimizer
+    swapper's state reads moved to the pool took the like-for-like step from 1.606 to 1.382 s
+    (results/hms_ab_pool.md).
+
+    ``expect`` bounds what the pool keeps: given the sizes still to be taken (a count per size), a buffer given back
+    is kept only while fewer of its size are free than takes of it remain, else it is let go at once. Without that a
+    pool whose sizes never repeat held every buffer it made until ``clear``: plan's 8x768 config under 1.5 GiB (4
+    sub-groups of two sizes, 8 buffers made, none reused) peaked 1.413 GiB against 1.276 with fresh tensors."""
 
     def __init__(self):
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._demand: Optional[dict[int, int]] = None  # takes still to come per size (None: keep everything)
         self.allocated = 0  # buffers made (not taken from the free list): the faults paid
+        self.dropped = 0  # buffers given back and let go at once (no take of their size remained)
+
+    def expect(self, sizes) -> None:
+        """The takes to come, as byte sizes (repeated per take); replaces the previous expectation and lets go of
+        free buffers beyond it."""
+        demand: dict[int, int] = {}
+        for n in sizes:
+            demand[int(n)] = demand.get(int(n), 0) + 1
+        with self._lock:
+            self._demand = demand
+            for n in list(self._free):
+                del self._free[n][demand.get(n, 0):]
+                if not self._free[n]:
+                    del self._free[n]
+
+    def wanted(self, nbytes: int) -> int:
+        """How many more buffers of ``nbytes`` the expected takes could use beyond the free ones (unbounded without
+        ``expect``)."""
+        n = int(nbytes)
+        with self._lock:
+            if self._demand is None:
+                return 1 << 62
+            return max(0, self._demand.get(n, 0) - len(self._free.get(n, ())))
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of exactly ``nbytes`` (its storage ALIGN-aligned)."""
+        n = int(nbytes)
         with self._lock:
-            free = self._free.get(int(nbytes))
+            if self._demand is not None and self._demand.get(n, 0) > 0:
+                self._demand[n] -= 1
+            free = self._free.get(n)
             if free:
                 return free.pop()
             self.allocated += 1
-        return io_empty(int(nbytes), torch.uint8)
+        return io_empty(n, torch.uint8)
 
     def give(self, buf: torch.Tensor) -> None:
+        n = buf.numel() * buf.element_size()
         with self._lock:
-            self._free.setdefault(buf.numel() * buf.element_size(), []).append(buf)
+            free = self._free.setdefault(n, [])
+            if self._demand is not None and len(free) >= self._demand.get(n, 0):
+                self.dropped += 1
+                if not free:
+                    del self._free[n]
+                return
+            free.append(buf)
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+            self._demand = None
 
     @property
     def free_bytes(self) -> int:
@@ -470,3 +510,4 @@ def deepspeed_aio_available() -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure means "not prebuilt"; we never JIT-build it
         return False
+

@@ -202,7 +202,11 @@ class HMSOptimizerSwapper:
         """Nothing to prepare: gradient pieces are written when ZeRO-3 hands them over."""
 
     def post_backward(self) -> None:
-        """Backward is done and the optimizer step follows: start reading the first sub-group's state."""
+        """Backward is done and the optimizer step follows: tell the read pool which state sizes the step will take
+        (so it keeps no buffer that no later read can reuse) and start reading the first sub-group's state."""
+        if self.pooled_reads:
+            self._pool.expect(shape.numel() * dtype.itemsize for pid in self._numel if pid not in self._resident
+                              for shape, dtype in self._state_meta.get(pid, {}).values())
         if self._numel:
             self._prefetch_subgroup(next(iter(self._numel)))
 
@@ -264,6 +268,7 @@ class HMSOptimizerSwapper:
         shape, dtype = meta
         self._reclaim()
         raw = self._pool.take(shape.numel() * dtype.itemsize)
+        self._reclaim()  # that take may have been the last one a held buffer waited for
         typed = raw.view(dtype).view(shape)
         self._lent.setdefault(pid, {})[name] = (raw, typed)
         return typed
@@ -277,20 +282,38 @@ class HMSOptimizerSwapper:
         if not lent:
             return
         ptrs = {v.untyped_storage().data_ptr() for v in written if torch.is_tensor(v)}
-        bufs = [raw for raw, _ in lent.values() if raw.untyped_storage().data_ptr() in ptrs]
+        queued: dict[int, int] = {}
+        for held, _ in self._returning:
+            for b in held:
+                queued[b.numel()] = queued.get(b.numel(), 0) + 1
+        bufs = []
+        for raw, _ in lent.values():
+            n = raw.numel()
+            # only a buffer a read still to come can reuse is held for its write to land; the others are let go
+            # here, freed by their write as a fresh tensor would be
+            if raw.untyped_storage().data_ptr() in ptrs and self._pool.wanted(n) > queued.get(n, 0):
+                queued[n] = queued.get(n, 0) + 1
+                bufs.append(raw)
         if bufs:
             self._returning.append((bufs, futures))
             self._reclaim()
 
     def _reclaim(self) -> None:
-        """Buffers whose writes have landed go back to the pool."""
-        keep = []
+        """Buffers whose writes have landed go back to the pool; one still being written that no read to come can
+        reuse any more is let go (its write holds it until it lands, as it would a fresh tensor)."""
+        keep, queued = [], {}
         for bufs, futures in self._returning:
             if all(f.done() for f in futures):
                 for b in bufs:
                     self._pool.give(b)
-            else:
-                keep.append((bufs, futures))
+                continue
+            held = []
+            for b in bufs:
+                if self._pool.wanted(b.numel()) > queued.get(b.numel(), 0):
+                    queued[b.numel()] = queued.get(b.numel(), 0) + 1
+                    held.append(b)
+            if held:
+                keep.append((held, futures))
         self._returning = keep
     def _stored_as_partitions(self, parameter) -> Optional[list[tuple[str, int, int]]]:
         """The partitions written from ``parameter``'s master since it was read (its whole range, in the master's
@@ -746,3 +769,4 @@ class HMSOptimizerSwapper:
             for name in sg["state_names"]:
                 state[name] = torch.empty(0, dtype=self.dtype)
             self._forget_grads(pid)
+
