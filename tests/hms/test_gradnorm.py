@@ -67,7 +67,7 @@ def test_clipped_runs_equal_deepspeeds_cpu_offload(tmp):
 @pytest.mark.parametrize("clip", [0.0, 1e6])
 def test_a_unit_unscale_factor_is_skipped_bit_for_bit(tmp, clip):
     """No clipping, or a clip above the norm: ZeRO-3's factor is exactly 1, so HMS skips its pass over the
-    gradients (``skip_unit_unscale``); the run equals DeepSpeed's CPU offload (which multiplies by 1.0) bit for
+    gradients (``fold_unscale``); the run equals DeepSpeed's CPU offload (which multiplies by 1.0) bit for
     bit. The active clip of the test above goes through DeepSpeed's own unscale every time."""
     ref, = run(tmp, f"cpu_u{clip:g}", "--mode", "cpu", "--clip", clip)
     hms, = run(tmp, f"hms_u{clip:g}", "--mode", "hms", "--clip", clip)
@@ -75,3 +75,16 @@ def test_a_unit_unscale_factor_is_skipped_bit_for_bit(tmp, clip):
     assert hms["unscale"]["skipped"] > 0 and hms["unscale"]["called"] == 0, hms["unscale"]
     clipped, = run(tmp, "hms_c", "--mode", "hms", "--clip", 0.01)
     assert clipped["unscale"]["called"] > 0 and clipped["unscale"]["skipped"] == 0, clipped["unscale"]
+
+
+def test_an_active_clip_is_folded_into_asdts_read_bit_for_bit(tmp):
+    """titan's optimizer (titan_balanced's section: the CPU kernel, 8-bit / 4-bit state) under an active clip: HMS
+    hands ZeRO-3's factor to the optimizer (``fold_unscale``: the kernel multiplies each gradient value as it reads
+    it) instead of running ZeRO-3's pass over the gradient; the run equals the one with the pass
+    (``TITAN_HMS_FOLD_UNSCALE=0``) bit for bit, parameters and losses."""
+    passed, = run(tmp, "asdt_pass", "--mode", "hms", "--clip", 0.01, "--asdt", "--no-fold")
+    folded, = run(tmp, "asdt_fold", "--mode", "hms", "--clip", 0.01, "--asdt")
+    assert folded["optimizer"] == passed["optimizer"] == "ASDT"
+    assert passed["unscale"]["called"] > 0 and not passed["unscale"]["folded"], passed["unscale"]
+    assert folded["unscale"]["folded"] > 0 and folded["unscale"]["called"] == 0, folded["unscale"]
+    assert_same(passed, folded)

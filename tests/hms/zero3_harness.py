@@ -11,6 +11,7 @@ The dump holds the per-step losses, the full parameters (gathered) and every sub
 optimizer state, so that tests compare runs with torch.equal.
 """
 import argparse
+import json
 import os
 import sys
 import threading
@@ -186,6 +187,10 @@ def main():
     ap.add_argument("--grad-disk", action="store_true", help="titan.hms.gradient_buffer: disk")
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient accumulation")
     ap.add_argument("--zero-init", action="store_true", help="build the model under titan_ds.zero_init(cfg)")
+    ap.add_argument("--asdt", action="store_true",
+                    help="titan.optimizer: ds_configs/titan_balanced.json's section (ASDT, 8-bit/4-bit state)")
+    ap.add_argument("--no-fold", action="store_true",
+                    help="TITAN_HMS_FOLD_UNSCALE=0: ZeRO-3's own unscale pass, not the factor folded into ASDT")
     ap.add_argument("--local_rank", type=int, default=0)
     a = ap.parse_args()
     import deepspeed
@@ -206,6 +211,11 @@ def main():
         cfg["titan"]["hms"]["master_from_partitions"] = not a.no_master_from_parts
         cfg["titan"]["hms"]["param_tier"] = a.param_tier
         cfg["titan"]["hms"]["optimizer_dram_mb"] = a.opt_dram_mb
+    if a.asdt:
+        with open(os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs", "titan_balanced.json")) as f:
+            cfg.setdefault("titan", {})["optimizer"] = dict(json.load(f)["titan"]["optimizer"], lr=1e-2)
+    if a.no_fold:
+        os.environ["TITAN_HMS_FOLD_UNSCALE"] = "0"
     if a.bf16:
         cfg["bf16"] = {"enabled": True}
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -227,6 +237,9 @@ def main():
                                                         "weight_decay": 0.1}}
         cfg["zero_force_ds_cpu_optimizer"] = True
         cfg.pop("zero_allow_untested_optimizer")
+        opt = None
+        sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3))  # noqa: E731
+    elif a.asdt:  # titan.optimizer builds the optimizer; the schedule is a factory of it
         opt = None
         sched = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 3))  # noqa: E731
     else:
@@ -278,7 +291,7 @@ def main():
     rt = getattr(getattr(engine, "titan", None), "reports", {}).get("hms")
     res["grad_norm_calls"] = rt.grad_norm.calls if rt is not None and rt.grad_norm is not None else 0
     unscale = getattr(engine.optimizer, "unscale_and_clip_grads", None)
-    res["unscale"] = {"skipped": getattr(unscale, "skipped", None), "called": getattr(unscale, "called", None)}
+    res["unscale"] = {k: getattr(unscale, k, None) for k in ("skipped", "called", "folded")}
     if a.mode == "hms":
         res["hms"] = metrics
         gb = engine.optimizer.grad_partitions_flat_buffer
@@ -295,7 +308,6 @@ def main():
         res["opt_state_files"] = sum("/state/" in k for k in engine.titan.reports["hms"].store.keys())
         res["store_ops"] = ops
         if a.record_trace:
-            import json
             ps = engine.titan.reports["hms"].param_swapper
             log = [s for s in ps.access_log if s]
             with open(a.record_trace, "w") as f:

@@ -445,7 +445,7 @@ class HMSPillar(Pillar):
         if ctx.titan.compression is None:  # (compression overrides the same seam, and has its own one-rank case)
             ctx.patch(dsc.z3_one_rank_scatter(ctx.engine.optimizer))
         ctx.patch(dsc.z3_unscale_and_clip(ctx.engine.optimizer,
-                                          lambda original: skip_unit_unscale(ctx.engine.optimizer, original)))
+                                          lambda original: fold_unscale(ctx.engine.optimizer, original)))
         runtime.grad_norm = ctx.patch(dsc.z3_grad_norm(
             ctx.engine.optimizer, lambda original: ScratchNorm(original, dsc.z3_norm_dtype()))).value
         ctx.on_before_step(runtime.before_step)
@@ -620,25 +620,40 @@ class _HMSRuntime:
         load(shard["optimizer_state_dict"]["optimizer_state_dict"])
 
 
-def skip_unit_unscale(opt: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    """ZeRO-3's ``unscale_and_clip_grads`` without its pass over the gradient when the factor is exactly 1 (fp32
-    or bf16 training, no clipping or a norm under the threshold): ``g * (1 / 1.0)`` is ``g`` bit for bit, and under
-    HMS that pass is the first touch of every gradient page (with ``gradient_buffer: "disk"``, each read back from
-    the file; 15 s a step at 5.04B by profile). Any other factor (a loss scale, an active clip) runs DeepSpeed's
-    own. The factor is read on the host only where it is a host float or a CPU tensor (HMS's offloaded fp32
+def fold_unscale(opt: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """ZeRO-3's ``unscale_and_clip_grads`` without its pass over the gradient where it can go. Under HMS that pass
+    is the first touch of every gradient page (with ``gradient_buffer: "disk"``, each read back from the file and
+    then dirtied; 15 s a step at 5.04B by profile).
+
+    - The factor is exactly 1 (fp32 or bf16 training, no clipping or a norm under the threshold): ``g * (1 / 1.0)``
+      is ``g`` bit for bit; nothing runs (``skipped``).
+    - Any other factor (an active clip, a loss scale), when the client optimizer takes one (``fold_grad_scale``:
+      titan's ASDT) and the factor is on the host: ``1 / combined_scale``, computed as DeepSpeed computes it, is
+      handed to the optimizer, which reads the sub-group's gradient times it, bit for bit the step after the pass
+      (``folded``; tests/hms/test_gradnorm.py).
+    - Otherwise (torch AdamW, DeepSpeedCPUAdam: they read ``p.grad`` as it is) DeepSpeed's own pass (``called``).
+
+    The factor is read on the host only where it is a host float or a CPU tensor (HMS's offloaded fp32
     partitions); a device tensor goes to DeepSpeed's path unread (no sync)."""
+    client = dsc.zero_client_optimizer(opt)
+    fold = getattr(client, "fold_grad_scale", None)
+
     def unscale_and_clip_grads(sub_group_id: int, total_norm: Any) -> Any:
         combined = dsc.z3_combined_scale(opt, total_norm)
-        if torch.is_tensor(combined):
-            unit = combined.device.type == "cpu" and combined.numel() == 1 and float(combined) == 1.0
-        else:
-            unit = float(combined) == 1.0
-        if unit:
+        on_host = not torch.is_tensor(combined) or (combined.device.type == "cpu" and combined.numel() == 1)
+        if on_host and float(combined) == 1.0:
             unscale_and_clip_grads.skipped += 1
+            return None
+        flat = opt.fp32_partitioned_groups_flat[sub_group_id]
+        if fold is not None and on_host and flat.device.type == "cpu" and flat.grad is not None \
+                and flat.grad.dtype == torch.float32 and os.environ.get("TITAN_HMS_FOLD_UNSCALE", "1") != "0":
+            fold(flat, 1. / combined)  # (DeepSpeed's expression: grad.mul_(1. / combined_scale))
+            unscale_and_clip_grads.folded += 1
             return None
         unscale_and_clip_grads.called += 1
         return original(sub_group_id, total_norm)
     unscale_and_clip_grads.skipped = unscale_and_clip_grads.called = 0  # type: ignore[attr-defined]
+    unscale_and_clip_grads.folded = 0  # type: ignore[attr-defined]
     return unscale_and_clip_grads
 
 

@@ -223,6 +223,7 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
         self._signal_sq: Optional[torch.Tensor] = None  # BSPS: each block's sum of squared gradients this step
         self._hooks: list[Any] = []
         self._stepped: set[int] = set()        # tensors updated by a hook in the engine step under way
+        self._grad_scales: dict[int, Any] = {}  # id(tensor) -> the factor its next step reads its gradient by
 
     @property
     def last_selected(self) -> int:
@@ -293,6 +294,14 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
 
     def _params(self) -> list[tuple[str, torch.Tensor]]:
         return list(zip(self.names, [p for g in self.param_groups for p in g["params"]]))
+
+    def fold_grad_scale(self, t: torch.Tensor, scale: Any) -> None:
+        """``t``'s next step reads its gradient times ``scale`` (a float or a 0-dim fp32 tensor): bit for bit the
+        step after ``t.grad.mul_(scale)``, without that pass where the dense core folds it (titan HMS hands ZeRO-3's
+        unscale and clip factor over here instead of letting ZeRO-3 scale the gradient in place:
+        titan_ds/hms/install.py, ``fold_unscale``). Other update paths scale the gradient first, as the pass
+        would. ``t.grad``'s values after the step are unspecified (scaled or not)."""
+        self._grad_scales[id(t)] = scale
 
     # ------------------------------------------------------------------ step in backward
     def attach_backward_steps(self, all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
@@ -387,6 +396,7 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
                 self._clip_coef = torch.where(coef < 1.0, coef, torch.ones_like(coef))  # NaN norm: 1, as min()
             self._grad_sq = None
         self._stepped.clear()
+        self._grad_scales.clear()  # (a factor for a tensor that had no gradient this step is not kept)
         return loss
 
     def _tensor_state(self, t: torch.Tensor) -> dict[str, Any]:
@@ -437,7 +447,8 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
         (and, checked per tensor, no unit split across ranks for the per-unit second moment)."""
         return group["density"] >= 1.0 and self.plasticity is None and self.sketch is None
 
-    def _dense_update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+    def _dense_update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any],
+                      grad_scale: Any = None) -> None:
         """``t``'s step on :func:`core.dense_step`, chunk by chunk on the stored (quantized) state."""
         fresh = "momentum" not in st
         if fresh:  # the first step works on zeros made in the working form (fp32), stored quantized after it
@@ -464,17 +475,20 @@ class ASDT(CheckpointState, PlasticitySteps, FlatPath, torch.optim.Optimizer):
             weight_decay=group["weight_decay"], importance=self.importance, update=self.update, eps=self.eps,
             update_clip=self.update_clip if adaptive else None, generator=self._generator(t),
             compiled=None if fresh or not self.compile else True,  # fresh: the one step on fp32 working state
-            count=count)
+            count=count, grad_scale=grad_scale)
         if selected is not count:
             self._selected_acc = selected if isinstance(acc, int) and acc == 0 else acc + selected
         if fresh:
             self._pack(st)
 
     def _update(self, t: torch.Tensor, st: dict[str, Any], layout: Layout, group: dict[str, Any]) -> None:
+        scale = self._grad_scales.pop(id(t), None)
         if self._dense(group) and not (layout.split_units and self.update == "adaptive"
                                        and self.second_moment == "unit"):
-            self._dense_update(t, st, layout, group)
+            self._dense_update(t, st, layout, group, scale)
             return
+        if scale is not None:
+            t.grad.mul_(scale)
         if not layout.split_units:
             self._sparse_update(t, st, layout, group)
             return

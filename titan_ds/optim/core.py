@@ -451,22 +451,44 @@ def direction(s: Slice, g: torch.Tensor, momentum: StateBuffer, betas: tuple[flo
     return c, c, m
 
 
+def _scale_folds(w_flat: torch.Tensor, g_flat: torch.Tensor, grad_scale: Union[float, torch.Tensor]) -> bool:
+    """Whether :func:`dense_step` folds ``grad_scale`` chunk by chunk: CPU tensors and a host factor (a device
+    tensor's value is not read on the host: no sync; the pass runs instead)."""
+    if w_flat.device.type != "cpu" or g_flat.device.type != "cpu":
+        return False
+    return not torch.is_tensor(grad_scale) or (grad_scale.device.type == "cpu" and grad_scale.numel() == 1
+                                               and grad_scale.dtype == torch.float32)
+
+
 def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], momentum: StateBuffer, *,
                lr: float, betas: tuple[float, float], weight_decay: float, importance: str = "momentum",
                update: str = "adaptive", variance: Optional[StateBuffer] = None,
                seconds: Optional[torch.Tensor] = None, unit_numels: Optional[list[int]] = None, eps: float = 1e-8,
                update_clip: Optional[float] = None,
                generator: Optional[torch.Generator] = None,
-               compiled: Optional[bool] = None, count: Optional[torch.Tensor] = None) -> Union[int, torch.Tensor]:
+               compiled: Optional[bool] = None, count: Optional[torch.Tensor] = None,
+               grad_scale: Union[None, float, torch.Tensor] = None) -> Union[int, torch.Tensor]:
     """One step of every unit of ``slices`` (see the module docstring), in place: the weights ``w_flat`` (fp32 or
     bf16), ``momentum`` and (adaptive) ``variance``; ``seconds`` (adaptive): the ``[units, 2]`` (v, t) rows, whose
     t counts each unit's steps (incremented here). With ``unit_numels`` instead of ``variance``, the second moment
     is one per unit (``v``, of the mean square over the whole unit: every unit must be held whole, none split
     across ranks). Returns the elements changed (a device tensor, or 0); the fused op
     (:mod:`~titan_ds.optim.core_triton`) adds them to ``count`` (a 0-dim int64 tensor on the device) in place
-    when it is given, and returns it."""
+    when it is given, and returns it.
+
+    ``grad_scale`` (a Python float or a 0-dim fp32 CPU tensor: ZeRO-3's unscale and clip factor): the step is the
+    one after ``g_flat.mul_(grad_scale)``, bit for bit, without that pass over the whole gradient. The CPU kernel
+    multiplies as it reads (the gradient is not written); the eager and compiled chunks scale each chunk in place
+    just before stepping it (while it is in cache); the fused device op and the per-unit second moment (which reads
+    every chunk first) scale the whole gradient first, as the pass would. ``g_flat``'s values afterwards are
+    unspecified (scaled or not): the caller must not read them again."""
     b1, b2 = betas
     adaptive = update == "adaptive"
+    if grad_scale is not None and not torch.is_tensor(grad_scale) and float(grad_scale) == 1.0:
+        grad_scale = None
+    if grad_scale is not None and adaptive and (variance is None or not _scale_folds(w_flat, g_flat, grad_scale)):
+        g_flat.mul_(grad_scale)  # per-unit second moment, the fused device op, a device tensor: the pass itself
+        grad_scale = None
     unit_denom = bc1 = inv_bc2 = None
     if adaptive:
         if seconds is None or (variance is None) == (unit_numels is None):
@@ -494,13 +516,19 @@ def dense_step(w_flat: torch.Tensor, g_flat: torch.Tensor, slices: list[Slice], 
                            0.0 if update_clip is None else update_clip], dtype=torch.float32, device=w_flat.device)
     from . import core_cpu
     native = adaptive and not fused and core_cpu.runs(w_flat, g_flat, momentum, variance)
+    if native and grad_scale is not None and g_flat.dtype != torch.float32:
+        g_flat.mul_(grad_scale)  # (the kernel folds the factor into fp32 gradients only)
+        grad_scale = None
+    folded = 1.0 if grad_scale is None else float(grad_scale)  # (a CPU tensor: _scale_folds checked it)
     for s in slices:
         if native:
             selected = selected + core_cpu.step(
                 w_flat, g_flat, s, momentum, variance, unit_denom=unit_denom, bc1=bc1, inv_bc2=inv_bc2, betas=betas,
                 eps=eps, lr=lr, weight_decay=weight_decay, update_clip=update_clip, importance=importance,
-                generator=generator)
+                generator=generator, grad_scale=folded)
             continue
+        if grad_scale is not None:  # this chunk, in cache, as the pass over the whole gradient would have it
+            g_flat[s.flat:s.flat + s.n].mul_(grad_scale)
         if fused and variance is not None and _fusable(s, momentum, variance):
             selected = selected + _fused_step(w_flat, g_flat, s, momentum, variance, bc1, inv_bc2, hp,
                                               importance, update_clip is not None, generator)

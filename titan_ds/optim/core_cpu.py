@@ -154,9 +154,11 @@ def _tables(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, unit_denom: Optional[torch.Tensor],
          bc1: Optional[torch.Tensor], inv_bc2: Optional[torch.Tensor], betas: tuple[float, float], eps: float,
          lr: float, weight_decay: float, update_clip: Optional[float], importance: str,
-         generator: Optional[torch.Generator]) -> torch.Tensor:
+         generator: Optional[torch.Generator], grad_scale: float = 1.0) -> torch.Tensor:
     """The adaptive step of chunk ``s`` (:func:`core.dense_step`'s arguments), in place; the count of changed
-    elements (an int64 tensor, as the eager loop's ``mask.sum()``)."""
+    elements (an int64 tensor, as the eager loop's ``mask.sum()``). ``grad_scale``: an fp32 factor the kernel
+    multiplies each fp32 gradient value by as it reads it (bit for bit ``g.mul_(grad_scale)`` first; the gradient
+    is left as it was)."""
     # bf16 weights are rounded stochastically in the kernel, from the CPU generator's own draws (the optimizer
     # keeps one generator per device of its weights: CPU weights, a CPU generator; the eager loop's
     # torch.randint refuses any other)
@@ -177,7 +179,7 @@ def step(w_flat: torch.Tensor, g_flat: torch.Tensor, s, momentum, variance, *, u
                      torch.empty(s.n if four else 0, dtype=torch.uint8),
                      b1, 1 - b1, b2, 1 - b2, eps, lr, weight_decay, update_clip is not None,
                      0.0 if update_clip is None else update_clip, importance == "grad_weight",
-                     generator if sr else None)
+                     generator if sr else None, float(grad_scale))
     return torch.tensor(count)
 
 

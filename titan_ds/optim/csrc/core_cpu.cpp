@@ -483,6 +483,17 @@ inline const float* as_f32(float* buf, bool bf16, const void* base, int64_t i0, 
   return buf;
 }
 
+// The fp32 gradient as the step reads it: times `scale` (ZeRO-3's unscale and clip factor, folded into this read:
+// each product rounded to fp32 as `g.mul_(scale)` would store it, so the step is bit for bit the one after that
+// pass, without the pass over the gradient and without writing it). `scaled`: false when the factor is 1.
+inline const float* grad_f32(float* buf, bool bf16, const void* base, int64_t i0, int64_t n, bool scaled,
+                             float scale) {
+  if (!scaled) return as_f32(buf, bf16, base, i0, n);
+  const float* src = static_cast<const float*>(base) + i0;  // (fp32 only: the caller refuses a scaled bf16 one)
+  for (int64_t k = 0; k < n; ++k) buf[k] = src[k] * scale;
+  return buf;
+}
+
 // ---------------------------------------------------------------------------------------------- the torch seam
 // The only place this file reads ATen's internals (titan_ds/torch_compat.py: the torch versions it was checked on,
 // and the switch that keeps bf16 weights off the kernel elsewhere; tests/test_torch_compat.py: the canary): a CPU
@@ -659,12 +670,15 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
              torch::Tensor v_table,
              torch::Tensor inv_bc2, torch::Tensor per_unit, torch::Tensor codes4,
              double b1, double omb1, double b2, double omb2, double eps, double lr, double wd, bool clip,
-             double clip_value, bool grad_weight, std::optional<at::Generator> generator) {
+             double clip_value, bool grad_weight, std::optional<at::Generator> generator, double grad_scale) {
   const int64_t n = g.numel();
   TORCH_CHECK(g.is_contiguous() && w.is_contiguous() && w.numel() == n, "core_cpu: contiguous chunk expected");
   const bool w_bf16 = w.scalar_type() == torch::kBFloat16, g_bf16 = g.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(w_bf16 || w.scalar_type() == torch::kFloat32, "core_cpu: fp32 or bf16 weights expected");
   TORCH_CHECK(g_bf16 || g.scalar_type() == torch::kFloat32, "core_cpu: fp32 or bf16 gradients expected");
+  const float gscale = static_cast<float>(grad_scale);
+  const bool scaled = gscale != 1.0f;
+  TORCH_CHECK(!(scaled && g_bf16), "core_cpu: a gradient scale is folded into fp32 gradients only");
   State m = make_state(m_kind, m_data, m_pos0, m_absmax, m_qmap, m_table, lengths);
   const bool coord = v_kind >= 0;
   State v;
@@ -696,7 +710,7 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
       float gbuf[256], mb[256], vb[256];
       for (int64_t it = lo; it < hi; ++it) {
         const Item& t = items[it];
-        const float* gb = as_f32(gbuf, g_bf16, gp, t.i0, t.n);
+        const float* gb = grad_f32(gbuf, g_bf16, gp, t.i0, t.n, scaled, gscale);
         m.read(mb, t.i0, t.n, t.unit, t.off);
         float* Mo = Mp + (t.i0 - base);
         for (int64_t k = 0; k < t.n; ++k) Mo[k] = mb[k] * fb1 + gb[k] * fomb1;
@@ -718,7 +732,7 @@ int64_t step(torch::Tensor w, const torch::Tensor& g, std::vector<int64_t> lengt
       float gbuf[256], wbuf[256], nbuf[256];
       for (int64_t it = lo; it < hi; ++it) {
         const Item& t = items[it];
-        const float* gb = grad_weight ? as_f32(gbuf, g_bf16, gp, t.i0, t.n) : nullptr;
+        const float* gb = grad_weight ? grad_f32(gbuf, g_bf16, gp, t.i0, t.n, scaled, gscale) : nullptr;
         const float* wb = as_f32(wbuf, w_bf16, w_bf16 ? static_cast<const void*>(wbf) : wf32, t.i0, t.n);
         // the new weights: in place (fp32), else (bf16) staged in nbuf
         float* nb = w_bf16 ? nbuf : wf32 + t.i0;
