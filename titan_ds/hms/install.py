@@ -444,8 +444,8 @@ class HMSPillar(Pillar):
         runtime.attach(ctx.engine)
         if ctx.titan.compression is None:  # (compression overrides the same seam, and has its own one-rank case)
             ctx.patch(dsc.z3_one_rank_scatter(ctx.engine.optimizer))
-        ctx.patch(dsc.z3_unscale_and_clip(ctx.engine.optimizer,
-                                          lambda original: fold_unscale(ctx.engine.optimizer, original)))
+        runtime.unscale = ctx.patch(dsc.z3_unscale_and_clip(
+            ctx.engine.optimizer, lambda original: fold_unscale(ctx.engine.optimizer, original))).value
         runtime.grad_norm = ctx.patch(dsc.z3_grad_norm(
             ctx.engine.optimizer, lambda original: ScratchNorm(original, dsc.z3_norm_dtype()))).value
         ctx.on_before_step(runtime.before_step)
@@ -500,6 +500,7 @@ class _HMSRuntime:
         self.store, self.param_swapper, self.rank = store, param_swapper, rank
         self.grad_file = grad_file
         self.grad_norm: Optional[ScratchNorm] = None  # ZeRO-3's gradient norms into one buffer (attach)
+        self.unscale: Optional[Callable[..., Any]] = None  # ZeRO-3's unscale, skipped or folded (fold_unscale)
         self.engine = None
         self.opt_swapper = None
         self.snapshot_id = None
@@ -525,7 +526,10 @@ class _HMSRuntime:
                         "disk_bytes": sum(t.used_bytes for t in self.store.tiers) +
                         (self.grad_file.bytes if self.grad_file else 0),
                         "dram_cache_bytes": self.store.cache_bytes,
-                        "optimizer_dram_bytes": getattr(getattr(self, "opt_swapper", None), "resident_bytes", 0)}}
+                        "optimizer_dram_bytes": getattr(getattr(self, "opt_swapper", None), "resident_bytes", 0),
+                        # sub-group steps since the start whose unscale pass was skipped (factor 1), folded into
+                        # the optimizer's read, or run by ZeRO-3 (fold_unscale)
+                        **{f"unscale_{k}": getattr(self.unscale, k, 0) for k in ("skipped", "folded", "called")}}}
 
     def state(self) -> dict[str, Any]:
         # called by titan_ds.engine just before engine.save_checkpoint: name the snapshot about to be written
