@@ -264,15 +264,18 @@ def set_lr(cfg: dict, lr: float) -> bool:
 
 def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, steps: int, timeout: float,
           logs: Path, aio: dict | None = None, lock: str | None = None, warmup: int = 1, tag: str = "",
-          lr: float | None = None, timeline: bool = False) -> dict:
+          lr: float | None = None, timeline: bool = False, lr_warmup: int = 1) -> dict:
     """Train once under the cap; the outcome and its measurements. ``aio``: ZeRO-Infinity's aio block; ``lock``:
     held around the run (:func:`timed_lock`); ``warmup``: first steps left out of s/step; ``tag``: file names;
-    ``lr``: the optimizer's peak lr (None: the mode's own); ``timeline``: record the step's spans
+    ``lr``: the optimizer's peak lr (None: the mode's own); ``lr_warmup``: steps of linear lr warm-up (then
+    launch/train.py's cosine to 10% over the run); ``timeline``: record the step's spans
     (``launch/train.py --timeline-out``) and keep each phase's seconds, the mean over the timed steps
     (:func:`titan_ds.hms.timeline.breakdown`), as ``phases``."""
     out = {"mode": mode, "layers": layers, "width": width, "cap_GiB": cap_gib, "params": gpt_params(layers, width)}
     if lr is not None:
         out["lr"] = lr
+    if lr_warmup != 1:
+        out["lr_warmup"] = lr_warmup
     nvme = os.path.join(path, f"{mode}_{layers}x{width}{tag}")
     work = Path(path) / "cfg"
     work.mkdir(parents=True, exist_ok=True)
@@ -286,7 +289,7 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     summary.unlink(missing_ok=True)
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg_path), "--steps",
            str(steps), "--layers", str(layers), "--width", str(width), "--heads", str(max(1, width // 64)),
-           "--micro-batch", "1", "--val-batches", "1", "--warmup", "1", "--no-progress", "--zero-init",
+           "--micro-batch", "1", "--val-batches", "1", "--warmup", str(lr_warmup), "--no-progress", "--zero-init",
            "--summary-out", str(summary), "--metrics-out", str(work / f"{name}.metrics.jsonl")]
     if client_lr:
         cmd += ["--lr", str(lr)]
@@ -573,6 +576,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="run nothing: the tables from the recorded trials (an unfinished search says so)")
     ap.add_argument("--lr", type=float, default=None,
                     help="peak lr of every mode's optimizer (default: each mode's own); give a new --out for it")
+    ap.add_argument("--lr-warmup", type=int, default=1,
+                    help="steps of linear lr warm-up in every run (default 1); give a new --out for another value")
     ap.add_argument("--lock", default=None, help="flock this file around each trial (e.g. /tmp/titan_timed.lock)")
     ap.add_argument("--timeline", action="store_true",
                     help="speed runs record the step's timeline (seconds per phase, a second table)")
@@ -608,6 +613,8 @@ def main(argv: list[str] | None = None) -> None:
             aio = aio_settings(a.path, out.with_suffix(".aio_sweep.json"), a.lock)
             logging.info("zero_inf: aio %s (the best of the sweep in %s)", aio, out.with_suffix(".aio_sweep.json"))
     kw = dict(path=a.path, timeout=a.timeout, logs=out.parent / "logs" / out.name, aio=aio, lock=a.lock, lr=a.lr)
+    if a.lr_warmup != 1:
+        kw["lr_warmup"] = a.lr_warmup
     if speed is not None:
         with timed_lock(a.lock):
             disk_speeds(a.path, out.with_suffix(".disk.json"), a.no_run)

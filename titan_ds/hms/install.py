@@ -648,7 +648,7 @@ def fold_unscale(opt: Any, original: Callable[..., Any]) -> Callable[..., Any]:
         if on_host and float(combined) == 1.0:
             unscale_and_clip_grads.skipped += 1
             return None
-        flat = opt.fp32_partitioned_groups_flat[sub_group_id]
+        flat = dsc.z3_fp32_masters(opt)[sub_group_id]
         if fold is not None and on_host and flat.device.type == "cpu" and flat.grad is not None \
                 and flat.grad.dtype == torch.float32 and os.environ.get("TITAN_HMS_FOLD_UNSCALE", "1") != "0":
             fold(flat, 1. / combined)  # (DeepSpeed's expression: grad.mul_(1. / combined_scale))
