@@ -162,6 +162,45 @@ def test_bounds_price_io_at_this_invocations_disk_probe_kept_beside_the_table(tm
     assert stale["source"] == "results/hms_timeline/disk.json" and len(calls) == 1
 
 
+def test_the_compute_bound_keeps_the_matmul_rate_measured_with_the_disk_before_the_runs(tmp_path, monkeypatch):
+    """A table rewritten later (--reuse-stale, --no-run) on a busy machine prices compute at the GFLOP/s its runs'
+    invocation measured before any trial, kept in OUT.disk.json, not at what the rewriting process measures."""
+    monkeypatch.setattr("titan_ds.hms.diskprobe.measure_disk",
+                        lambda path, mb, threads, block_mb: {"raw_read_GBps": 2.0, "raw_write_GBps": 0.5})
+    monkeypatch.setattr(bench, "_DISK", {})
+    monkeypatch.setattr(bench, "_SPEEDS", [])
+    record = tmp_path / "t.disk.json"
+    bench.disk_speeds(str(tmp_path), record)
+    quiet = json.loads(record.read_text())["fp32_matmul_GFLOPs"]
+    assert quiet > 0
+    monkeypatch.setattr(bench, "_DISK", {})
+    monkeypatch.setattr(bench, "_SPEEDS", [quiet / 5, 1.0])  # what a busy machine would measure now
+    bench.disk_speeds(str(tmp_path), record)  # the rerun reads the record
+    _, compute = bench.bounds({"GiB_read_per_step": 0.0, "GiB_written_per_step": 0.0, "params": 1e9})
+    assert compute == pytest.approx(6 * 1e9 * 128 / (quiet * 1e9))
+
+
+def test_loss_reference_is_reused_only_for_the_same_schedule_and_the_plot_is_written(tmp_path, monkeypatch):
+    import argparse
+    out = tmp_path / "t"
+    a = argparse.Namespace(loss_reference="2x64", speed_warmup=1, speed_steps=4, lr=None, lr_warmup=2,
+                           no_run=True)
+    record = tmp_path / "t.speed.reference.json"
+    want = {"shape": "2x64", "steps": 5, "lr": None, "lr_warmup": 2, "config": "ds_configs/baseline_adamw.json"}
+    record.write_text(json.dumps(dict(want, losses=[5.6, 5.0, 4.0, 3.5, 3.0])))
+    ref = bench.reference_losses(a, out)
+    assert ref["losses"][0] == 5.6
+    a.lr_warmup = 3  # another schedule: the record is not this reference, and --no-run will not make one
+    with pytest.raises(SystemExit, match="lacks this reference"):
+        bench.reference_losses(a, out)
+
+    class St:
+        rows = {1: {"mode": "hms_balanced", "layers": 2, "width": 64, "cap_GiB": 4.0, "lr_warmup": 2,
+                    "loss_all": [5.5, 4.9, 4.2, 3.9, 3.1]}}
+    png = bench.plot_losses(St(), out, a, ref)
+    assert png == tmp_path / "t.speed.losses.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_build_ops_builds_titans_kernel_too_outside_the_cap(monkeypatch):
     """A capped trial must not JIT-compile an op (its peak would be g++'s): build_ops builds DeepSpeed's ops and
     titan's CPU optimizer kernel first, uncapped (without titan's, a first titan_balanced trial peaked at 2.93 GiB

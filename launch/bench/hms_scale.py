@@ -81,6 +81,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -507,6 +508,7 @@ def disk_speeds(path: str, record: Path, no_run: bool = False) -> dict:
             from titan_ds.hms.diskprobe import measure_disk
             d = measure_disk(os.path.join(path, ".disk_probe"), mb=256, threads=4, block_mb=4)
             d["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            d["fp32_matmul_GFLOPs"] = _speeds()[0]  # the compute bound's price, measured before any trial runs
             record.write_text(json.dumps(d, indent=1))
             _DISK.update(d, source=record.name)
     return _DISK
@@ -530,8 +532,9 @@ def bounds(r: dict) -> tuple[float, float]:
 
 
 def _speeds() -> tuple[float, float]:
-    """fp32 GFLOP/s of a 1024^3 matmul (measured once) and dd's direct read GB/s from results/hms_streaming.csv
-    (bench_hms.py part a), the bounds of today's HMS tables."""
+    """fp32 GFLOP/s of a 1024^3 matmul (the invocation's disk record's, where it kept one: a table rewritten later
+    on a busy machine keeps the price its runs were measured at; else measured once) and dd's direct read GB/s
+    from results/hms_streaming.csv (bench_hms.py part a), the bounds of today's HMS tables."""
     if not _SPEEDS:
         import torch
         x = torch.randn(1024, 1024)
@@ -542,7 +545,7 @@ def _speeds() -> tuple[float, float]:
         gflops = 10 * 2 * 1024**3 / (time.perf_counter() - t) / 1e9
         rows = (ROOT / "results" / "hms_streaming.csv").read_text().splitlines()
         _SPEEDS.extend([gflops, next(float(r.split(",")[1]) for r in rows if r.startswith("dd_read"))])
-    return _SPEEDS[0], _SPEEDS[1]
+    return _DISK.get("fp32_matmul_GFLOPs") or _SPEEDS[0], _SPEEDS[1]
 
 
 def _md(rows: list[dict], keys: list[str]) -> str:
@@ -581,6 +584,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lock", default=None, help="flock this file around each trial (e.g. /tmp/titan_timed.lock)")
     ap.add_argument("--timeline", action="store_true",
                     help="speed runs record the step's timeline (seconds per phase, a second table)")
+    ap.add_argument("--loss-reference", default="",
+                    help="LAYERSxWIDTH: also train this small dense model (ds_configs/baseline_adamw.json, torch "
+                         "AdamW, no cap) on the speed runs' batches, lr and warm-up, and plot its loss beside "
+                         "theirs (<out>.speed.losses.png): which steps are hard batches for any model")
     ap.add_argument("--out", default=str(ROOT / "results" / "hms_scale_cap"))
     add_store_args(ap)
     a = ap.parse_args(argv)
@@ -623,6 +630,9 @@ def main(argv: list[str] | None = None) -> None:
         srows = speed_rows(st, modes, a.speed_cap, *speed, a.speed_warmup, a.speed_steps, a.speed_repeats, skip,
                            **kw, **({"timeline": True} if a.timeline else {}))
         write_speed(srows, out, a)
+        if any("loss_all" in r for r in st.rows.values()):
+            ref = reference_losses(a, out) if a.loss_reference else None
+            plot_losses(st, out, a, ref)
     trials = Trials(out.with_suffix(".trials.jsonl"), a.reuse_stale)
     trials.no_run = a.no_run
     kw["steps"] = a.steps
@@ -721,8 +731,15 @@ def write_speed(rows: list[dict], out: Path, a) -> None:
         notes.append("io_bound_s: the first run's bytes read and written per timed step at this disk's O_DIRECT read "
                      f"and write speeds ({disk['raw_read_GBps']:.3f} / {disk['raw_write_GBps']:.3f} GB/s, "
                      f"{disk['source']}, {disk.get('date', '')}); compute_bound_s: 6 x params x 128 tokens at "
-                     "the fp32 matmul GFLOP/s measured by this process; x_bound: step_s / the larger. losses: the "
-                     "first run's train loss at each step, warm-up included; lr: set by --lr (else the mode's own).")
+                     + (f"{disk['fp32_matmul_GFLOPs']:.1f} fp32 matmul GFLOP/s (measured with the disk, before the "
+                        "runs)" if disk.get("fp32_matmul_GFLOPs") else
+                        "the fp32 matmul GFLOP/s measured by the process writing this table")
+                     + "; x_bound: step_s / the larger. losses: the first run's train loss at each step, warm-up "
+                     "included; lr: set by --lr (else the mode's own)."
+                     + (f" The train losses are plotted in {out.name}.speed.losses.png" + (
+                         f", beside a small dense model's on the same batches ({out.name}.speed.reference.json)"
+                         if getattr(a, "loss_reference", "") else "") + "." if any(
+                         r.get("losses") for r in rows) else ""))
     if any("threads" in r for r in rows):
         keys[-1:-1] = ["threads"]
     _write_table(out.parent / f"{out.name}.speed", "HMS vs DeepSpeed's offload: s/step at one shape", rows, keys,
@@ -742,6 +759,67 @@ def write_speed(rows: list[dict], out: Path, a) -> None:
         print(md)
 
 
+UNIFORM_LOSS = math.log(256)  # a byte-level model that knows nothing: 5.545
+
+
+def reference_losses(a, out: Path) -> dict:
+    """The train loss of a small dense model (``--loss-reference``, ds_configs/baseline_adamw.json: torch AdamW,
+    ZeRO 0, uncapped) at each step of the speed runs' schedule: the same data order (seed 0), micro-batch 1, peak
+    lr (--lr, else AdamW's 1e-3) and warm-up, so a step that is hard for it is a hard batch, not an unstable
+    optimizer. Kept in ``<out>.speed.reference.json`` (a rerun reuses it; delete it to run again)."""
+    record = out.parent / f"{out.name}.speed.reference.json"
+    layers, width = (int(x) for x in a.loss_reference.lower().split("x"))
+    steps = a.speed_warmup + a.speed_steps
+    want = {"shape": f"{layers}x{width}", "steps": steps, "lr": a.lr, "lr_warmup": a.lr_warmup,
+            "config": "ds_configs/baseline_adamw.json"}
+    if record.exists():
+        got = json.loads(record.read_text())
+        if {k: got.get(k) for k in want} == want:
+            return got
+    if a.no_run:
+        raise SystemExit(f"--loss-reference: {record} lacks this reference and --no-run runs nothing")
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config", want["config"], "--steps",
+               str(steps), "--layers", str(layers), "--width", str(width), "--heads", str(max(1, width // 64)),
+               "--micro-batch", "1", "--val-batches", "1", "--warmup", str(a.lr_warmup), "--no-progress",
+               "--log-every", "1", "--metrics-out", str(metrics)] + (["--lr", str(a.lr)] if a.lr else [])
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2"))
+        losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    got = dict(want, losses=losses, date=time.strftime("%Y-%m-%d"))
+    record.write_text(json.dumps(got, indent=1))
+    return got
+
+
+def plot_losses(st, out: Path, a, ref: dict | None) -> Path:
+    """``<out>.speed.losses.png``: each speed run's train loss per step (warm-up included), the uniform-byte loss
+    and, with ``ref``, the small dense model's loss on the same batches."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for r in st.rows.values():
+        if r.get("loss_all"):
+            lr = f", lr {r['lr']:g}" if "lr" in r else ""
+            ax.plot(range(len(r["loss_all"])), r["loss_all"], marker=".", label=(
+                f"{r['mode']} {gpt_params(r['layers'], r['width']) / 1e6:.1f}M ({r['layers']}x{r['width']}) under "
+                f"{r['cap_GiB']:g} GiB{lr}, warm-up {r.get('lr_warmup', 1)}"))
+    if ref:
+        ax.plot(range(len(ref["losses"])), ref["losses"], color="grey", lw=1, label=(
+            f"dense AdamW {ref['shape']}, no cap, the same batches, lr and warm-up (reference)"))
+    ax.axhline(UNIFORM_LOSS, color="red", ls="--", lw=1, label=f"uniform over 256 bytes ({UNIFORM_LOSS:.3f})")
+    ax.set_xlabel("step (micro-batch 1 x 128 bytes)")
+    ax.set_ylabel("train loss (nats/byte)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=.3)
+    fig.tight_layout()
+    path = out.parent / f"{out.name}.speed.losses.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write(rows: list[dict], out: Path, a) -> None:
     gflops, disk_gbps = _speeds()
     for r in rows:
@@ -752,7 +830,7 @@ def write(rows: list[dict], out: Path, a) -> None:
     keys = ["cap_GiB", "mode", "shape", "params_M", "x_zero3_cpu", "peak_anon_GiB", "max_usage_GiB", "peak_rss_GiB",
             "disk_GiB", "step_s", "io_bound_s", "compute_bound_s", "next_fails", "status"]
     notes = [f"GPT of width {a.width} unless the shape says otherwise (heads width/64, vocab 256, context 128), micro-batch 1, {a.steps} steps, "
-             f"built under titan_ds.zero_init; depth bisected to {a.rel:.0%}. All modes: ZeRO-3 with "
+             f"built under titan_ds.zero_init; depth bisected to {a.rel:g} of the depth (at least 1 layer). All modes: ZeRO-3 with "
              f"{', '.join(f'{k} {v:.0e}' for k, v in ZERO3_BOUNDS.items())}. peak_anon: sampled max of the cgroup's "
              f"rss + shmem; max_usage: the kernel's high-water mark (includes page cache, which the cap reclaims); "
              f"peak_rss: the process's VmHWM (counts mapped files too). s/step: the steps after the first. io_bound_s: HMS's bytes read + written per step / dd's direct read speed (results/hms_streaming.csv); compute_bound_s: 6 x params x 128 tokens / the measured fp32 matmul GFLOP/s. next_fails: the smallest depth tried that did not fit, and why. "
