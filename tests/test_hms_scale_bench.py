@@ -201,6 +201,25 @@ def test_loss_reference_is_reused_only_for_the_same_schedule_and_the_plot_is_wri
     assert png == tmp_path / "t.speed.losses.png" and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_timeline_plot_draws_each_modes_first_run_from_the_spans_its_trial_left(tmp_path):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    spans = [dict(phase=ph, lane=lane, start=a, end=b, step=1) for ph, lane, a, b in
+             [("wall", "main", 0.0, 3.0), ("forward", "main", 0.0, 1.0), ("backward", "main", 1.0, 2.0),
+              ("step", "main", 2.0, 3.0), ("param fetch", "main", 0.1, 0.2), ("opt write", "writer", 2.1, 2.5)]]
+    (cfg / "hms_balanced_c8_2x64_speed0.timeline.json").write_text(json.dumps({"meta": {}, "spans": spans}))
+    (cfg / "hms_balanced_c8_2x64_speed0.metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+
+    class St:
+        rows = {1: {"mode": "hms_balanced", "cap_GiB": 8.0, "layers": 2, "width": 64, "repeat": 0,
+                    "phases": {"wall": 3.0}},
+                2: {"mode": "hms", "cap_GiB": 8.0, "layers": 2, "width": 64, "repeat": 0, "phases": {"wall": 1.0}}}
+    png = bench.plot_timeline(St(), tmp_path / "t", str(tmp_path))  # the hms run left no spans: left out
+    assert png == tmp_path / "t.speed.timeline.png" and png.read_bytes()[:4] == b"\x89PNG"
+    St.rows.pop(1)
+    assert bench.plot_timeline(St(), tmp_path / "u", str(tmp_path)) is None
+
+
 def test_build_ops_builds_titans_kernel_too_outside_the_cap(monkeypatch):
     """A capped trial must not JIT-compile an op (its peak would be g++'s): build_ops builds DeepSpeed's ops and
     titan's CPU optimizer kernel first, uncapped (without titan's, a first titan_balanced trial peaked at 2.93 GiB

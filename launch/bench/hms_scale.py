@@ -99,7 +99,7 @@ from titan_ds.utils import free_port  # noqa: E402
 MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
          "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16",
          "hms_dram_cpuadam_4k", "hms_balanced_4k", "hms_gdisk", "hms_wb", "hms_cpuadam_wb")
-BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced": "hms", "hms_balanced_res": "hms", "hms_balanced_wb": "hms",
+BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced_res": "hms_balanced", "hms_balanced_wb": "hms_balanced",
              "hms_cpuadam": "hms", "hms_dram_balanced": "hms", "hms_wb": "hms", "hms_cpuadam_wb": "hms",
              "hms_dram": "hms", "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
 CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_cpuadam_wb", "hms_dram_cpuadam", "hms_dram_cpuadam_res", "hms_dram_cpuadam_4k")
@@ -194,8 +194,9 @@ def timed_lock(path: str | None):
 
 def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
     """The ds_config a mode trains: ``titan_ds.plan.candidate_config`` (what ``titan-ds plan --out`` writes) for its
-    modes; ``zero_inf`` and ``hms_balanced`` start from ``zero3_cpu`` and ``hms`` (so the same ZeRO-3 buffer
-    bounds) and change only what the docstring says. ``aio``: ZeRO-Infinity's aio block (default: recommended)."""
+    modes (``hms_balanced`` included); ``zero_inf`` starts from ``zero3_cpu``, the other extra modes from ``hms`` or
+    ``hms_balanced`` (so the same ZeRO-3 buffer bounds), and change only what the docstring says. ``aio``:
+    ZeRO-Infinity's aio block (default: recommended)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode.endswith("_4k"):  # the same config; trial() turns huge pages off in its environment
@@ -220,11 +221,10 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg.pop("zero_allow_untested_optimizer")
     if mode in ("hms_balanced_wb", "hms_wb", "hms_cpuadam_wb"):
         cfg["titan"]["hms"]["param_write_behind"] = True
-    if mode in ("hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced"):
+    if mode == "hms_dram_balanced":  # hms_balanced's optimizer section; the speed row against zero_inf keeps
+        # DeepSpeed's gradients in DRAM (hms_balanced, _res and _wb: plan's candidate_config("hms_balanced"))
         balanced = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
         cfg["titan"]["optimizer"] = balanced
-        if mode != "hms_dram_balanced":  # the speed row against zero_inf keeps DeepSpeed's gradients in DRAM
-            cfg["titan"]["hms"]["gradient_buffer"] = "disk"
     return cfg
 
 
@@ -633,6 +633,8 @@ def main(argv: list[str] | None = None) -> None:
         if any("loss_all" in r for r in st.rows.values()):
             ref = reference_losses(a, out) if a.loss_reference else None
             plot_losses(st, out, a, ref)
+        if a.timeline:
+            plot_timeline(st, out, a.path)
     trials = Trials(out.with_suffix(".trials.jsonl"), a.reuse_stale)
     trials.no_run = a.no_run
     kw["steps"] = a.steps
@@ -818,6 +820,28 @@ def plot_losses(st, out: Path, a, ref: dict | None) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_timeline(st, out: Path, path: str) -> Path | None:
+    """``<out>.speed.timeline.png``: the last timed step of each mode's first run, lane by lane
+    (launch/bench/hms_timeline.py's drawing), from the spans and metrics its trial left in ``path``/cfg (they stay
+    out of the repository); None where no run left them."""
+    from launch.bench.hms_timeline import draw
+    runs = []
+    for r in st.rows.values():
+        if r.get("repeat") != 0 or not r.get("phases"):
+            continue
+        name = f"{r['mode']}_c{r['cap_GiB']:g}_{r['layers']}x{r['width']}_speed0"  # trial()'s file names
+        tl, metrics = (Path(path) / "cfg" / f"{name}.{x}" for x in ("timeline.json", "metrics.jsonl"))
+        if tl.exists() and metrics.exists():
+            runs.append(dict(mode=r["mode"], repeat=0, layers=r["layers"], width=r["width"],
+                             timeline=json.loads(tl.read_text()),
+                             metrics=[json.loads(x) for x in metrics.read_text().splitlines()]))
+    if not runs:
+        return None
+    png = out.parent / f"{out.name}.speed.timeline.png"
+    draw(runs, png)
+    return png
 
 
 def write(rows: list[dict], out: Path, a) -> None:
