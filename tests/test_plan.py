@@ -17,8 +17,8 @@ from tests.helpers.deps import require
 from titan_ds.config import TitanConfig
 from titan_ds.memcap import cgroup_available, run_capped
 from titan_ds.models import GPT, GPTConfig
-from titan_ds.plan import (MODES, candidate_config, candidates, load_calibration, model_spec, parse_size, plan,
-                           predict)
+from titan_ds.plan import (MODES, balanced_optimizer, candidate_config, candidates, load_calibration, model_spec,
+                           parse_size, plan, predict)
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
@@ -207,28 +207,146 @@ def test_candidate_configs_are_valid(mode):
     z, titan = cfg["zero_optimization"], cfg.get("titan", {})
     assert z["stage"] == (2 if mode == "zero2" else 3)
     opt = titan.get("optimizer")
-    assert MODE_OPTIMIZER[mode] == ("adamw" if opt is None else f"{opt['name']}_{opt['state_dtype']}")
+    assert MODE_OPTIMIZER[mode] == ("adamw" if opt is None else "titan_balanced" if opt == balanced_optimizer()
+                                    else f"{opt['name']}_{opt['state_dtype']}")
     assert cfg.get("bf16", {}).get("enabled", False) == (mode == "hms_asdt_bf16")
     assert [z.get(k, {}).get("device") for k in ("offload_param", "offload_optimizer")] == \
         {"zero3_cpu": ["cpu", "cpu"], "zero_inf": ["cpu", "nvme"]}.get(mode, [None, None])
     assert ("hms" in titan) == mode.startswith("hms")
-    assert (titan.get("hms", {}).get("gradient_buffer") == "disk") == (mode in ("hms_gdisk", "hms_asdt",
-                                                                                 "hms_asdt_bf16"))
+    assert (titan.get("hms", {}).get("gradient_buffer") == "disk") == (mode in ("hms_balanced", "hms_gdisk",
+                                                                                 "hms_asdt", "hms_asdt_bf16"))
 
 
-def test_adamw_with_gradients_on_disk_is_chosen_where_hms_does_not_fit():
-    """Where DeepSpeed's fp32 gradient partitions (4 bytes a parameter) no longer fit in DRAM beside HMS, plan writes
-    HMS with AdamW and the gradients in a file mapping (hms_gdisk) before switching to titan's optimizer: 41x768
-    under 2 GiB, which hms_scale.py measured at a 1.13 GiB peak (results/hms_scale_zinf.md)."""
+def test_gradients_on_disk_fit_where_hms_does_not_and_titan_balanced_is_written():
+    """Where DeepSpeed's fp32 gradient partitions (4 bytes a parameter) no longer fit in DRAM beside HMS, the
+    candidates with the gradients in a file mapping still fit: 41x768 under 2 GiB, which hms_scale.py measured at a
+    1.13 GiB peak with AdamW (hms_gdisk) and 1.05 with titan_balanced (hms_balanced; results/hms_scale_zinf.md).
+    plan writes hms_balanced, the faster of the two (ahead of hms in MODES: the ordering test below)."""
     m = model_spec("gpt:41x768")
     cands, best = plan(m, seq=128, micro=1, cpu_mem=2 * 2**30, disk=100 * 2**30)
     by = {c.mode: c for c in cands}
-    assert not by["hms"].fits and by["hms_gdisk"].fits
+    assert not by["hms"].fits and by["hms_gdisk"].fits and by["hms_balanced"].fits
     assert by["hms"].dram["gradients"] > 1e9 and by["hms_gdisk"].dram.get("gradients", 0) == 0
-    assert by["hms_gdisk"].disk["gradients"] == 4 * m.params
-    assert best.mode == "hms_gdisk"
-    cfg = candidate_config(best.mode)
+    assert by["hms_gdisk"].disk["gradients"] == by["hms_balanced"].disk["gradients"] == 4 * m.params
+    assert best.mode == "hms_balanced"
+    cfg = candidate_config("hms_gdisk")
     assert cfg["titan"]["hms"]["gradient_buffer"] == "disk" and "optimizer" not in cfg["titan"]
+
+
+def test_hms_balanced_config_is_titan_balanced_s_optimizer_with_gradients_on_disk(tmp_path):
+    """The hms_balanced candidate: hms's HMS section with the gradients in a file mapping and the titan.optimizer
+    section of the shipped ds_configs/titan_balanced.json, as it is (the config hms_scale.py measures under that
+    name), valid for titan; plan charges it titan_balanced's state and step temporaries."""
+    from launch.bench.hms_scale import ds_config
+    from titan_ds.plan import MODE_OPTIMIZER, OPT_STATE_BYTES, load_step_temp
+    nvme = str(tmp_path / "nvme")
+    cfg = candidate_config("hms_balanced", nvme_path=nvme)
+    shipped = json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text())["titan"]["optimizer"]
+    assert cfg["titan"]["optimizer"] == shipped and shipped["state_dtype"] == "8bit"
+    assert cfg["titan"]["hms"] == dict(candidate_config("hms", nvme_path=nvme)["titan"]["hms"], gradient_buffer="disk")
+    assert {k: v for k, v in cfg.items() if k != "titan"} == \
+        {k: v for k, v in candidate_config("hms", nvme_path=nvme).items() if k != "titan"}
+    assert cfg == ds_config("hms_balanced", nvme)
+    TitanConfig.from_ds_config(cfg)
+    assert MODE_OPTIMIZER["hms_balanced"] == "titan_balanced" and "titan_balanced" in load_step_temp()
+    m = model_spec("gpt:12x768")
+    c = predict("hms_balanced", m)
+    assert c.calibrated and c.dram.get("gradients", 0) == 0  # the file mapping's: on disk
+    assert c.disk["optimizer"] == pytest.approx((4 + OPT_STATE_BYTES["titan_balanced"]) * m.params)
+
+
+# a real engine from plan's hms_balanced config (its own process, as tests/hms/ run HMS engines): 2 steps of a tiny
+# GPT; the optimizer DeepSpeed steps, and the state bytes per element of its sub-groups (HMS swaps the large state
+# tensors to the store and keeps the small ones, the block scales, in the optimizer's state)
+HMS_BALANCED_RUN = """
+import json, sys, torch
+import titan_ds
+from titan_ds.models import GPT, GPTConfig
+from titan_ds.plan import candidate_config
+from titan_ds.utils import ensure_dist_env
+ensure_dist_env()
+torch.manual_seed(0)
+model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=1, block_size=128, vocab_size=256))
+engine, *_ = titan_ds.initialize(model=model, config=candidate_config("hms_balanced", nvme_path=sys.argv[1]))
+losses = []
+for step in range(2):
+    x = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(step))
+    loss = engine(x, x)
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+opt, sw = engine.basic_optimizer, engine.optimizer.optimizer_swapper
+state = numel = 0
+for p in engine.optimizer.fp32_partitioned_groups_flat:
+    numel += sw._numel[p.ds_id]
+    swapped = sw._state_names.get(p.ds_id, [])
+    state += sum(sw._read_state(p.ds_id, n).nbytes for n in swapped)
+    state += sum(v.nbytes for n, v in opt.state[p].items() if torch.is_tensor(v) and n not in swapped)
+print("RESULT " + json.dumps({"losses": losses, "optimizer": f"{type(opt).__module__}.{type(opt).__name__}",
+                              "state_dtype": opt.quant, "second_dtype": opt.second_quant,
+                              "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+                              "numel": numel, "state_bytes": state}))
+"""
+
+
+def test_hms_balanced_config_trains_on_a_real_engine_with_asdt_8bit_state(tmp_path):
+    from tests.helpers.launch import clean_env, run
+    from titan_ds.plan import OPT_STATE_BYTES
+    r = run([sys.executable, "-c", HMS_BALANCED_RUN, str(tmp_path / "nvme")], cwd=ROOT, env=clean_env(),
+            capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert len(out["losses"]) == 2 and all(math.isfinite(v) for v in out["losses"]), out
+    assert out["optimizer"] == "titan_ds.optim.asdt.ASDT"
+    assert (out["state_dtype"], out["second_dtype"]) == ("8bit", "4bit")
+    assert out["numel"] == out["params"]  # one rank: the sub-groups hold every parameter
+    # the state HMS keeps of each sub-group is what plan charges per element (+ the blocks' rounding, 8 bytes a unit)
+    assert out["state_bytes"] / out["numel"] == pytest.approx(OPT_STATE_BYTES["titan_balanced"], rel=0.005), out
+
+
+def test_titan_balanced_state_bytes_per_parameter_are_asdts_real_state():
+    """OPT_STATE_BYTES["titan_balanced"] against the state ASDT, built from titan_balanced.json's section, holds
+    after a step of a small GPT (its 8-bit momentum, 4-bit second moment, their block scales; the per-unit second
+    moment and the blocks' rounding at each tensor are the rest, under 0.2% here): the figure without the 4-bit
+    second moment (1.02) or with it unquantized fails."""
+    import torch
+
+    from titan_ds.optim import qstate
+    from titan_ds.optim.install import build_optimizer
+    from titan_ds.plan import OPT_STATE_BYTES
+    cfg = TitanConfig.from_ds_config(json.loads((ROOT / "ds_configs" / "titan_balanced.json").read_text()))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=128, n_head=2, block_size=128, vocab_size=256))
+    opt = build_optimizer(model, cfg.optimizer)
+    x = torch.randint(0, 256, (1, 128))
+    model(x, x).backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    assert opt.state_bytes() / n == pytest.approx(OPT_STATE_BYTES["titan_balanced"], rel=0.002)
+    assert OPT_STATE_BYTES["titan_balanced"] == qstate.nbytes_per_value("8bit") + qstate.nbytes_per_value("4bit")
+
+
+def _step_s(path: str, key: str) -> dict[str, float]:
+    """The median over runs of each run's median s/step, per ``key`` value, of a committed speed store."""
+    import statistics
+    steps: dict[str, list[float]] = {}
+    for line in (ROOT / path).read_text().splitlines():
+        r = json.loads(line)
+        r = r.get("result", r)
+        if r.get("status") == "ok":
+            steps.setdefault(r[key], []).append(r["step_s_median"])
+    return {k: statistics.median(v) for k, v in steps.items()}
+
+
+def test_hms_balanced_ranks_by_the_measured_step_time():
+    """MODES is fastest first: hms_balanced (12x768 under 4 GiB: 2.591 s/step before the unscale fold, 2.726 after,
+    results/hms_ab_fold.md) sits after ZeRO-Infinity (2.547) and before hms with torch AdamW (3.091;
+    results/hms_speed_1207b.speed.md, the same machine)."""
+    speed = _step_s("results/hms_speed_1207b.speed.jsonl", "mode")
+    balanced = _step_s("results/hms_ab_fold.jsonl", "side")
+    assert set(balanced) == {"before", "after"}
+    assert speed["hms_dram"] < speed["zero_inf"] < min(balanced.values()) <= max(balanced.values()) < speed["hms"]
+    assert MODES.index("hms_dram") < MODES.index("zero_inf") < MODES.index("hms_balanced") < MODES.index("hms")
 
 
 def _cli(*args, **kw):
@@ -288,3 +406,16 @@ def test_plan_config_trains_under_the_cap(tmp_path):
     z2.write_text(json.dumps(candidate_config("zero2")))
     r2, _ = train(z2, zero_init=False)
     assert r2.oom_killed, r2
+
+
+def test_an_install_without_the_profile_does_not_write_hms_balanced(monkeypatch, tmp_path):
+    """A wheel has no ds_configs/: plan then marks hms_balanced as not fitting (naming the file) and writes the next
+    candidate, instead of failing while writing the config."""
+    from titan_ds import plan as pl
+    m = pl.model_spec("gpt:32x768")
+    kw = dict(seq=128, micro=1, cpu_mem=2 * 2**30, disk=100 * 2**30, aio=False)
+    assert pl.plan(m, **kw)[1].mode == "hms_balanced"
+    monkeypatch.setattr(pl, "BALANCED_PROFILE", tmp_path / "missing.json")
+    cands, best = pl.plan(m, **kw)
+    hb = next(c for c in cands if c.mode == "hms_balanced")
+    assert not hb.fits and "missing.json" in hb.why and best.mode != "hms_balanced"

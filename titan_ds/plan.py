@@ -14,8 +14,8 @@ The model of each candidate has two parts:
    (``stage3_max_live_parameters``, the prefetch and reduce buckets); ZeRO-3 CPU offload adds the fp32
    gradient partition the CPU optimizer reads; HMS keeps on disk parameters, masters and optimizer state and
    holds in DRAM DeepSpeed's fp32 gradient partition (``grad_partitions_flat_buffer``, 4 bytes/param: the
-   largest term left; ``hms_gdisk`` and ``hms_asdt`` map it to a file, ``titan.hms.gradient_buffer:
-   "disk"``), one
+   largest term left; ``hms_gdisk``, ``hms_balanced`` and ``hms_asdt`` map it to a file,
+   ``titan.hms.gradient_buffer: "disk"``), one
    optimizer sub-group at a time (plus the master and state of the previous one while its write is in flight:
    ``titan.hms.pipeline_optimizer``) and the next one's read ahead, and its DRAM cache. ZeRO-Infinity
    (``zero_inf``) holds the parameter partitions and the fp32 gradient partition in CPU memory and
@@ -26,7 +26,8 @@ The model of each candidate has two parts:
    bytes per parameter the structure does not explain (none for the HMS modes, zero3_cpu's for zero_inf), fitted
    on measured runs by
    ``launch/bench/plan_accuracy.py --calibrate`` into ``titan_ds/plan_calibration.json`` (the file records the
-   command, date and points). ``launch/bench/plan_accuracy.py`` then checks predictions against cgroup-measured
+   command, date and points; zero_inf and hms_balanced are fitted on committed hms_scale.py trials, which
+   ``--refit MODE`` redoes alone). ``launch/bench/plan_accuracy.py`` then checks predictions against cgroup-measured
    peaks of runs that were not used for the fit (README: the accuracy table).
 
 Predictions for a GPU device (``--gpu-mem``) use the same structure with bf16 parameters and gradients on the
@@ -54,21 +55,30 @@ PIPELINE_DEPTH = 1
 # (results/hms_speed_rank.speed.md): zero3_cpu 2.532, hms_dram 4.050, zero_inf 4.473, hms 4.689; the run before it
 # (results/hms_speed_onerank.speed.md) had the same order of hms_dram, zero_inf and hms; tests/test_plan_zinf.py
 # checks the order against those files
+# hms_balanced (HMS streaming, titan's shipped titan_balanced optimizer, gradients in a file mapping) between
+# zero_inf and hms, by s/step at 12x768 under 4 GiB on one machine: hms_dram 1.680 < zero_inf 2.547 < hms 3.091
+# (results/hms_speed_1207b.speed.md, 3 alternated runs) and hms_balanced 2.591 / 2.726 before / after the unscale fold
+# (results/hms_ab_fold.md, 3 runs each, spread 2.31-2.88): slower than ZeRO-Infinity, faster than hms with torch
+# AdamW, whose 8 bytes/param of moments it streams as 1.55; tests/test_plan.py checks the order against those two
+# files. So where hms_balanced fits, plan writes it rather than hms or hms_gdisk (AdamW): those are written where it
+# does not (its fitted process baseline, 0.32 GiB, is above the 0.18 of hms's that hms_gdisk borrows)
 # hms_gdisk (hms with the gradient partitions in a file mapping) after hms: where the gradients fit in DRAM, hms keeps
 # them there; where they do not, it is the AdamW candidate that still fits (results/hms_scale_zinf.md: 291.1M under
-# 2 GiB at 1.13 GiB where hms stops at 227.3M), ahead of the titan-optimizer modes
-MODES = ("zero2", "zero3", "zero3_cpu", "hms_dram", "zero_inf", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
+# 2 GiB at 1.13 GiB where hms stops at 227.3M), ahead of the hms_asdt modes
+MODES = ("zero2", "zero3", "zero3_cpu", "hms_dram", "zero_inf", "hms_balanced", "hms", "hms_gdisk", "hms_asdt",
+         "hms_asdt_bf16")
 # modes whose optimizer is offloaded (ZeRO-3 takes each gradient partition's norm in fp64 in backward)
-OFFLOAD_MODES = ("zero3_cpu", "zero_inf", "hms_dram", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
+OFFLOAD_MODES = ("zero3_cpu", "zero_inf", "hms_dram", "hms_balanced", "hms", "hms_gdisk", "hms_asdt",
+                 "hms_asdt_bf16")
 # modes whose element-proportional bytes (partitions, masters, optimizer state) live on disk, and whose DRAM the
 # structure already sizes by what grows (the gradient partition where it is in DRAM, one sub-group, activations):
 # their calibration fits the process baseline only. A slope fitted on 0.01-0.2B-parameter shapes was noise
 # (-0.19, -0.34, +0.49 bytes/param) that 5B parameters turned into +2.3 GiB (+68% at 25x4096). hms_dram
 # (its partitions in RAM are in the structure) likewise: its slope fit (1.22 bytes/param, baseline 0.02 GiB) put
 # gpt:8x768 at 1.32 GiB against 1.38 measured; the baseline alone at 1.39
-BASELINE_ONLY_MODES = ("hms_dram", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
+BASELINE_ONLY_MODES = ("hms_dram", "hms_balanced", "hms", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
 # modes whose DeepSpeed fp32 gradient partitions are a file mapping (titan.hms.gradient_buffer "disk") on the CPU
-GRADS_ON_DISK_MODES = ("hms_gdisk", "hms_asdt", "hms_asdt_bf16")
+GRADS_ON_DISK_MODES = ("hms_balanced", "hms_gdisk", "hms_asdt", "hms_asdt_bf16")
 # a mode without runs of its own in the calibration file borrows another's process baseline (and stays "calibrated:
 # no"): hms_dram runs HMS's store and optimizer swapper with DeepSpeed's CPU parameter offload (a calibration file
 # from before hms_dram had runs of its own); hms_gdisk is hms with its gradient partitions moved to a file mapping,
@@ -84,8 +94,13 @@ AIO_RECOMMENDED = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelis
                    "overlap_events": True}
 ZERO_INF_OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                                                   "weight_decay": 0.1}}
-# per parameter: AdamW exp_avg + exp_avg_sq; ASDT one momentum buffer in bf16, or in 8 bits (+ a scale per block)
-OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1}
+# per parameter: AdamW exp_avg + exp_avg_sq; ASDT one momentum buffer in bf16, or in 8 bits (+ a scale per block);
+# titan_balanced (ds_configs/titan_balanced.json: ASDT adaptive, state_dtype "8bit", second_moment "coordinate",
+# second_dtype "4bit"): an 8-bit momentum code + one fp32 absmax per 256 values and a 4-bit second-moment code + one
+# fp32 absmax per 128 (titan_ds/optim/qstate.py KINDS, nbytes_per_value), plus 8 bytes per unit (v, t: a tensor at
+# granularity "tensor"), left out; tests/test_plan.py checks it against the state of a real ASDT
+OPT_STATE_BYTES = {"adamw": 8, "asdt_bf16": 2, "asdt_8bit": 1,
+                   "titan_balanced": (1 + 4 / 256) + (4 / 8 + 4 / 128)}
 # per element of the sub-group being stepped: the optimizer step's temporaries above its resident state, measured
 # (VmHWM over one step of a 2^26-element fp32 parameter, 1 thread) by launch/bench/optim_step.py into
 # titan_ds/step_temp.json (the command is in the file): load_step_temp(); keys are MODE_OPTIMIZER's values and the
@@ -94,8 +109,10 @@ STEP_TEMP_FILE = Path(__file__).with_name("step_temp.json")
 STEP_TEMP_COMMAND = ("python launch/bench/optim_step.py --what temp --sizes 67108864 --dtypes fp32 "
                      "--step-temp-json titan_ds/step_temp.json")
 MODE_OPTIMIZER = {"zero2": "adamw", "zero3": "adamw", "zero3_cpu": "adamw", "zero_inf": "adamw", "hms": "adamw",
-                  "hms_dram": "adamw", "hms_gdisk": "adamw",
+                  "hms_dram": "adamw", "hms_gdisk": "adamw", "hms_balanced": "titan_balanced",
                   "hms_asdt": "asdt_bf16", "hms_asdt_bf16": "asdt_8bit"}
+# the shipped profile whose titan.optimizer section hms_balanced trains (read at candidate_config: one source)
+BALANCED_PROFILE = Path(__file__).resolve().parents[1] / "ds_configs" / "titan_balanced.json"
 DESCRIPTION = {
     "zero2": "ZeRO-2, torch AdamW",
     "zero3": "ZeRO-3, torch AdamW",
@@ -107,6 +124,8 @@ DESCRIPTION = {
     "hms": "ZeRO-3 + titan HMS (params, optimizer on disk), torch AdamW",
     "hms_gdisk": "hms with DeepSpeed's fp32 gradient partitions in a file mapping (titan.hms.gradient_buffer disk), "
                  "torch AdamW",
+    "hms_balanced": "ZeRO-3 + titan HMS (params, optimizer on disk) + titan's shipped optimizer (titan_balanced: "
+                    "ASDT adaptive, 8-bit momentum, 4-bit second moment), gradient partitions in a file mapping",
     "hms_asdt": "ZeRO-3 + titan HMS + titan optimizer (ASDT, bf16 state), gradient partitions in a file mapping",
     "hms_asdt_bf16": "hms_asdt with bf16 parameters (fp32 gradients and masters) and ASDT's momentum in 8 bits",
 }
@@ -206,6 +225,8 @@ def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_bat
         # written out either way: the layout predicted is the one run (HMS's memory check adapts only settings a
         # config leaves out, and the benchmarks measure each mode as named)
         cfg["titan"]["hms"]["gradient_buffer"] = "disk" if mode in GRADS_ON_DISK_MODES else "dram"
+        if mode == "hms_balanced":
+            cfg["titan"]["optimizer"] = balanced_optimizer()
         if mode == "hms_asdt":
             cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-3, "density": 0.1, "state_dtype": "bf16"}
         if mode == "hms_asdt_bf16":
@@ -216,6 +237,14 @@ def candidate_config(mode: str, *, nvme_path: str = "./titan_storage", micro_bat
             cfg["data_types"] = {"grad_accum_dtype": "fp32"}
             cfg["titan"]["optimizer"] = {"name": "asdt", "lr": 1e-5, "density": 1.0, "state_dtype": "8bit"}
     return cfg
+
+
+def balanced_optimizer() -> dict[str, Any]:
+    """The ``titan.optimizer`` section of the shipped ``ds_configs/titan_balanced.json`` (``hms_balanced``'s)."""
+    if not BALANCED_PROFILE.is_file():
+        raise FileNotFoundError(f"{BALANCED_PROFILE} is missing: hms_balanced trains the titan.optimizer section of "
+                                "ds_configs/titan_balanced.json, which a checkout of titan has")
+    return json.loads(BALANCED_PROFILE.read_text())["titan"]["optimizer"]
 
 
 @dataclass
@@ -324,7 +353,10 @@ def _structure(mode: str, m: ModelSpec, ranks: int, seq: int, micro: int, gpu: b
     w = 2 if gpu else hl.weight_bytes if hl is not None else 4
     # the optimizer step holds one sub-group; ZeRO-3 never splits a parameter, so a larger one is its own
     sub = max(min(bounds["sub_group_size"], P / N), min(m.largest, P / N))
-    live = min(bounds["stage3_max_live_parameters"], P)
+    # gathered parameters: ZeRO-3 fetches a module's parameters whole whatever stage3_max_live_parameters says
+    # (partitioned_param_coordinator.py fetch_sub_module: the bound only limits the prefetch), so a parameter larger
+    # than the bound (a 4096-wide MLP matrix, 67M elements) is live whole
+    live = min(max(bounds["stage3_max_live_parameters"], m.largest), P)
     dev: dict[str, float] = {"activations": activation_bytes(m, seq, micro, w)}
     if mode in OFFLOAD_MODES:
         # backward's working set beside a parameter's gathered copy (counted in ``live``): its gradient (w), that
@@ -462,6 +494,9 @@ def candidates(m: ModelSpec, *, seq: int, micro: int, cpu_mem: float, disk: floa
         if aio is False and mode in NEEDS_AIO:
             reasons.append("DeepSpeed's async_io op does not build here: apt-get install libaio-dev "
                            "(or pass --aio yes when planning for another machine)")
+        if mode == "hms_balanced" and not BALANCED_PROFILE.is_file():  # an install without the repository's configs
+            reasons.append(f"its optimizer section is read from {BALANCED_PROFILE}, which this install lacks "
+                           "(a checkout of titan has it)")
         c.fits, c.why = not reasons, "; ".join(reasons) or "fits"
         out.append(c)
     return out

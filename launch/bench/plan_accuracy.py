@@ -12,10 +12,13 @@ cache out, see ``titan_ds/memcap.py``).
 
 ``--calibrate`` runs every mode at the calibration shapes (``--cal-shapes``), fits per mode the process baseline
 and the bytes per parameter that the structural model does not explain (least squares over the shapes), and
-writes ``titan_ds/plan_calibration.json``. Without it, the validation runs (other widths, depths and rank counts
-than the fit saw, widths 2048 and 4096, each ``REPEATS`` times) are compared with the prediction for the code
-that ran (:data:`EARLIER_CODE`), beside the held-out ZeRO-Infinity trials of ``hms_scale.py`` and its width-4096
-trials: ``results/plan_accuracy.{md,csv}``. ``--only MODEL,...`` runs a subset. Every run is saved at
+writes ``titan_ds/plan_calibration.json``; the modes fitted on committed ``hms_scale.py`` trials instead
+(:data:`TRIAL_FIT`: ``zero_inf``, ``hms_balanced``) run nothing. ``--refit MODE,...`` refits only those modes
+from their committed trials and rewrites their entries of the file, the others' as they are (no run, no cgroup).
+Without ``--calibrate``, the validation runs (other widths, depths and rank counts than the fit saw, widths 2048
+and 4096, each ``REPEATS`` times) are compared with the prediction for the code that ran (:data:`EARLIER_CODE`),
+beside the held-out ZeRO-Infinity and ``hms_balanced`` trials of ``hms_scale.py`` and its width-4096 trials:
+``results/plan_accuracy.{md,csv}``. ``--only MODEL,...`` runs a subset. Every run is saved at
 once to ``<out>.runs.jsonl`` (``launch/bench/store.py``) and reused by a rerun from the same code (resumable;
 ``--reuse-stale``: from any code); ``python -m launch.bench table plan-accuracy --out <out>`` rewrites the table
 from it and today's predictions without running anything.
@@ -65,6 +68,16 @@ EARLIER_CODE = {"step_temp": {"adamw": 8.0, "asdt_bf16": 25.0, "asdt_8bit": 28.0
 ZINF_TRIALS = ["results/hms_scale_zinf.trials.jsonl", "results/hms_scale_zinf.speed.jsonl",
                "results/hms_scale_zinf_pipelined.speed.jsonl"]
 ZINF_FIT = ("4x768", "8x768", "10x768")
+# titan's shipped optimizer with HMS (plan mode hms_balanced, the config of hms_scale.py's hms_balanced) is calibrated
+# on hms_scale.py's committed hms_balanced trials: the bisection trials of BALANCED_TRIALS[0] (32x768 and 41x768
+# under 2 GiB, 121x768 under 4 GiB) fit its baseline; the others are held out: the 12x768 speed run, the 907.7M
+# (128x768) speed runs and the 5.04B run (25x4096 under 8 GiB)
+BALANCED_TRIALS = ["results/hms_scale_zinf.trials.jsonl", "results/hms_scale_zinf.speed.jsonl",
+                   "results/hms_900m_1206_t1.speed.jsonl", "results/hms_900m_1206_t2.speed.jsonl",
+                   "results/hms_5b_balanced_1206.speed.jsonl"]
+# the modes fitted on committed hms_scale trials rather than runs of their own: mode -> (the store, the shapes of
+# it that fit; None: all of them)
+TRIAL_FIT = {"zero_inf": (ZINF_TRIALS[0], ZINF_FIT), "hms_balanced": (BALANCED_TRIALS[0], None)}
 # hms_scale trials at width 4096 (the 5B run and its two probes; earlier code) checked beside the validation runs
 WIDE_TRIALS = ["results/hms_scale_probe4096.trials.jsonl", "results/hms_scale_cap8.trials.jsonl"]
 
@@ -152,22 +165,66 @@ def as_run_of(rec: dict) -> dict:
     return {k: rec["result"][k] for k in ("step_temp", "pipeline_depth") if k in rec["result"]}
 
 
+def _command() -> str:
+    return "PYTHONPATH=$PWD python launch/bench/plan_accuracy.py " + " ".join(sys.argv[1:])
+
+
+def trial_points(mode: str) -> list[tuple]:
+    """(model, measured - structure, source) of the committed hms_scale trials that fit ``mode`` (:data:`TRIAL_FIT`),
+    the structure being that of the code each trial ran."""
+    store, shapes = TRIAL_FIT[mode]
+    pts = []
+    for t in hms_scale_trials([store], mode):
+        if shapes is None or t["shape"] in shapes:
+            m = model_spec(f"gpt:{t['shape']}")
+            s = predict(mode, m, calibration={"modes": {}}, **t["as_run"]).dram_peak
+            pts.append((m, t["measured_GiB"] * GiB - s, f"{t['file']} cap {t['cap_GiB']:g}"))
+    if not pts:
+        raise SystemExit(f"no successful {mode} trial in {store} to fit it on")
+    return pts
+
+
+def fit_mode(mode: str, pts: list[tuple], zero3_cpu_extra: float) -> dict:
+    """A mode's calibration entry from its points: BASELINE_ONLY_MODES fit the baseline alone (extra 0), zero_inf its
+    baseline with zero3_cpu's extra, the others least squares of baseline + extra * params."""
+    if mode in BASELINE_ONLY_MODES or mode == "zero_inf":
+        extra = 0.0 if mode != "zero_inf" else zero3_cpu_extra
+        base = sum(y - extra * m.params for m, y, _ in pts) / len(pts)
+    else:
+        base, extra = fit([(m.params, y) for m, y, _ in pts])
+    print(f"{mode}: baseline {base / GiB:.3f} GiB, unexplained {extra:.2f} bytes/param")
+    return {"baseline_bytes": base, "extra_bytes_per_param": extra,
+            "points": [{"model": m.name, "params": m.params, "residual_bytes": y, "source": src}
+                       for m, y, src in pts]}
+
+
+def refit(modes: list[str]) -> dict:
+    """The calibration file with the entries of ``modes`` (of :data:`TRIAL_FIT`) fitted again on their committed
+    trials, each recording this command and date; every other entry as the file has it. Runs nothing."""
+    unknown = [mo for mo in modes if mo not in TRIAL_FIT]
+    if unknown:
+        raise SystemExit(f"--refit: {', '.join(unknown)} not fitted on committed trials; choose from "
+                         f"{', '.join(TRIAL_FIT)} (the others need --calibrate's runs)")
+    cal = json.loads(CALIBRATION_FILE.read_text())
+    for mode in modes:
+        extra = cal["modes"]["zero3_cpu"]["extra_bytes_per_param"]
+        cal["modes"][mode] = {**fit_mode(mode, trial_points(mode), extra), "command": _command(),
+                              "date": time.strftime("%Y-%m-%d")}
+    return cal
+
+
 def calibrate(runs: Runs, shapes: list[str], kw: dict) -> dict:
     """Per mode, least squares of (measured - structure) = baseline + extra * params over the shapes, the structure
-    being that of the code each run measured; BASELINE_ONLY_MODES fit the baseline alone (extra 0); zero_inf
-    fits its baseline on the committed hms_scale trials (:data:`ZINF_FIT`) with zero3_cpu's extra."""
-    out = {"command": "PYTHONPATH=$PWD python launch/bench/plan_accuracy.py " + " ".join(sys.argv[1:]),
+    being that of the code each run measured; BASELINE_ONLY_MODES fit the baseline alone (extra 0); the
+    :data:`TRIAL_FIT` modes fit on their committed hms_scale trials (zero_inf its baseline, with zero3_cpu's extra)."""
+    out = {"command": _command(),
            "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, CPU accelerator (fp32)",
            "measure": "cgroup peak anonymous memory (rss + shmem), 2 training steps, micro-batch 1, context 128",
            "modes": {}}
     for mode in sorted(MODES, key=lambda mo: mo == "zero_inf"):  # zero_inf after zero3_cpu, whose slope it takes
         pts = []
-        if mode == "zero_inf":
-            for t in hms_scale_trials(ZINF_TRIALS[:1], mode):
-                if t["shape"] in ZINF_FIT:
-                    m = model_spec(f"gpt:{t['shape']}")
-                    s = predict(mode, m, calibration={"modes": {}}, **t["as_run"]).dram_peak
-                    pts.append((m, t["measured_GiB"] * GiB - s, f"{t['file']} cap {t['cap_GiB']:g}"))
+        if mode in TRIAL_FIT:
+            pts = trial_points(mode)
         else:
             for spec in shapes:
                 r = runs.get(mode, spec, 1, **kw)
@@ -176,22 +233,17 @@ def calibrate(runs: Runs, shapes: list[str], kw: dict) -> dict:
                 m = model_spec(spec)
                 s = predict(mode, m, calibration={"modes": {}}, **runs.as_run[mode, spec, 1, 0]).dram_peak
                 pts.append((m, r["measured_GiB"] * GiB - s, runs.path.name))
-        if mode in BASELINE_ONLY_MODES or mode == "zero_inf":
-            extra = 0.0 if mode != "zero_inf" else out["modes"]["zero3_cpu"]["extra_bytes_per_param"]
-            base = sum(y - extra * m.params for m, y, _ in pts) / len(pts)
-        else:
-            base, extra = fit([(m.params, y) for m, y, _ in pts])
-        out["modes"][mode] = {"baseline_bytes": base, "extra_bytes_per_param": extra,
-                              "points": [{"model": m.name, "params": m.params, "residual_bytes": y, "source": src}
-                                         for m, y, src in pts]}
-        print(f"{mode}: baseline {base / GiB:.3f} GiB, unexplained {extra:.2f} bytes/param")
+        out["modes"][mode] = fit_mode(mode, pts, out["modes"].get("zero3_cpu", {}).get("extra_bytes_per_param", 0.0))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--path", required=True)
+    ap.add_argument("--path", default=None, help="a folder for HMS's files (every command but --refit)")
     ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--refit", default="", help=f"comma list of {', '.join(TRIAL_FIT)}: fit only these modes again "
+                    "on their committed hms_scale trials and rewrite their entries of the calibration file (runs "
+                    "nothing)")
     ap.add_argument("--cal-shapes", default="gpt:4x512,gpt:8x768,gpt:16x768")
     ap.add_argument("--cap", type=float, default=20, help="GiB: a cap no run reaches (measurement, not a limit)")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -201,6 +253,12 @@ def main() -> None:
     add_store_args(ap)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="  %(message)s")
+    if a.refit:
+        CALIBRATION_FILE.write_text(json.dumps(refit(a.refit.split(",")), indent=1) + "\n")
+        print(f"wrote {CALIBRATION_FILE}")
+        return
+    if not a.path:
+        ap.error("--path is required (but with --refit)")
     if not cgroup_available():
         raise SystemExit("plan_accuracy.py needs root and a cgroup v1 memory controller")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_capped's cleanup removes the cgroup
@@ -216,7 +274,7 @@ def main() -> None:
     for mode, spec, ranks, rep in VALIDATION:
         if only is None or spec in only:
             runs.get(mode, spec, ranks, rep, **kw)
-    write_table(runs, out, f"PYTHONPATH=$PWD python launch/bench/plan_accuracy.py {' '.join(sys.argv[1:])}")
+    write_table(runs, out, _command())
 
 
 def _row(mode: str, spec: str, ranks: int, repeat, measured, as_run: dict, source: str) -> dict:
@@ -231,9 +289,9 @@ def _row(mode: str, spec: str, ranks: int, repeat, measured, as_run: dict, sourc
 
 
 def write_table(runs: Runs, out: Path, command: str) -> None:
-    """``<out>.md``/``.csv``: every validation run recorded in ``runs``, the held-out ZeRO-Infinity trials, the
-    width-4096 hms_scale trials and the ``hms_gdisk`` bisection trials, each beside the prediction for the code it
-    ran (:data:`EARLIER_CODE`)."""
+    """``<out>.md``/``.csv``: every validation run recorded in ``runs``, the held-out ZeRO-Infinity and
+    ``hms_balanced`` trials, the width-4096 hms_scale trials and the ``hms_gdisk`` bisection trials, each beside the
+    prediction for the code it ran (:data:`EARLIER_CODE`)."""
     rows = []
     for mode, spec, ranks, rep in VALIDATION:
         r = runs.rows.get((mode, spec, ranks, rep))
@@ -247,6 +305,10 @@ def write_table(runs: Runs, out: Path, command: str) -> None:
     for t in hms_scale_trials(WIDE_TRIALS, "hms_asdt_bf16"):
         rows.append(_row("hms_asdt_bf16", f"gpt:{t['shape']}", 1, "-", t["measured_GiB"], t["as_run"],
                          f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
+    for t in hms_scale_trials(BALANCED_TRIALS, "hms_balanced"):
+        if t["file"] != TRIAL_FIT["hms_balanced"][0]:  # held out of the calibration
+            rows.append(_row("hms_balanced", f"gpt:{t['shape']}", 1, "-", t["measured_GiB"], t["as_run"],
+                             f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
     for t in hms_scale_trials(ZINF_TRIALS[:1], "hms_gdisk"):  # plan has no runs of its own for it (borrows hms's)
         rows.append(_row("hms_gdisk", f"gpt:{t['shape']}", 1, "-", t["measured_GiB"], t["as_run"],
                          f"{Path(t['file']).name} (cap {t['cap_GiB']:g})"))
@@ -266,7 +328,8 @@ def write_table(runs: Runs, out: Path, command: str) -> None:
     md = ["### `titan-ds plan`: predicted vs measured peak DRAM", "",
           f"Command: `{command}`",
           f"Calibration: `{json.loads(CALIBRATION_FILE.read_text())['command']}` (shapes not used below; "
-          f"zero_inf from the hms_scale_zinf trials at {', '.join(ZINF_FIT)}, the others here are held out). "
+          f"zero_inf from the hms_scale_zinf trials at {', '.join(ZINF_FIT)}, hms_balanced from "
+          f"{Path(TRIAL_FIT['hms_balanced'][0]).name}'s, the others here are held out). "
           f"Measured: cgroup peak anonymous memory (rss + shmem, all ranks), 2 steps (the zero_inf speed runs: "
           f"their warm-up and timed steps), micro-batch 1, context 128. "
           f"{max(dates) if dates else time.strftime('%Y-%m-%d')}.", "",
