@@ -175,6 +175,27 @@ def test_estimate_is_plans_prediction():
         budget.estimate(settings=dict(DEFAULTS, gradient_buffer="disk"), zero={}, **gpu) + 4 * m.params)
 
 
+def test_estimate_counts_titan_balanceds_second_moment_as_plans_hms_balanced():
+    """titan_balanced's section (8-bit momentum and a 4-bit per-coordinate second moment) is estimated as plan's
+    hms_balanced candidate, not as the 8-bit momentum alone; a pairing plan has not measured counts as AdamW."""
+    import json
+    from titan_ds.plan import candidate_config, model_spec, predict
+    m = model_spec("gpt:16x768")
+    cfg = candidate_config("hms_balanced", nvme_path="/x")
+    t = TitanConfig.from_ds_config(cfg)
+    settings = dict(DEFAULTS, dram_cache_mb=64, gradient_buffer="disk")
+    kw = dict(params=m.params, largest=m.largest, settings=settings, zero={}, half=False, gpu=False)
+    c = predict("hms_balanced", m)
+    c.dram.pop("activations")
+    assert budget.estimate(titan=t, **kw) == pytest.approx(c.dram_peak, rel=1e-12)
+    momentum_only = json.loads(json.dumps(cfg))
+    momentum_only["titan"]["optimizer"].update(second_moment="unit")
+    assert budget.estimate(titan=t, **kw) > budget.estimate(titan=TitanConfig.from_ds_config(momentum_only), **kw)
+    other = json.loads(json.dumps(cfg))
+    other["titan"]["optimizer"].update(second_dtype="bf16")
+    assert budget._optimizer_key(TitanConfig.from_ds_config(other)) == "adamw"
+
+
 # ------------------------------------------------------------------------------------------------ the pillar
 def _validate(monkeypatch, hms: dict, have_gib: float, model):
     from titan_ds.hms.install import HMSPillar

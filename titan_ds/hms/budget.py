@@ -199,6 +199,11 @@ def _optimizer_key(titan: Any) -> str:
     opt = getattr(titan, "optimizer", None)
     if opt is None:
         return "adamw"
+    if opt.second_moment == "coordinate":  # a per-coordinate second moment beside the momentum
+        # titan_balanced's layout (8-bit momentum, 4-bit second moment: 1.547 bytes/param); any other pairing is
+        # modelled as AdamW, the largest state plan knows, rather than as the momentum alone
+        return "titan_balanced" if (opt.state_dtype, opt.second_dtype) in (("8bit", "4bit"), ("4bit", "4bit")) \
+            else "adamw"
     return {"bf16": "asdt_bf16", "8bit": "asdt_8bit", "4bit": "asdt_8bit"}.get(opt.state_dtype, "adamw")
 
 
@@ -218,7 +223,7 @@ def estimate(*, params: int, largest: int, settings: Mapping[str, Any], titan: A
                        resident_bytes=int(settings["optimizer_dram_mb"]) * MiB, bounds=tuple(bounds.items()))
     # the calibrated process baseline of the plan mode closest to this run
     mode = "hms_dram" if layout.params_in_dram else "hms" if opt == "adamw" else \
-        "hms_asdt_bf16" if half else "hms_asdt"
+        "hms_balanced" if opt == "titan_balanced" else "hms_asdt_bf16" if half else "hms_asdt"
     spec = ModelSpec("the model", params, layers=0, hidden=0, heads=1, vocab=0, intermediate=0, largest=largest)
     c = predict(mode, spec, ranks=ranks, gpu=gpu, layout=layout)
     c.dram.pop("activations", None)  # (zero: no layers given) the batch's, unknown here
