@@ -74,7 +74,7 @@ ZINF_FIT = ("4x768", "8x768", "10x768")
 # (128x768) speed runs and the 5.04B run (25x4096 under 8 GiB)
 BALANCED_TRIALS = ["results/hms_scale_zinf.trials.jsonl", "results/hms_scale_zinf.speed.jsonl",
                    "results/hms_900m_1206_t1.speed.jsonl", "results/hms_900m_1206_t2.speed.jsonl",
-                   "results/hms_5b_balanced_1206.speed.jsonl"]
+                   "results/hms_5b_balanced_1206.speed.jsonl", "results/hms_5b_1207.speed.jsonl"]
 # the modes fitted on committed hms_scale trials rather than runs of their own: mode -> (the store, the shapes of
 # it that fit; None: all of them)
 TRIAL_FIT = {"zero_inf": (ZINF_TRIALS[0], ZINF_FIT), "hms_balanced": (BALANCED_TRIALS[0], None)}
