@@ -408,14 +408,9 @@ def test_plan_config_trains_under_the_cap(tmp_path):
     assert r2.oom_killed, r2
 
 
-def test_an_install_without_the_profile_does_not_write_hms_balanced(monkeypatch, tmp_path):
-    """A wheel has no ds_configs/: plan then marks hms_balanced as not fitting (naming the file) and writes the next
-    candidate, instead of failing while writing the config."""
-    from titan_ds import plan as pl
-    m = pl.model_spec("gpt:32x768")
-    kw = dict(seq=128, micro=1, cpu_mem=2 * 2**30, disk=100 * 2**30, aio=False)
-    assert pl.plan(m, **kw)[1].mode == "hms_balanced"
-    monkeypatch.setattr(pl, "BALANCED_PROFILE", tmp_path / "missing.json")
-    cands, best = pl.plan(m, **kw)
-    hb = next(c for c in cands if c.mode == "hms_balanced")
-    assert not hb.fits and "missing.json" in hb.why and best.mode != "hms_balanced"
+def test_hms_balanced_trains_exactly_the_shipped_profiles_optimizer_section():
+    """plan keeps titan_balanced's optimizer section in the package (a wheel has no ds_configs/): it must be the
+    shipped profile's, key for key."""
+    shipped = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "titan_balanced.json").read_text())
+    assert balanced_optimizer() == shipped["titan"]["optimizer"]
+    assert candidate_config("hms_balanced")["titan"]["optimizer"] == shipped["titan"]["optimizer"]
