@@ -120,6 +120,10 @@ class HMSConfig(_Strict):
     # reclaims under memory pressure (for models whose gradients do not fit in RAM; slower). Absent: "dram", or
     # "disk" where the memory check finds that "dram" does not fit (logged)
     gradient_buffer: Literal["dram", "disk"] = "dram"
+    # with gradient_buffer "disk": each gradient piece is written to the store (O_DIRECT) as ZeRO-3 hands it over
+    # in backward and punched out of the mapping once on disk; the step reads it back prefetched with the state
+    # instead of faulting the mapping's pages in (and the kernel never writes them back). Bit-identical
+    gradient_store: bool = False
     # pipelined optimizer step: while sub-group i steps, i+1's state is read and i-1's written in the
     # background (write-behind); pipeline_depth sub-groups' writes in flight at most (each one more sub-group's
     # master and state in DRAM); all flushed at the end of the step, before a checkpoint and on close

@@ -47,10 +47,10 @@ from titan_ds.utils import free_port  # noqa: E402
 # titan.hms (pipeline_optimizer, param_write_behind); zero_inf: DeepSpeed's own offload
 MODES = {"hms_off": (False, False), "hms_pw_off": (True, False), "hms_on": (True, True), "zero_inf": None}
 PHASE_COLS = ["param fetch", "forward", "backward", "grad write", "opt read", "opt compute", "param write",
-              "opt write", "idle", "wall", "opt write (bg)", "param write (bg)"]
+              "opt write", "idle", "wall", "opt write (bg)", "param write (bg)", "grad write (bg)"]
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "step": "#c44e52", "param fetch": "#8172b2",
           "param write": "#937860", "grad write": "#da8bc3", "opt read": "#ccb974", "opt write": "#64b5cd",
-          "opt write (bg)": "#1f5f7a", "param write (bg)": "#5a4632"}
+          "opt write (bg)": "#1f5f7a", "param write (bg)": "#5a4632", "grad write (bg)": "#8e3b76"}
 
 
 def trial(mode: str, rep: int, a, logs: Path) -> dict:

@@ -25,12 +25,14 @@ def _die(point: str, path: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _arm_hms(nth: int) -> None:
+def _arm_hms(nth: int, contains: str = "") -> None:
     from titan_ds.hms.store import TensorStore
     original = TensorStore._write_file
     calls = [0]
 
     def write_file(self, path, meta, hlen, view, *, durable):
+        if contains not in os.path.basename(path):  # counts only the files named so (--name-contains)
+            return original(self, path, meta, hlen, view, durable=durable)
         calls[0] += 1
         if calls[0] < nth:
             return original(self, path, meta, hlen, view, durable=durable)
@@ -78,10 +80,16 @@ def main() -> None:
     ap.add_argument("--at", choices=["hms_write", "checkpoint_file"], required=True)
     ap.add_argument("--nth", type=int, required=True)
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--name-contains", default="",
+                    help="hms_write: count only the store files whose name contains this (a quoted key: "
+                         "%%2Fgrad%%2F for the gradient pieces of titan.hms.gradient_store)")
     ap.add_argument("--local_rank", default=None)  # the deepspeed launcher puts it first
     a = ap.parse_args(own)
     if int(os.environ.get("RANK", "0")) == a.rank:
-        (_arm_hms if a.at == "hms_write" else _arm_checkpoint)(a.nth)
+        if a.at == "hms_write":
+            _arm_hms(a.nth, a.name_contains)
+        else:
+            _arm_checkpoint(a.nth)
     script, args = script_argv[0], script_argv[1:]
     if a.local_rank is not None:
         args = [f"--local_rank={a.local_rank}", *args]

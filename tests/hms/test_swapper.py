@@ -213,6 +213,47 @@ def test_bf16_parameters_with_disk_gradients_train_the_same(tmp):
     assert gd["grad_buffer_mapped"] is True and gd["grad_keys"] == 0 and ref["grad_keys"] == 0
 
 
+def test_gradient_store_trains_the_same_and_resumes(tmp):
+    # titan.hms.gradient_store: each gradient piece of the mapping is written to the store in backward (behind, on
+    # the writer) and punched out of the mapping once on disk; the step reads it back, prefetched into one of two
+    # buffers. Same bits as the mapped gradients, with accumulation and clipping, and through a checkpoint
+    ref, = run(tmp, "gs_ref", "--mode", "hms", "--clip", 1.0, "--gas", 2, "--grad-disk")
+    gs, = run(tmp, "gs", "--mode", "hms", "--clip", 1.0, "--gas", 2, "--grad-disk", "--grad-store")
+    assert_same(ref, gs)
+    assert ref["grads_stored"] == 0 and ref["grad_keys"] == 0 and ref["grad_bytes_punched"] == 0
+    assert gs["grad_keys"] > 0 and gs["grads_stored"] >= gs["grad_keys"] * 6  # every piece, every step
+    assert gs["grads_in_place"] == 0 and gs["grads_advised"] == 0  # nothing read from the mapping
+    assert gs["grad_bytes_punched"] > 0  # (the 512x512 matrix's pieces span whole pages)
+    # 4 bytes a parameter more written and read a step: the pieces
+    assert gs["store_bytes_written"] - ref["store_bytes_written"] >= 6 * 4 * gs["numel"]
+    saved, = run(tmp, "gs_save", "--mode", "hms", "--clip", 1.0, "--gas", 2, "--grad-disk", "--grad-store",
+                 "--steps", 3, "--save-at", 3, "--save-dir", tmp / "ck_gs")
+    resumed, = run(tmp, "gs_resumed", "--mode", "hms", "--clip", 1.0, "--gas", 2, "--grad-disk", "--grad-store",
+                   "--load-dir", tmp / "ck_gs")
+    assert_same(gs, resumed, steps=[3, 4, 5])
+
+
+def test_gradient_store_with_titan_balanced_folds_the_clip_the_same(tmp):
+    # ASDT (8-bit/4-bit state) reads the stored gradient with ZeRO-3's clip factor folded into its read
+    ref, = run(tmp, "gsa_ref", "--mode", "hms", "--clip", 1.0, "--grad-disk", "--asdt", "--bf16")
+    gs, = run(tmp, "gsa", "--mode", "hms", "--clip", 1.0, "--grad-disk", "--asdt", "--bf16", "--grad-store")
+    assert_same(ref, gs)
+    assert gs["grads_stored"] > 0 and gs["unscale"]["folded"] and gs["unscale"] == ref["unscale"]
+
+
+def test_gradient_store_config_errors_name_the_fix():
+    from titan_ds.config import TitanConfig
+    from titan_ds.hms.install import HMSPillar
+    from titan_ds.pillar import View
+    for hms, ds, match in (({"gradient_buffer": "dram", "gradient_store": True}, {}, "set gradient_buffer to"),
+                           ({"gradient_buffer": "disk", "gradient_store": True}, {"fp16": {"enabled": True}},
+                            "use bf16")):
+        cfg = TitanConfig.model_validate({"hms": {"nvme_path": "/tmp/titan_gs_cfg", **hms}})
+        pillar = HMSPillar(cfg)
+        errs = pillar.validate(View.of(cfg, ds, torch.nn.Linear(2, 2)))
+        assert any(match in e for e in errs), errs
+
+
 def test_disk_gradient_buffer_maps_a_sparse_unlinked_file(tmp_path):
     from titan_ds.hms.install import _DiskGradientBuffer
     buf = _DiskGradientBuffer(str(tmp_path))

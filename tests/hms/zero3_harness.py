@@ -185,6 +185,7 @@ def main():
                     help="seconds each write-behind write sleeps first (the writes are then still in flight when "
                          "ZeRO-3 goes on)")
     ap.add_argument("--grad-disk", action="store_true", help="titan.hms.gradient_buffer: disk")
+    ap.add_argument("--grad-store", action="store_true", help="titan.hms.gradient_store: true (with --grad-disk)")
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient accumulation")
     ap.add_argument("--zero-init", action="store_true", help="build the model under titan_ds.zero_init(cfg)")
     ap.add_argument("--asdt", action="store_true",
@@ -204,6 +205,8 @@ def main():
     cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
     if a.grad_disk:
         cfg["titan"]["hms"]["gradient_buffer"] = "disk"
+    if a.grad_store:
+        cfg["titan"]["hms"]["gradient_store"] = True
     if a.mode == "hms":
         cfg["titan"]["hms"]["pipeline_optimizer"] = not a.no_pipeline
         cfg["titan"]["hms"]["pipeline_depth"] = a.pipeline_depth
@@ -299,6 +302,8 @@ def main():
         res["grad_keys"] = sum("/grad/" in k for k in engine.titan.reports["hms"].store.keys())
         res["grads_in_place"] = engine.titan.reports["hms"].opt_swapper.grads_in_place
         res["grads_advised"] = engine.titan.reports["hms"].opt_swapper.grads_advised
+        res["grads_stored"] = engine.titan.reports["hms"].opt_swapper.grads_stored
+        res["grad_bytes_punched"] = engine.titan.reports["hms"].opt_swapper.grad_bytes_punched
         res["store_bytes_written"] = engine.titan.reports["hms"].store.stats.bytes_written
         res["store_bytes_read"] = engine.titan.reports["hms"].store.stats.bytes_read
         res["master_files"] = sum(k.endswith("/fp32") for k in engine.titan.reports["hms"].store.keys())

@@ -50,10 +50,17 @@ def _assert_resumes_exactly(ck: Path, ref: dict[int, float], resumed: dict[int, 
 
 
 @pytest.mark.slow
-def test_kill9_during_hms_write_then_resume_bit_exact(tmp_path):
+@pytest.mark.parametrize("grads", ["mapped", "store"])
+def test_kill9_during_hms_write_then_resume_bit_exact(tmp_path, grads):
     cfg = json.loads((ROOT / "ds_configs" / "hms.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 4
     cfg["titan"]["hms"].update(nvme_path=str(tmp_path / "nvme"), dram_cache_mb=1)  # every step goes to disk
+    # "store": titan.hms.gradient_store, killed in the middle of a gradient piece's write (the 100th), which
+    # lands in backward between two checkpoints
+    kill_at = ["--nth", "300"]
+    if grads == "store":
+        cfg["titan"]["hms"].update(gradient_buffer="disk", gradient_store=True)
+        kill_at = ["--nth", "100", "--name-contains", "%2Fgrad%2F"]
     (tmp_path / "hms.json").write_text(json.dumps(cfg))
     steps = 12
     train = ["launch/train.py", "--deepspeed_config", str(tmp_path / "hms.json"), *SMALL, "--steps", str(steps)]
@@ -63,7 +70,7 @@ def test_kill9_during_hms_write_then_resume_bit_exact(tmp_path):
     # tens of swap-file writes a step here (about 40 since the gradients are read in place, 100 before): the 300th
     # lands after a checkpoint and before the last step
     port = free_port()
-    killed = run_group([sys.executable, KILL, "--at", "hms_write", "--nth", "300", "--", *train,
+    killed = run_group([sys.executable, KILL, "--at", "hms_write", *kill_at, "--", *train,
                         "--save-dir", str(ck), "--save-every", "2"], cwd=ROOT, env=_one_rank_env(port),
                        capture_output=True, text=True, timeout=900)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]

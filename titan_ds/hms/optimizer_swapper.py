@@ -25,6 +25,7 @@ is :mod:`titan_ds.hms.param_swapper`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -88,7 +89,8 @@ class HMSOptimizerSwapper:
 
     def __init__(self, swap_config, aio_config, base_folder, optimizer, largest_numel, device, dtype, timers,
                  *, store: TensorStore, rank: int = 0, grad_file: Any = None, pipeline_depth: int = 0,
-                 master_from_partitions: bool = True, resident_bytes: int = 0, pooled_reads: bool = True):
+                 master_from_partitions: bool = True, resident_bytes: int = 0, pooled_reads: bool = True,
+                 gradient_store: bool = False):
         self.store = store
         # titan.hms.optimizer_dram_mb: sub-groups whose state (and master, unless the partitions in RAM hold it)
         # stays in DRAM between steps, admitted at their first swap-out while it fits: pid -> {name: tensor}
@@ -114,6 +116,20 @@ class HMSOptimizerSwapper:
         # their dtype is the master's, so they are kept as views instead of being written to the store a second
         # time (4 bytes/param of disk and of write traffic per step).
         self.grad_file = grad_file
+        # titan.hms.gradient_store (with gradient_buffer "disk"): each piece ZeRO-3 hands over from the mapping is
+        # written to the store behind (O_DIRECT, on the "opt" writer, while backward goes on and its pages are
+        # still in memory) and, once on disk, its whole pages are punched out of the mapping (MADV_REMOVE): the
+        # kernel then neither writes them back nor reads them in again when the next backward overwrites them (a
+        # hole faults in as a zero page). The step reads the pieces from the store, prefetched with the state
+        # straight into one of two gradient buffers it takes in turn (_grad_buffer): no fault per 4 KiB page and
+        # no second copy
+        self.gradient_store = bool(gradient_store) and grad_file is not None
+        self._grad_bufs: list[Optional[torch.Tensor]] = [None, None]
+        self._grad_turn = 0
+        self._grad_pending: dict[str, torch.Tensor] = {}  # pid -> the buffer its pieces are being read into
+        self.grads_stored = 0  # gradient pieces written to the store from the mapping
+        self.grad_bytes_punched = 0  # bytes of the mapping punched once their piece was on disk
+        self._punch_ok = _MADVISE is not None and hasattr(mmap, "MADV_REMOVE")
         # gradient_buffer "dram": the same for DeepSpeed's own gradient partition buffer in CPU memory
         # (grad_partitions_flat_buffer: with offload_optimizer ZeRO-3 allocates it on the CPU, pinned on a GPU
         # machine, and keeps it from backward to the optimizer step). Set by install._HMSRuntime.attach; before
@@ -185,6 +201,7 @@ class HMSOptimizerSwapper:
         self._grad_scratch = None
         self._masters = [None, None]
         self._drop_master_pending()
+        self._drop_grad_pending()
         try:
             if not self._writing and not any(k.startswith("opt/") for k in self.store.pending_writes()):
                 self.store.flush("opt/")  # a failure already done but not yet raised
@@ -372,13 +389,74 @@ class HMSOptimizerSwapper:
     def _prefetch_subgroup(self, pid) -> None:
         kept = self._resident.get(pid)
         direct = self._prefetch_master(pid)
+        grads_direct = self._prefetch_gradient(pid)
         keys = [*([] if direct or kept is not None and "fp32" in kept else self._master_keys(pid)),
                 *([] if kept is not None else (f"opt/{pid}/state/{n}" for n in self._state_names.get(pid, []))),
-                *(f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, []))]
+                *([] if grads_direct else (f"opt/{pid}/grad/{off}" for off, _ in self._grads.get(pid, [])))]
         for key in keys:
             name = key.rsplit("/", 1)[1] if key.startswith(f"opt/{pid}/state/") else None
             self.store.prefetch(key, out=None if name is None else self._state_buffer(pid, name))
         self._advise_gradient(pid)
+
+    @staticmethod
+    def _tiles(spans, numel: int) -> bool:
+        """``spans`` ((offset, numel) pieces) cover ``[0, numel)`` back to back."""
+        spans = sorted(spans)
+        return bool(spans) and spans[0][0] == 0 and spans[-1][0] + spans[-1][1] == numel and \
+            all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+    def _grad_buffer(self, numel: int) -> torch.Tensor:
+        """``gradient_store``: a buffer for the next sub-group's gradient, the step's two taken in turn (as
+        :meth:`_master_buffer`): sub-group i+1's pieces are read into one while sub-group i steps on the other."""
+        i, self._grad_turn = self._grad_turn, self._grad_turn ^ 1
+        buf = self._grad_bufs[i]
+        if buf is None or buf.numel() < numel:
+            self._grad_bufs[i] = None  # the old one goes before the larger one comes
+            buf = self._grad_bufs[i] = io_empty(numel, self.dtype)
+        return buf[:numel]
+
+    def _prefetch_gradient(self, pid) -> bool:
+        """``gradient_store``: read sub-group ``pid``'s gradient pieces from the store straight into the gradient
+        buffer its swap-in will use, where they tile the sub-group. False where that does not apply (the caller
+        prefetches the pieces as before)."""
+        if pid in self._grad_pending:
+            return True
+        pieces = self._grads.get(pid)
+        if not self.gradient_store or not pieces or self._grad_views.get(pid) or \
+                not self._tiles(pieces, self._numel[pid]):
+            return False
+        buf = self._grad_buffer(self._numel[pid])
+        for off, n in pieces:
+            self.store.prefetch(f"opt/{pid}/grad/{off}", out=buf.narrow(0, off, n))
+        self._grad_pending[pid] = buf
+        return True
+
+    def _drop_grad_pending(self) -> None:
+        """Forget the gradient buffers and the prefetches into them that no swap-in took (their reads waited for)."""
+        pending, self._grad_pending = self._grad_pending, {}
+        for pid in pending:
+            for off, _ in self._grads.get(pid, []):
+                self.store.unstage(f"opt/{pid}/grad/{off}")
+        self._grad_bufs = [None, None]
+
+    def _punch(self, view: torch.Tensor) -> None:
+        """``gradient_store``: free the whole pages of ``view`` (a piece of the gradient mapping, now on disk) from
+        the mapping's file (MADV_REMOVE): not written back, and zero pages at the next touch. Called on the writer
+        thread once the piece's write landed. Where the kernel refuses (a file system without hole punching),
+        warns once and stops punching: the pages are then written back as without the store, same values."""
+        if not self._punch_ok:
+            return
+        page = mmap.PAGESIZE
+        start = view.data_ptr()
+        lo, hi = -(-start // page) * page, (start + view.numel() * view.element_size()) // page * page
+        if hi <= lo:
+            return
+        if _MADVISE(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_REMOVE) != 0:
+            self._punch_ok = False
+            log.warning("titan hms: gradient_store could not punch the gradient mapping (madvise MADV_REMOVE: %s); "
+                        "its pages are written back by the kernel instead", os.strerror(ctypes.get_errno()))
+            return
+        self.grad_bytes_punched += hi - lo
 
     def _advise_gradient(self, pid) -> None:
         """``gradient_buffer: "disk"``: ask the kernel to read the next sub-group's gradient pages back into the page
@@ -428,10 +506,16 @@ class HMSOptimizerSwapper:
             else:
                 state[name] = t
         pieces, views = self._grads.get(pid), self._grad_views.get(pid)
-        if pieces or views:
-            spans = sorted([*(pieces or ()), *((off, v.numel()) for off, v in views or ())])
-            whole = all(a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0 and \
-                spans[-1][0] + spans[-1][1] == self._numel[pid]
+        if pid not in self._grad_pending and self.gradient_store:
+            self._prefetch_gradient(pid)  # not prefetched (the first sub-group after a restore): read it the same way
+        buf = self._grad_pending.pop(pid, None)
+        if buf is not None:  # gradient_store: the pieces were read into this buffer
+            for off, n in pieces:
+                self.store.get(f"opt/{pid}/grad/{off}", out=buf.narrow(0, off, n))
+            parameter.grad = buf
+        elif pieces or views:
+            spans = [*(pieces or ()), *((off, v.numel()) for off, v in views or ())]
+            whole = self._tiles(spans, self._numel[pid])
             g = self._gradient_in_place(pid, views) if whole and not pieces else None
             if g is None:
                 g = self._gradient_into(self._numel[pid], whole)
@@ -643,6 +727,12 @@ class HMSOptimizerSwapper:
         return any(m is not None and ptr == m.untyped_storage().data_ptr()
                    for m in (getattr(self.grad_file, "mapped", None), self.grad_buffer))
 
+    def _in_file_mapping(self, t: torch.Tensor) -> bool:
+        """``t`` is a contiguous view, in the master's dtype, of the gradient file mapping (gradient_buffer "disk")."""
+        mapped = getattr(self.grad_file, "mapped", None)
+        return mapped is not None and t.dtype == self.dtype and t.is_contiguous() and t.device.type == "cpu" and \
+            t.untyped_storage().data_ptr() == mapped.untyped_storage().data_ptr()
+
     def swap_out_gradients(self, parameter, gradient_offsets, gradient_tensors) -> None:
         pid = parameter.ds_id
         if pid not in self._numel:
@@ -650,11 +740,19 @@ class HMSOptimizerSwapper:
         t0 = time.perf_counter()
         pieces = self._grads.setdefault(pid, [])
         views = self._grad_views.setdefault(pid, [])
+        tl = _timeline()
+        done = None if tl is None else (lambda a, b: tl.add("grad write (bg)", a, b, lane="writer"))
         for off, t in zip(gradient_offsets, gradient_tensors):
             off = int(off)
             pieces[:] = [pc for pc in pieces if pc[0] != off]
             views[:] = [pc for pc in views if pc[0] != off]
-            if self._is_mapped(t):
+            if self.gradient_store and self._in_file_mapping(t):
+                piece = t.detach().reshape(-1)
+                self.store.put_behind(f"opt/{pid}/grad/{off}", piece, durable=False, on_done=done,
+                                      on_written=functools.partial(self._punch, piece))
+                pieces.append((off, t.numel()))
+                self.grads_stored += 1
+            elif self._is_mapped(t):
                 if f"opt/{pid}/grad/{off}" in self.store:
                     self.store.delete(f"opt/{pid}/grad/{off}")
                 views.append((off, t))

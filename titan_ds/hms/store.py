@@ -308,12 +308,14 @@ class TensorStore:
         return gen
 
     def put_behind(self, key: str, tensor: torch.Tensor, *, durable: Optional[bool] = None,
-                   on_done=None, lane: str = "opt", stage: bool = False) -> Future:
+                   on_done=None, lane: str = "opt", stage: bool = False, on_written=None) -> Future:
         """:meth:`put` on the writer thread of ``lane`` (writes of one lane land in the order queued); returns its
         ``Future`` at once (see the module docstring). The caller hands ``tensor`` over: it must not change it
         until the future is done. ``on_done(start, end)`` is called on the writer thread with the write's
         ``time.perf_counter`` span (the timeline's in-flight bars). ``stage``: the next ``get`` of ``key`` takes
         ``tensor`` itself (as :meth:`stage`, once the write landed) instead of reading the file back.
+        ``on_written()``: called on the writer thread once the write landed, only if it did, before the future is
+        done (so a ``get`` that waited for the write sees what it did).
 
         A prefetch or staged copy of ``key`` from before this call is dropped here (it holds the old value); a
         prefetch issued while the write is in flight reads the new file once it landed and is kept."""
@@ -325,7 +327,10 @@ class TensorStore:
         def write() -> int:
             t0 = time.perf_counter()
             try:
-                return self._put(key, src, durable=durable, unstage=False)
+                gen = self._put(key, src, durable=durable, unstage=False)
+                if on_written is not None:
+                    on_written()
+                return gen
             except BaseException:
                 with self._lock:  # the file keeps the old value: so must the next read
                     if done is not None and self._staged.get(key) is done:

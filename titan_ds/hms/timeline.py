@@ -8,7 +8,7 @@ cost off is one global read per swapper call. Phases (``PHASES``): the training 
 ``param write`` (the synchronous write, or with ``param_write_behind`` the queueing and the wait for earlier
 sub-groups' writes), ``grad write``, ``opt read`` (waits in ``swap_in_optimizer_state``), ``opt write`` (the
 synchronous write, or the wait for earlier background writes when pipelined, and the end-of-step flush) and, on
-lane ``writer``, ``opt write (bg)`` and ``param write (bg)``: each background write from start to end
+lane ``writer``, ``opt write (bg)``, ``param write (bg)`` and ``grad write (bg)`` (``gradient_store``): each background write from start to end
 (overlapping the main lane).
 
 :func:`breakdown` turns the spans of one step into seconds per phase, each span counted once in its innermost
@@ -28,7 +28,7 @@ __all__ = ["Timeline", "current", "enable", "disable", "breakdown", "PHASES", "T
 
 TOP = ("forward", "backward", "step")  # the training script's spans (lane "main")
 INNER = ("param fetch", "param write", "grad write", "opt read", "opt write")  # the swappers' (lane "main")
-BACKGROUND = ("opt write (bg)", "param write (bg)")  # lane "writer"
+BACKGROUND = ("opt write (bg)", "param write (bg)", "grad write (bg)")  # lane "writer"
 PHASES = TOP + INNER + BACKGROUND
 
 _CURRENT: Optional["Timeline"] = None
