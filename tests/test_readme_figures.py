@@ -35,6 +35,9 @@ DERIVED: dict[str, tuple[str, str, str]] = {
     "0.66": ("results/hms_speed_1207b.speed.md", "1.80", "2.73"),
     "0.72": ("results/hms_speed_1207b.speed.md", "1.60", "2.23"),
     "0.71": ("results/hms_speed_1207b.speed.md", "1.82", "2.55"),
+    # the 5.04B step with titan.hms.gradient_store over without it, and over the bound without the gradient's bytes
+    "0.910": ("results/hms_gstore_5b.speed.md", "105.651", "116.063"),
+    "3.288": ("results/hms_gstore_5b.speed.md", "105.651", "32.129"),
 }
 
 

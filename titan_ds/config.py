@@ -122,8 +122,10 @@ class HMSConfig(_Strict):
     gradient_buffer: Literal["dram", "disk"] = "dram"
     # with gradient_buffer "disk": each gradient piece is written to the store (O_DIRECT) as ZeRO-3 hands it over
     # in backward and punched out of the mapping once on disk; the step reads it back prefetched with the state
-    # instead of faulting the mapping's pages in (and the kernel never writes them back). Bit-identical
-    gradient_store: bool = False
+    # instead of faulting the mapping's pages in (and the kernel never writes them back). Bit-identical; 0.910x the
+    # 5.04B step, no different at 907.7M (results/hms_gstore_5b.speed.md, hms_gstore_900m). Not with fp16 (its
+    # overflow check reads the whole buffer at the step): off there, refused if set
+    gradient_store: bool = True
     # pipelined optimizer step: while sub-group i steps, i+1's state is read and i-1's written in the
     # background (write-behind); pipeline_depth sub-groups' writes in flight at most (each one more sub-group's
     # master and state in DRAM); all flushed at the end of the step, before a checkpoint and on close

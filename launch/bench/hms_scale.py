@@ -37,8 +37,9 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   ``ds_configs/titan_balanced.json`` (ASDT, adaptive update, density 1, 8-bit state), fp32 parameters, and
   ``gradient_buffer: "disk"`` as in ``hms_asdt``; never the sign mode; ``hms_balanced_wb``: the same with
   ``titan.hms.param_write_behind`` (the updated parameter partitions written in the background);
-  ``hms_balanced_gs``: the same with ``titan.hms.gradient_store`` (the gradient pieces written to the store in
-  backward and punched out of the mapping, read back prefetched with the state);
+  ``hms_balanced_gs`` / ``hms_balanced_map``: the same with ``titan.hms.gradient_store`` set on / off (the
+  gradient pieces written to the store in backward and punched out of the mapping, read back prefetched with the
+  state; off: the step reads the mapping in place);
   ``hms_dram_balanced``: ``hms_dram`` with ``hms_balanced``'s optimizer section (the parameters and DeepSpeed's
   gradient partitions in CPU memory as ``zero_inf`` keeps them: titan's optimizer against ZeRO-Infinity's AdamW,
   the rest the same);
@@ -100,9 +101,10 @@ from titan_ds.utils import free_port  # noqa: E402
 
 MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
          "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16",
-         "hms_dram_cpuadam_4k", "hms_balanced_4k", "hms_gdisk", "hms_wb", "hms_cpuadam_wb", "hms_balanced_gs")
+         "hms_dram_cpuadam_4k", "hms_balanced_4k", "hms_gdisk", "hms_wb", "hms_cpuadam_wb", "hms_balanced_gs",
+         "hms_balanced_map")
 BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced_res": "hms_balanced", "hms_balanced_wb": "hms_balanced",
-             "hms_balanced_gs": "hms_balanced",
+             "hms_balanced_gs": "hms_balanced", "hms_balanced_map": "hms_balanced",
              "hms_cpuadam": "hms", "hms_dram_balanced": "hms", "hms_wb": "hms", "hms_cpuadam_wb": "hms",
              "hms_dram": "hms", "hms_dram_cpuadam": "hms", "hms_dram_cpuadam_res": "hms"}
 CPU_ADAM_MODES = ("zero_inf", "hms_cpuadam", "hms_cpuadam_wb", "hms_dram_cpuadam", "hms_dram_cpuadam_res", "hms_dram_cpuadam_4k")
@@ -222,8 +224,9 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         cfg["optimizer"] = json.loads(json.dumps(ZERO_INF_OPTIMIZER))
         cfg["zero_force_ds_cpu_optimizer"] = True  # HMS offloads the optimizer to "nvme": DeepSpeedCPUAdam
         cfg.pop("zero_allow_untested_optimizer")
-    if mode == "hms_balanced_gs":
-        cfg["titan"]["hms"]["gradient_store"] = True
+    if mode in ("hms_balanced_gs", "hms_balanced_map"):  # the A/B of titan.hms.gradient_store (on by default
+        # since 2026-12-07; results/hms_gstore_*, measured at 121687f, where hms_balanced had it off)
+        cfg["titan"]["hms"]["gradient_store"] = mode == "hms_balanced_gs"
     if mode in ("hms_balanced_wb", "hms_wb", "hms_cpuadam_wb"):
         cfg["titan"]["hms"]["param_write_behind"] = True
     if mode == "hms_dram_balanced":  # hms_balanced's optimizer section; the speed row against zero_inf keeps

@@ -117,3 +117,60 @@ def test_a_failed_rewrite_forgets_the_key_and_names_it(tmp_path):
     store.put("k", torch.ones(5000))  # the key can be written again
     assert torch.equal(store.get("k"), torch.ones(5000))
     store.close()
+
+
+def test_put_behind_calls_on_written_once_landed_and_never_after_a_failure(tmp_path, monkeypatch):
+    # titan.hms.gradient_store punches a gradient piece out of its mapping in on_written: only once the piece is on
+    # disk (a get that waited for the write finds the file's value), and never where the write failed
+    store = TensorStore([Tier(str(tmp_path))], durable=False, overwrite_in_place=True)
+    seen = []
+    v = torch.randn(5000)
+    f = store.put_behind("g", v, on_written=lambda: seen.append("g" in store._index))
+    f.result()
+    assert seen == [True]  # called once the write was indexed (landed)
+    assert torch.equal(store.get("g"), v)
+    original = store._write_file
+
+    def fail(path, *a, **kw):
+        raise OSError(5, "injected")
+
+    monkeypatch.setattr(store, "_write_file", fail)
+    f = store.put_behind("g", torch.zeros(5000), on_written=lambda: seen.append("written"))
+    with pytest.raises(OSError, match="injected"):
+        f.result()
+    assert seen == [True]
+    monkeypatch.setattr(store, "_write_file", original)
+    with pytest.raises(OSError, match="injected"):  # a failed write is raised once more at close, as documented
+        store.close()
+
+
+def test_get_from_the_cache_waits_for_a_prefetch_still_reading_into_the_callers_buffer(tmp_path, monkeypatch):
+    # prefetch(out=buf) issued while the key's write is queued waits for the write, then reads the file into buf;
+    # the write cached the value as it landed (write-allocate), so the get is a cache hit. It must not return
+    # before that read is done: the caller reuses buf next (gradient_store's two gradient buffers), and a read
+    # landing later would write this key's bytes over whatever buf holds then (a flaky resume test found it)
+    store = TensorStore([Tier(str(tmp_path))], dram_cache_bytes=1 << 20, durable=False, overwrite_in_place=True)
+    v = torch.randn(1000)
+    store.put("g", torch.zeros(1000))
+    store._cache_drop("g")
+    go, reading = threading.Event(), []
+    original = store._read_file
+
+    def slow_read(key, path, out=None):
+        go.wait(5)
+        t = original(key, path, out)
+        reading.append("done")
+        return t
+
+    monkeypatch.setattr(store, "_read_file", slow_read)
+    store.put_behind("g", v).result()  # landed and cached
+    store._cache_drop("g")
+    store.put_behind("g", v + 1)  # queued; the prefetch below reads after it
+    buf = torch.empty(1000)
+    store.prefetch("g", out=buf)
+    store.flush()
+    assert "g" in store._cache  # the write cached the value as it landed
+    threading.Timer(0.3, go.set).start()
+    out = store.get("g", out=buf)
+    assert reading == ["done"] and torch.equal(out, v + 1)
+    store.close()

@@ -252,6 +252,12 @@ def test_gradient_store_config_errors_name_the_fix():
         pillar = HMSPillar(cfg)
         errs = pillar.validate(View.of(cfg, ds, torch.nn.Linear(2, 2)))
         assert any(match in e for e in errs), errs
+    # on by default: it steps aside (no error) where the buffer is in DRAM or the run is fp16
+    for hms, ds in (({"gradient_buffer": "dram"}, {}), ({"gradient_buffer": "disk"}, {"fp16": {"enabled": True}})):
+        cfg = TitanConfig.model_validate({"hms": {"nvme_path": "/tmp/titan_gs_cfg", **hms}})
+        assert cfg.hms.gradient_store
+        assert not [e for e in HMSPillar(cfg).validate(View.of(cfg, ds, torch.nn.Linear(2, 2)))
+                    if "gradient_store" in e]
 
 
 def test_disk_gradient_buffer_maps_a_sparse_unlinked_file(tmp_path):

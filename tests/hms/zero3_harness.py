@@ -205,8 +205,7 @@ def main():
     cfg = ds_config(a.mode, a.nvme, a.prefetch, a.micro, a.gas, a.clip, a.dram_mb)
     if a.grad_disk:
         cfg["titan"]["hms"]["gradient_buffer"] = "disk"
-    if a.grad_store:
-        cfg["titan"]["hms"]["gradient_store"] = True
+        cfg["titan"]["hms"]["gradient_store"] = a.grad_store  # the mapping read in place unless --grad-store
     if a.mode == "hms":
         cfg["titan"]["hms"]["pipeline_optimizer"] = not a.no_pipeline
         cfg["titan"]["hms"]["pipeline_depth"] = a.pipeline_depth

@@ -395,12 +395,12 @@ class HMSPillar(Pillar):
 
     def validate(self, view: View) -> list[str]:
         out = _folders_problems(self.cfg)
-        if self.cfg.gradient_store and self.cfg.gradient_buffer == "dram" and \
-                "gradient_buffer" in self.cfg.model_fields_set:
+        asked = self.cfg.gradient_store and "gradient_store" in self.cfg.model_fields_set
+        if asked and self.cfg.gradient_buffer == "dram" and "gradient_buffer" in self.cfg.model_fields_set:
             out.append('titan.hms.gradient_store writes the gradient mapping of gradient_buffer "disk" to the store; '
                        'with gradient_buffer "dram" there is none: set gradient_buffer to "disk" or remove '
                        'gradient_store')
-        if self.cfg.gradient_store and ds_precision(view.ds_config) == "fp16":
+        if asked and ds_precision(view.ds_config) == "fp16":
             out.append("titan.hms.gradient_store does not run with fp16: ZeRO-3's overflow check reads the whole "
                        "gradient buffer at the step, after its pages went to the store; use bf16, or remove "
                        "gradient_store")
@@ -440,7 +440,8 @@ class HMSPillar(Pillar):
                                     pipeline_depth=hms.pipeline_depth if hms.pipeline_optimizer else 0,
                                     master_from_partitions=hms.master_from_partitions,
                                     resident_bytes=hms.optimizer_dram_mb * _MB, pooled_reads=hms.pooled_reads,
-                                    gradient_store=hms.gradient_store)
+                                    # off with fp16 (validate refused it where it was asked for)
+                                    gradient_store=hms.gradient_store and ds_precision(ctx.ds_config) != "fp16")
         # only for the duration of deepspeed.initialize: attach undoes them
         self.patches = [ctx.patch(p) for p in dsc.route_optimizer_swapper(factory)]
         if grad_file is not None:

@@ -414,9 +414,18 @@ class TensorStore:
             # or it is held until the key is next written (a full copy of every prefetched partition through
             # forward and backward: ~4 bytes/param more at HMS's peak)
             staged = self._unstage(key)
+            reading = None
             if cached is not None:
-                staged = None
+                staged, reading = None, staged
         if cached is not None:
+            if reading is not None and not reading.done():
+                # a prefetch still reading (the write it waited for cached the value as it landed): it may be
+                # reading into the caller's buffer (prefetch(out=...)), which the caller reuses once this returns;
+                # let it finish first, or its bytes land in whatever the buffer holds next
+                try:
+                    reading.result()
+                except Exception:  # noqa: BLE001 - its value is not used; the cached copy is
+                    pass
             t = cached.clone() if out is None else out.copy_(cached)
             return t
         t0 = time.perf_counter()
