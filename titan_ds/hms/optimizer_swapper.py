@@ -409,11 +409,17 @@ class HMSOptimizerSwapper:
         """``gradient_store``: a buffer for the next sub-group's gradient, the step's two taken in turn (as
         :meth:`_master_buffer`): sub-group i+1's pieces are read into one while sub-group i steps on the other."""
         i, self._grad_turn = self._grad_turn, self._grad_turn ^ 1
-        buf = self._grad_bufs[i]
-        if buf is None or buf.numel() < numel:
-            self._grad_bufs[i] = None  # the old one goes before the larger one comes
-            buf = self._grad_bufs[i] = io_empty(numel, self.dtype)
-        return buf[:numel]
+        return self._sized(self._grad_bufs, i, numel)[0]
+
+    def _sized(self, bufs: list, i: int, numel: int) -> tuple[torch.Tensor, bool]:
+        """``bufs[i]`` (one of a step's two reused buffers) as ``numel`` elements, and whether it is new: grown
+        when smaller (the old one goes before the larger one comes)."""
+        buf = bufs[i]
+        if buf is not None and buf.numel() >= numel:
+            return buf[:numel], False
+        bufs[i] = None
+        bufs[i] = io_empty(numel, self.dtype)
+        return bufs[i][:numel], True
 
     def _prefetch_gradient(self, pid) -> bool:
         """``gradient_store``: read sub-group ``pid``'s gradient pieces from the store straight into the gradient
@@ -506,8 +512,7 @@ class HMSOptimizerSwapper:
             else:
                 state[name] = t
         pieces, views = self._grads.get(pid), self._grad_views.get(pid)
-        if pid not in self._grad_pending and self.gradient_store:
-            self._prefetch_gradient(pid)  # not prefetched (the first sub-group after a restore): read it the same way
+        self._prefetch_gradient(pid)  # gradient_store, not prefetched yet (after a restore): read it the same way
         buf = self._grad_pending.pop(pid, None)
         if buf is not None:  # gradient_store: the pieces were read into this buffer
             for off, n in pieces:
@@ -560,13 +565,10 @@ class HMSOptimizerSwapper:
         ``HMSParamSwapper._swap_out_behind``): those are waited for first, which two buffers make rare. A master
         written behind whole (``_write_state``) leaves its buffer to that write."""
         i, self._master_turn = self._master_turn, self._master_turn ^ 1
-        buf = self._masters[i]
-        if buf is None or buf.numel() < numel:
-            self._masters[i] = None  # the old one goes before the larger one comes
-            buf = self._masters[i] = io_empty(numel, self.dtype)
-        elif self.param_swapper is not None:
+        buf, new = self._sized(self._masters, i, numel)
+        if not new and self.param_swapper is not None:
             self.param_swapper.wait_for_storage(buf.untyped_storage().data_ptr())
-        return buf[:numel]
+        return buf
 
     def _gradient_in_place(self, pid, views) -> Optional[torch.Tensor]:
         """The sub-group's gradient as one view of ZeRO-3's gradient buffer (the file mapping of
