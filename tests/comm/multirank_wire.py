@@ -97,7 +97,11 @@ def main() -> None:
     from titan_ds.comm.wire import WireCount, count_collectives
     from titan_ds.data import Batcher, load_corpus
     from titan_ds.models import GPT
+    from titan_ds.utils import guard_interpreter_exit
 
+    # plain deepspeed.initialize (titan's initialize would do this): without it a gloo worker can abort the
+    # finished process at interpreter exit (see guard_interpreter_exit; CI saw exit -6 here once)
+    guard_interpreter_exit()
     results = {}
     for stage in [int(s) for s in args.stages.split(",")]:
         count, independent = WireCount(), ProcessGroupCount()
@@ -120,6 +124,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()  # join gloo's workers while the interpreter is whole
 
 
 if __name__ == "__main__":
