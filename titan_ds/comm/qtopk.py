@@ -153,6 +153,7 @@ class QTopKCompressor:
         self.stores = {"shard_residuals": ResidualStore()} if exchange == "sharded" else {}
         # the stores that are error feedback (the reducer rescales them with the lr: GradientReducer.lr_follows)
         self.residual_stores = ("shard_residuals",) if exchange == "sharded" else ()
+        self._plans: dict[tuple, "_ShardMessages"] = {}  # the sharded messages' layouts (_ShardMessages)
 
     def __repr__(self) -> str:
         return (f"QTopKCompressor(ratio={self.ratio}, bits={self.bits}, chunk={self.chunk}, "
@@ -171,6 +172,45 @@ class QTopKCompressor:
         codes_at = m * _index_bytes(self.chunk)
         return chunks, codes_at, codes_at + -(-m // (8 // self.bits))
 
+    def _select(self, part: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps 1-2 on ``rows`` whole chunks (``part``: their entries, the last chunk's padding left out): the
+        in-chunk indices ``(rows, k)`` int64, the codes ``(rows, k)`` uint8 (sign bit over the level, unpacked) and
+        the scales ``(rows,)`` in the scale dtype."""
+        c = self.chunk
+        pad = rows * c - part.numel()
+        mag = torch.nn.functional.pad(part.abs(), (0, pad), value=-1.0).view(rows, c)  # padding loses
+        idx = torch.topk(mag, k, dim=1, sorted=False).indices                           # (rows, k), in-chunk
+        val = torch.nn.functional.pad(part, (0, pad)).view(rows, c).gather(1, idx)
+        scale = val.abs().amax(dim=1).to(self._sdt)                                    # NaN/Inf propagate
+        code = _quantize(val.abs(), scale.float()[:, None], 1 << (self.bits - 1)).to(torch.uint8)
+        code |= (val < 0).to(torch.uint8) << (self.bits - 1)
+        return idx, code, scale
+
+    def _values(self, code: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Codes (``(..., rows, k)`` uint8, unpacked) and their chunks' scales (``(..., rows)`` fp32) -> the decoded
+        values (step 2's ``sign * (j + 0.5) * scale / L``)."""
+        levels = 1 << (self.bits - 1)
+        negative = (code >> (self.bits - 1)).bool()
+        return _dequantize((code & (levels - 1)).float(), negative, scale[..., None], levels)
+
+    def _index_bytes(self, idx: torch.Tensor) -> torch.Tensor:
+        """In-chunk indices -> their little-endian bytes, flat (step 3)."""
+        index = idx.to(torch.int32).reshape(-1, 1)
+        return torch.cat([(index >> (8 * b)) & 0xFF for b in range(_index_bytes(self.chunk))],
+                         dim=1).to(torch.uint8).reshape(-1)
+
+    def _pack(self, code: torch.Tensor) -> torch.Tensor:
+        """Codes (uint8, a multiple of ``8 / bits`` of them) -> packed ``8 / bits`` to a byte, the first lowest."""
+        per = 8 // self.bits
+        shifts = torch.arange(per, dtype=torch.uint8, device=code.device) * self.bits
+        return (code.reshape(-1, per) << shifts).sum(dim=1, dtype=torch.uint8)  # disjoint bits: sum == or
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """:meth:`_pack`'s inverse on ``(..., bytes)``: ``(..., bytes * 8 / bits)`` codes."""
+        per = 8 // self.bits
+        shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * self.bits
+        return ((packed[..., None] >> shifts) & ((1 << self.bits) - 1)).flatten(-2)
+
     def encode(self, acc: torch.Tensor, k: int) -> torch.Tensor:
         """``acc`` (flat fp32) -> the ``uint8`` message (steps 1-3), written block by block: the temporaries (top-k
         indices, codes, ~20 bytes an entry) are one block's, not the whole vector's (a DiLoCo sync at ratio 5 on the
@@ -179,21 +219,10 @@ class QTopKCompressor:
         chunks, codes_at, scales_at = self._sections(n, k)
         sb = self._sb
         msg = torch.empty(scales_at + sb * chunks, dtype=torch.uint8, device=acc.device)
-        shifts = torch.arange(per, dtype=torch.uint8, device=acc.device) * self.bits
         for c0, c1 in self._blocks(chunks):
-            part = acc[c0 * c:min(n, c1 * c)]
-            pad = (c1 - c0) * c - part.numel()
-            mag = torch.nn.functional.pad(part.abs(), (0, pad), value=-1.0).view(c1 - c0, c)  # padding loses
-            idx = torch.topk(mag, k, dim=1, sorted=False).indices                             # (chunks, k), in-chunk
-            val = torch.nn.functional.pad(part, (0, pad)).view(c1 - c0, c).gather(1, idx)
-            scale = val.abs().amax(dim=1).to(self._sdt)                                      # NaN/Inf propagate
-            code = _quantize(val.abs(), scale.float()[:, None], 1 << (self.bits - 1)).to(torch.uint8)
-            code |= (val < 0).to(torch.uint8) << (self.bits - 1)
-            code = torch.nn.functional.pad(code.reshape(-1), (0, -code.numel() % per)).view(-1, per)
-            packed = (code << shifts).sum(dim=1, dtype=torch.uint8)                           # disjoint bits: sum == or
-            index = idx.to(torch.int32).reshape(-1, 1)
-            index = torch.cat([(index >> (8 * b)) & 0xFF for b in range(ib)], dim=1).to(torch.uint8)
-            msg[c0 * k * ib:c1 * k * ib] = index.reshape(-1)
+            idx, code, scale = self._select(acc[c0 * c:min(n, c1 * c)], c1 - c0, k)
+            packed = self._pack(torch.nn.functional.pad(code.reshape(-1), (0, -code.numel() % per)))
+            msg[c0 * k * ib:c1 * k * ib] = self._index_bytes(idx)
             msg[codes_at + c0 * k // per:codes_at + c0 * k // per + packed.numel()] = packed
             msg[scales_at + sb * c0:scales_at + sb * c1] = scale.contiguous().view(torch.uint8)
         return msg
@@ -201,18 +230,15 @@ class QTopKCompressor:
     def decode_blocks(self, msg: torch.Tensor, n: int, k: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """A message -> (flat positions, decoded fp32 values), block by block (as :meth:`encode` wrote them),
         padding positions (``>= n``) included."""
-        c, levels, ib, per = self.chunk, 1 << (self.bits - 1), _index_bytes(self.chunk), 8 // self.bits
+        c, ib, per = self.chunk, _index_bytes(self.chunk), 8 // self.bits
         chunks, codes_at, scales_at = self._sections(n, k)
-        shifts = torch.arange(per, dtype=torch.uint8, device=msg.device) * self.bits
         for c0, c1 in self._blocks(chunks):
             m = (c1 - c0) * k
             index = msg[c0 * k * ib:c1 * k * ib].view(m, ib).to(torch.int64)
             index = sum(index[:, b] << (8 * b) for b in range(ib))
-            packed = msg[codes_at + c0 * k // per:codes_at + c0 * k // per + -(-m // per)]
-            code = ((packed[:, None] >> shifts) & ((1 << self.bits) - 1)).reshape(-1)[:m].view(c1 - c0, k)
+            code = self._unpack(msg[codes_at + c0 * k // per:codes_at + c0 * k // per + -(-m // per)])
             scale = msg[scales_at + self._sb * c0:scales_at + self._sb * c1].clone().view(self._sdt).float()
-            negative = (code >> (self.bits - 1)).bool()
-            val = _dequantize((code & (levels - 1)).float(), negative, scale[:, None], levels)
+            val = self._values(code[:m].view(c1 - c0, k), scale)
             pos = index.view(c1 - c0, k) + torch.arange(c0, c1, dtype=torch.int64, device=msg.device)[:, None] * c
             yield pos.reshape(-1), val.reshape(-1)
 
@@ -231,16 +257,8 @@ class QTopKCompressor:
 
     def _entries(self, msg: torch.Tensor, n: int, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions + offset, values)`` of a message's real entries: :meth:`_dense`'s non-padding entries
-        without its ``n``-element tensor. Padding is selected only in the last chunk, and only when it holds
-        fewer than ``k`` real entries (their magnitudes beat the padding's -1): there the ``k`` entries are
-        ordered by position and the real ones (the first ``n mod chunk``) kept; every shape is known on the
-        host (no sync)."""
-        pos, val = _cat_entries(list(self.decode_blocks(msg, n, k)), msg)
-        rem = n % self.chunk
-        if rem and k > rem:
-            order = torch.argsort(pos[-k:])[:rem]
-            pos = torch.cat([pos[:-k], pos[-k:][order]])
-            val = torch.cat([val[:-k], val[-k:][order]])
+        without its ``n``-element tensor (:meth:`_trim`)."""
+        pos, val = self._trim(*_cat_entries(list(self.decode_blocks(msg, n, k)), msg), n, k)
         return pos + offset if offset else pos, val
 
     def reduce(self, acc: torch.Tensor, comm: Collective, seed: int, *, layout: list[Segment],
@@ -259,37 +277,97 @@ class QTopKCompressor:
             self._decode_into(summed, part, n, k, add=True)
         return summed[:n], SparseSent(*self._entries(msg, n, k), n)  # sent: what the others decode of this worker's
 
+    def _chunks(self, acc: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_select` over every chunk of ``acc``, block by block: ``(chunks, k)`` indices and codes, ``(chunks,)``
+        scales (what :meth:`encode` writes, unpacked: the entries' temporaries, not the vector's)."""
+        n, c = acc.numel(), self.chunk
+        parts = [self._select(acc[c0 * c:min(n, c1 * c)], c1 - c0, k) for c0, c1 in self._blocks(-(-n // c))]
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]
+
+    def _trim(self, pos: torch.Tensor, val: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop the padding entries of an ``n``-entry vector's (positions, values), chunk-major: padding is selected
+        only in the last chunk, and only when it holds fewer than ``k`` real entries (their magnitudes beat the
+        padding's -1): there the ``k`` entries are ordered by position and the real ones (the first ``n mod
+        chunk``) kept; every shape is known on the host (no sync)."""
+        rem = n % self.chunk
+        if rem and k > rem:
+            order = torch.argsort(pos[-k:])[:rem]
+            pos = torch.cat([pos[:-k], pos[-k:][order]])
+            val = torch.cat([val[:-k], val[-k:][order]])
+        return pos, val
+
+    def _layout(self, n: int, k: int, world: int, device: torch.device) -> "_ShardMessages":
+        key = (n, k, world, str(device))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:  # buckets x budgets x worlds: a handful; bounded all the same
+                self._plans.clear()
+            plan = self._plans[key] = _ShardMessages.build(self, n, k, world, device)
+        return plan
+
+    def _encode_shards(self, acc: torch.Tensor, k: int, plan: "_ShardMessages"
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Step 5's ``W`` messages, concatenated in rank order (each byte for byte :meth:`encode` of its shard: the
+        shards are whole chunks of the vector), and the entries they send, ``(positions, values)`` chunk-major with
+        the padding dropped. A fixed number of tensor operations whatever ``W``: the chunks are selected once over
+        the whole vector and the messages cut out of the whole-vector sections by one gather."""
+        idx, code, scale = self._chunks(acc, k)
+        packed = self._pack(torch.cat([code.reshape(-1), code.new_zeros(1)])[plan.code_src])
+        source = torch.cat([self._index_bytes(idx), packed, scale.contiguous().view(torch.uint8)])
+        chunks = idx.shape[0]
+        pos = idx + torch.arange(chunks, dtype=torch.int64, device=acc.device)[:, None] * self.chunk
+        sent = self._trim(pos.reshape(-1), self._values(code, scale.float()).reshape(-1), acc.numel(), k)
+        return source[plan.msg_src], sent
+
+    def _decode_shards(self, messages: torch.Tensor, plan: "_ShardMessages") -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``W`` owners' messages concatenated in rank order -> the whole vector's (positions, values), padding
+        positions included, each shard's at its place: one gather per section, whatever ``W``."""
+        ib = _index_bytes(self.chunk)
+        index = messages[plan.dec_index].view(-1, ib).to(torch.int64)
+        index = sum(index[:, b] << (8 * b) for b in range(ib))
+        code = (messages[plan.dec_code] >> plan.dec_shift) & ((1 << self.bits) - 1)
+        scale = messages[plan.dec_scale].view(self._sdt).float()
+        chunks = scale.numel()
+        val = self._values(code.view(chunks, -1), scale)
+        pos = index.view(chunks, -1) + torch.arange(chunks, dtype=torch.int64, device=messages.device)[:, None] * self.chunk
+        return pos.reshape(-1), val.reshape(-1)
+
     def _reduce_sharded(self, acc: torch.Tensor, comm: Collective, k: int, k2: int,
                         layout: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
         """``exchange="sharded"`` (module docstring, "Sharded exchange"): ``k`` values per chunk in the pieces,
-        ``k2`` in the owners' messages."""
+        ``k2`` in the owners' messages. The pieces are encoded, and the owners' messages decoded, all at once
+        (:meth:`_encode_shards`, :meth:`_decode_shards`); an owner sums the ``W`` pieces of its shard in rank order."""
         n, world, rank = acc.numel(), comm.world_size, comm.rank
         bounds = shard_bounds(n, self.chunk, world)
-
-        def sizes(kk: int) -> list[int]:
-            return [qtopk_message_bytes(hi - lo, kk, bits=self.bits, chunk=self.chunk, scale_dtype=self.scale_dtype)
-                    if hi > lo else 0
-                    for lo, hi in bounds]
-        lens, lens2 = sizes(k), sizes(k2)
+        plan, plan2 = self._layout(n, k, world, acc.device), self._layout(n, k2, world, acc.device)
+        lens, lens2 = plan.lens, plan2.lens
 
         def others(split: list[int]) -> list[int]:  # this rank's own piece stays here: it never crosses the wire
             return [0 if j == rank else x for j, x in enumerate(split)]
 
         # unpadded pieces (an all-to-all with splits): rank j's shard message is lens[j] bytes from every rank
-        pieces = [self.encode(acc[lo:hi], k) if hi > lo else acc.new_zeros(0, dtype=torch.uint8) for lo, hi in bounds]
-        recv = comm.all_to_all(torch.cat([p for j, p in enumerate(pieces) if j != rank]), others(lens),
-                               others([lens[rank]] * world))
+        pieces, sent = self._encode_shards(acc, k, plan)
+        at, size = plan.offsets[rank], lens[rank]
+        own = pieces[at:at + size]
+        recv = comm.all_to_all(torch.cat([pieces[:at], pieces[at + size:]]), others(lens), others([size] * world))
         lo, hi = bounds[rank]
         mine = hi - lo
-        padded = -(-mine // self.chunk) * self.chunk
-        total = workspace_zeros(padded, acc.device)
-        at = 0
-        for i in range(world if mine else 0):  # rank order: the same float sum whatever the arrival order
-            if i == rank:
-                self._decode_into(total, pieces[rank], mine, k, add=True)
-            else:
-                self._decode_into(total, recv[at:at + lens[rank]], mine, k, add=True)
-                at += lens[rank]
+        chunks = -(-mine // self.chunk)
+        total = workspace_zeros(chunks * self.chunk, acc.device)
+        if mine:  # the W pieces of this shard share one layout: decoded together, summed in rank order
+            ib, m = _index_bytes(self.chunk), chunks * k
+            packed_at, scales_at = m * ib, m * ib + -(-m // (8 // self.bits))
+            rows = torch.cat([recv[:rank * size], own, recv[rank * size:]]).view(world, size)
+            index = rows[:, :packed_at].reshape(world, m, ib).to(torch.int64)
+            index = sum(index[..., b] << (8 * b) for b in range(ib))
+            code = self._unpack(rows[:, packed_at:scales_at])[:, :m].reshape(world, chunks, k)
+            val = self._values(code, rows[:, scales_at:].contiguous().view(self._sdt).float())
+            pos = index.view(world, chunks, k) + torch.arange(chunks, dtype=torch.int64,
+                                                              device=acc.device)[:, None] * self.chunk
+            for i in range(world):  # rank order: the same float sum whatever the arrival order
+                total.index_add_(0, pos[i].reshape(-1), val[i].reshape(-1))
         total = total[:mine]
         store, key = self.stores["shard_residuals"], _shard_key(layout, n, world, rank)
         kept = store.get(key)
@@ -300,20 +378,60 @@ class QTopKCompressor:
             out = self.encode(total, k2)
             store.adopt(key, SparseSent(*self._entries(out, mine, k2), mine).subtract_from_(total))  # total: fresh
         # the owners' messages to every other rank, unpadded (an all-gather of unequal pieces, as an all-to-all:
-        # gloo's all-gather takes equal sizes only); decoded in place (padded to whole chunks: a shard's padding
-        # lands past n, then cut), and what this worker sent as entries: no n-element temporaries besides the sum
+        # gloo's all-gather takes equal sizes only), decoded together into the whole sum (padded to whole chunks:
+        # the last shard's padding lands past n, then cut)
         gathered = comm.all_to_all(out.repeat(world - 1), others([lens2[rank]] * world), others(lens2))
+        at2 = plan2.offsets[rank]
+        pos2, val2 = self._decode_shards(torch.cat([gathered[:at2], out, gathered[at2:]]), plan2)
         summed = workspace_zeros(-(-n // self.chunk) * self.chunk, acc.device)
-        entries = []
-        at = 0
-        for j, (lo_j, hi_j) in enumerate(bounds):
-            if hi_j > lo_j:
-                part = out if j == rank else gathered[at:at + lens2[j]]
-                self._decode_into(summed[lo_j:], part, hi_j - lo_j, k2, add=False)
-                entries.append(self._entries(pieces[j], hi_j - lo_j, k, lo_j))
-            if j != rank:
-                at += lens2[j]
-        return summed[:n], SparseSent(*_cat_entries(entries, acc), n)
+        summed.index_put_((pos2,), val2)
+        return summed[:n], SparseSent(*sent, n)
+
+
+class _ShardMessages:
+    """Where the sharded exchange's ``W`` messages of an ``n``-entry vector at ``k`` values a chunk lie: each
+    message ``j`` is ``[index bytes | packed codes | scale bytes]`` of shard ``j``'s chunks (:meth:`QTopKCompressor.encode`'s
+    layout), the ``W`` concatenated in rank order at ``offsets``. ``code_src``: for each packed-code slot of
+    each message, the whole-vector code it holds (the sentinel ``chunks * k``, a zero, pads a message's last
+    byte); ``msg_src``: for each byte of the concatenation, its place in ``[index bytes | packed codes | scale
+    bytes]`` of the whole vector; ``dec_*``: the inverse, for each whole-vector index byte, code and scale byte,
+    its place in the concatenation (and a code's shift in its byte). Built once per ``(n, k, W)``: gathers with
+    these make encoding and decoding all the shards a fixed number of operations."""
+
+    def __init__(self, lens: list[int], offsets: list[int], **index: torch.Tensor):
+        self.lens, self.offsets = lens, offsets
+        self.code_src, self.msg_src = index["code_src"], index["msg_src"]
+        self.dec_index, self.dec_code, self.dec_shift, self.dec_scale = (
+            index["dec_index"], index["dec_code"], index["dec_shift"], index["dec_scale"])
+
+    @classmethod
+    def build(cls, comp: QTopKCompressor, n: int, k: int, world: int, device: torch.device) -> "_ShardMessages":
+        c, ib, sb, per = comp.chunk, _index_bytes(comp.chunk), comp._sb, 8 // comp.bits
+        chunks = -(-n // c)
+        packed_total = sum(-(-(-(-(hi - lo) // c) * k) // per) for lo, hi in shard_bounds(n, c, world))
+        packed_base, scale_base = chunks * k * ib, chunks * k * ib + packed_total
+        ar = torch.arange
+        lens, offsets, code_src, msg_src = [], [], [], []
+        dec_index, dec_code, dec_shift, dec_scale = [], [], [], []
+        off = packed_at = 0
+        for lo, hi in shard_bounds(n, c, world):
+            a, cj = lo // c, -(-(hi - lo) // c)
+            m, p = cj * k, -(-cj * k // per)
+            slots = ar(p * per)
+            code_src.append(torch.where(slots < m, a * k + slots, chunks * k))
+            msg_src += [ar(a * k * ib, (a + cj) * k * ib), packed_base + packed_at + ar(p),
+                        scale_base + ar(a * sb, (a + cj) * sb)]
+            dec_index.append(off + ar(m * ib))
+            dec_code.append(off + m * ib + ar(m) // per)
+            dec_shift.append((ar(m) % per) * comp.bits)
+            dec_scale.append(off + m * ib + p + ar(cj * sb))
+            lens.append(m * ib + p + cj * sb)
+            offsets.append(off)
+            off += lens[-1]
+            packed_at += p
+        cat = lambda ts, dtype=torch.int64: torch.cat(ts).to(dtype=dtype, device=device)  # noqa: E731
+        return cls(lens, offsets, code_src=cat(code_src), msg_src=cat(msg_src), dec_index=cat(dec_index),
+                   dec_code=cat(dec_code), dec_shift=cat(dec_shift, torch.uint8), dec_scale=cat(dec_scale))
 
 
 def _cat_entries(parts: list[tuple[torch.Tensor, torch.Tensor]],
