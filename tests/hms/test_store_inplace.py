@@ -163,11 +163,22 @@ def test_get_from_the_cache_waits_for_a_prefetch_still_reading_into_the_callers_
         return t
 
     monkeypatch.setattr(store, "_read_file", slow_read)
+    write_go = threading.Event()
+    write_go.set()
+    original_write = store._write_file
+
+    def held_write(*args, **kwargs):
+        write_go.wait(5)
+        return original_write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_write_file", held_write)
     store.put_behind("g", v).result()  # landed and cached
     store._cache_drop("g")
-    store.put_behind("g", v + 1)  # queued; the prefetch below reads after it
-    buf = torch.empty(1000)
-    store.prefetch("g", out=buf)
+    write_go.clear()
+    store.put_behind("g", v + 1)  # held in flight (on a busy machine it could land before the prefetch below,
+    buf = torch.empty(1000)       # which then finds it cached and reads nothing: CI saw that once)
+    store.prefetch("g", out=buf)  # queued behind the write: reads the new file once it lands
+    write_go.set()
     store.flush()
     assert "g" in store._cache  # the write cached the value as it landed
     threading.Timer(0.3, go.set).start()
