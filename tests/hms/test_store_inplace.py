@@ -165,18 +165,18 @@ def test_get_from_the_cache_waits_for_a_prefetch_still_reading_into_the_callers_
     monkeypatch.setattr(store, "_read_file", slow_read)
     write_go = threading.Event()
     write_go.set()
-    original_write = store._write_file
+    original_put = store._put
 
-    def held_write(*args, **kwargs):
-        write_go.wait(5)
-        return original_write(*args, **kwargs)
+    def held_put(*args, **kwargs):  # the writer thread's whole write, held before it starts (or marks the file
+        write_go.wait(5)             # as being overwritten, which a prefetch issued then would skip)
+        return original_put(*args, **kwargs)
 
-    monkeypatch.setattr(store, "_write_file", held_write)
+    monkeypatch.setattr(store, "_put", held_put)
     store.put_behind("g", v).result()  # landed and cached
     store._cache_drop("g")
     write_go.clear()
-    store.put_behind("g", v + 1)  # held in flight (on a busy machine it could land before the prefetch below,
-    buf = torch.empty(1000)       # which then finds it cached and reads nothing: CI saw that once)
+    store.put_behind("g", v + 1)  # held (on a busy machine it could otherwise land, or start overwriting the file,
+    buf = torch.empty(1000)       # before the prefetch below, which then reads nothing: CI saw that twice)
     store.prefetch("g", out=buf)  # queued behind the write: reads the new file once it lands
     write_go.set()
     store.flush()
