@@ -172,10 +172,16 @@ def train_row(method: str, ratio: float, world: int, steps: int, *, corpus, micr
     if weight_decay is not None:
         wd = float(weight_decay)
     rms_beta2 = beta2 if betas is not None else None
-    rho, method_reducer = None, method
+    method_reducer = method
+    if (pb := re.search(r"_pb(0\.[0-9]+)$", method)) is not None:  # ``..._pb<b2>``: the section's own
+        # ``precondition_beta2`` (set, it wins over the optimizer section's beta2: titan_ds.comm.hooks.rms_options)
+        if not method.startswith("rms"):
+            raise ValueError(f"method {method!r}: _pb<beta2> is the rms preconditioner's beta2; the method has none")
+        rms_beta2, method_reducer = float(pb.group(1)), method[:pb.start()]
+    rho = None
     if method.startswith("rms_rho"):  # the workers' reducers are rms's; the rescale is applied to their sum below
         rho = torch.zeros(n)
-        method_reducer = method.replace("rms_rho", "rms", 1)
+        method_reducer = method_reducer.replace("rms_rho", "rms", 1)
     if method.startswith("rms_mean") or method.startswith("rms_rho"):  # rms_mean: Adam's first moment after the reduction (precondition.py)
         opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, weight_decay=wd, momentum=beta1,
                                                      dampening=beta1)
