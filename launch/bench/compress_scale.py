@@ -64,7 +64,7 @@ from titan_ds.comm.wire import SimCollective, ring_allgather_bytes, ring_allredu
 from titan_ds.data import Batcher, load_corpus, val_batches  # noqa: E402
 from titan_ds.models import GPT  # noqa: E402
 
-__all__ = ["SimCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_rounds", "section_settings", "train_row", "main"]
+__all__ = ["SimCollective", "ring_allreduce_bytes", "ring_allgather_bytes", "ring_rounds", "section_settings", "shipped_method", "train_row", "main"]
 
 log = logging.getLogger("titan_ds.bench.compress_scale")
 
@@ -268,6 +268,20 @@ def section_settings(path: str) -> dict[str, Any]:
     params = section.get("params", {}) or {}
     b1, b2 = params.get("betas", (0.9, 0.999))
     return {"betas": f"{float(b1):g},{float(b2):g}", "weight_decay": float(params.get("weight_decay", 0.01))}
+
+
+def shipped_method(path: str) -> str:
+    """The simulator's method name of a shipped ds_config's ``qtopk`` section with the sketch preconditioner and the
+    sharded exchange (``rms_sketch_qtopk<bits>c<chunk>_sharded_g<share>[_bf16]``): what the held-out rows and the time
+    model run as "the shipped section" (:func:`qtopk_options` reads it back)."""
+    import json
+    from titan_ds.config import TitanConfig
+    comp = TitanConfig.from_ds_config(json.loads(Path(path).read_text())).compression
+    if comp is None or comp.method != "qtopk" or comp.exchange != "sharded" or comp.precondition != "rms_sketch":
+        raise SystemExit(f"{path}: its titan.compression is not qtopk with exchange 'sharded' and precondition "
+                         "'rms_sketch'; the simulator names only that section")
+    return (f"rms_sketch_qtopk{comp.bits}c{comp.chunk}_sharded_g{comp.gather_share:g}"
+            f"{'_bf16' if comp.scale_dtype == 'bf16' else ''}")
 
 
 def lr_factor(schedule: Optional[str], step: int, steps: int) -> float:

@@ -37,7 +37,7 @@ from launch.bench import compress_scale as cs  # noqa: E402
 
 LINKS = {"1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8}  # bytes per second
 ALPHA = 50e-6  # seconds a message round: a TCP socket through one switch, as NCCL's socket transport sees it
-RECOMMENDED = "rms_sketch_qtopk2c256_sharded_g0.6_bf16"  # ds_configs/compress_rms_sketch.json's section
+RECOMMENDED = cs.shipped_method(str(Path(__file__).resolve().parents[2] / "ds_configs" / "compress_rms_sketch.json"))
 __all__ = ["step_seconds", "codec_seconds", "collect", "render", "plot", "main"]
 CODEC_METHODS = {"dense DDP (AdamW, all-reduce)": "none", "compress_rms_sketch.json (shipped)": RECOMMENDED}
 

@@ -277,3 +277,48 @@ def test_section_settings_reach_adamw_the_preconditioner_and_sgd_and_old_rows_ke
     for r in (plain, sk):
         assert r["compute_per_worker_step"] > 0 and r["codec_per_worker_step"] > 0
     assert sk["rounds_per_worker_step"] == 2 * 3  # HGE's two all-reduces + the sketch's one, 2 (W - 1) each
+
+
+def test_pb_suffix_sets_the_preconditioners_own_beta2_and_only_that(monkeypatch):
+    """``<method>_pb<b2>`` is the section's ``precondition_beta2``: the workers' reducers get that beta2 instead of the
+    optimizer section's, the rest of the run (SGD, its decay, the codec) is the method's; on a method without a
+    preconditioner it is refused."""
+    rng = np.random.default_rng(5)
+    corpus = Corpus(train=rng.integers(0, 256, 50_000, dtype=np.uint8),
+                    val=rng.integers(0, 256, 5_000, dtype=np.uint8), source="random")
+    small = dict(corpus=corpus, micro_batch=2, context=16, val_batches_n=2, betas="0.9,0.95", weight_decay=0.1)
+    seen = []
+    real = cs.make_reducer
+
+    def spy(method, ratio, **kw):
+        red = real(method, ratio, **kw)
+        seen.append((method, red.precondition.beta2))
+        return red
+
+    monkeypatch.setattr(cs, "make_reducer", spy)
+    base = cs.train_row("rms_sketch_qtopk2c256_sharded_g0.6_bf16", 20.0, 2, 3, **small)
+    pb = cs.train_row("rms_sketch_qtopk2c256_sharded_g0.6_bf16_pb0.99", 20.0, 2, 3, **small)
+    assert seen == [("rms_sketch_qtopk2c256_sharded_g0.6_bf16", 0.95)] * 2 + \
+        [("rms_sketch_qtopk2c256_sharded_g0.6_bf16", 0.99)] * 2
+    assert pb["val_loss"] != base["val_loss"] and cs._key(pb) != cs._key(base)
+    assert pb["wire_x_recv"] == base["wire_x_recv"]
+    with pytest.raises(ValueError, match="no"):
+        cs.train_row("none_pb0.99", 1.0, 2, 1, **small)
+
+
+def test_shipped_method_names_the_shipped_section_and_reads_back_to_it(tmp_path):
+    """The held-out rows and the time model call ds_configs/compress_rms_sketch.json's section by this name: it must
+    read back (``qtopk_options``) to the file's bits, chunk, exchange, gather_share and scale dtype, and a section the
+    simulator cannot name is refused."""
+    import json
+    path = ROOT / "ds_configs" / "compress_rms_sketch.json"
+    comp = json.loads(path.read_text())["titan"]["compression"]
+    name = cs.shipped_method(str(path))
+    assert cs.qtopk_options(name) == {"bits": comp["bits"], "chunk": comp["chunk"], "exchange": "sharded",
+                                      "gather_share": comp["gather_share"], "scale_dtype": comp["scale_dtype"]}
+    assert name.startswith("rms_sketch_") and cs.make_reducer(name, 100.0, warmup=0, seed=0).precondition.kind == \
+        "rms_sketch"
+    other = tmp_path / "topk.json"
+    other.write_text(json.dumps({"titan": {"compression": {"method": "topk", "ratio": 100}}}))
+    with pytest.raises(SystemExit, match="not qtopk"):
+        cs.shipped_method(str(other))
