@@ -4,7 +4,7 @@ GPU in eager mode each is one kernel launch (as ``op_count.py`` counts an optimi
     python launch/bench/exchange_ops.py --out results/exchange_ops
 
 The shipped section's compressor (``ds_configs/compress_rms_sketch.json``: ``qtopk``, 2 bits, chunks of 256,
-``exchange: "sharded"``, ``gather_share`` 0.6, bf16 scales) reduces one bucket of ``--numel`` fp32 values on ``meta``
+``exchange: "sharded"``, ``gather_share`` from the file, bf16 scales) reduces one bucket of ``--numel`` fp32 values on ``meta``
 with ``W`` virtual ranks (:class:`titan_ds.comm.wire.SimCollective`); rank 1's second reduce is counted (the first
 builds the message layouts), its own thread only. The collectives' work (the simulator's sums and copies) runs on
 the last rank's thread and is not rank 1's. Fast: nothing is computed. Writes ``OUT.md`` and ``OUT.json``.
