@@ -33,6 +33,8 @@ DERIVED: dict[str, tuple[str, str, str]] = {
     "16.9": ("results/hms_scale_zinf.md", "1205.431", "71.372"),
     # ... and under 4 GiB (ZeRO-Infinity's figure quoted in the HMS search's file from hms_scale_zinf_layer.md)
     "14.0": ("results/hms_scale_gdisk4.md", "3090.805", "220.217"),
+    # ... and under 8 GiB, where HMS stopped at the disk's limit (a lower bound)
+    "6.9": ("results/hms_scale_gdisk8.md", "3898.823", "567.523"),
     # HMS like for like over ZeRO-Infinity, run by run (docs/hms.md)
     "0.66": ("results/hms_speed_1207b.speed.md", "1.80", "2.73"),
     "0.72": ("results/hms_speed_1207b.speed.md", "1.60", "2.23"),
