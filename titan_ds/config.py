@@ -136,7 +136,9 @@ class HMSConfig(_Strict):
     # the optimizer state read into reused huge-page buffers instead of fresh tensors: 0.860x the step alone at
     # 12x768 (results/hms_ab_pool.md). The pool keeps a buffer only while a read still to come this step can reuse
     # it (io.BufferPool.expect), so it holds no more than fresh tensors do where no size repeats (plan's 8x768
-    # config under 1.5 GiB: 1.455 GiB peak when it kept every buffer to the step's end, now as without it)
+    # config under 1.5 GiB: 1.455 GiB peak when it kept every buffer to the step's end, now as without it).
+    # The parameter partitions too: each is read into a buffer of the parameter swapper's pool, given back when
+    # ZeRO-3 releases the partition if no other tensor shares it (at most ZeRO-3's prefetch window kept free)
     pooled_reads: bool = True
     # fp32 partitions: each sub-group's fp32 master is kept as the parameter partitions ZeRO-3 writes from it (the
     # same bytes) instead of a second file (opt/<id>/fp32): 4 bytes/param less written per step

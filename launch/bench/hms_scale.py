@@ -45,6 +45,8 @@ for plain DeepSpeed), so no mode ever holds the whole model in RAM. Modes:
   the rest the same);
 - ``hms_dram_cpuadam_4k`` / ``hms_balanced_4k``: ``hms_dram_cpuadam`` / ``hms_balanced`` with HMS's reused I/O
   buffers on ordinary 4 KiB pages (``TITAN_HMS_HUGE_PAGES=0``; titan_ds/hms/io.py): the A/B of huge pages;
+- ``hms_balanced_fresh``: ``hms_balanced`` with the parameter partitions read into fresh buffers
+  (``TITAN_HMS_PARAM_POOL=0``; titan_ds/hms/install.py), as before the parameter read pool: the A/B of that pool;
 - ``hms_asdt``: ``hms`` with the titan optimizer (ASDT, bf16 state, density 0.1) and ``gradient_buffer: "disk"``;
 - ``hms_asdt_bf16``: ``hms_asdt`` with bf16 parameters (``bf16.enabled``; the gradients still accumulate in fp32,
   ``data_types.grad_accum_dtype``, in the file mapping), ASDT's momentum in 8 bits, density 1 (no top-k
@@ -102,7 +104,7 @@ from titan_ds.utils import free_port  # noqa: E402
 MODES = ("zero3_cpu", "zero_inf", "hms", "hms_cpuadam", "hms_dram", "hms_dram_cpuadam", "hms_dram_cpuadam_res",
          "hms_balanced", "hms_balanced_res", "hms_balanced_wb", "hms_dram_balanced", "hms_asdt", "hms_asdt_bf16",
          "hms_dram_cpuadam_4k", "hms_balanced_4k", "hms_gdisk", "hms_wb", "hms_cpuadam_wb", "hms_balanced_gs",
-         "hms_balanced_map")
+         "hms_balanced_map", "hms_balanced_fresh")
 BASE_MODE = {"zero_inf": "zero3_cpu", "hms_balanced_res": "hms_balanced", "hms_balanced_wb": "hms_balanced",
              "hms_balanced_gs": "hms_balanced", "hms_balanced_map": "hms_balanced",
              "hms_cpuadam": "hms", "hms_dram_balanced": "hms", "hms_wb": "hms", "hms_cpuadam_wb": "hms",
@@ -206,6 +208,8 @@ def ds_config(mode: str, nvme: str, aio: dict | None = None) -> dict:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode.endswith("_4k"):  # the same config; trial() turns huge pages off in its environment
         return ds_config(mode[:-3], nvme, aio)
+    if mode.endswith("_fresh"):  # the same config; trial() turns the parameter read pool off in its environment
+        return ds_config(mode[:-6], nvme, aio)
     cfg = candidate_config(BASE_MODE.get(mode, mode), nvme_path=nvme, micro_batch=1)
     if mode == "zero_inf":
         z = cfg["zero_optimization"]
@@ -311,6 +315,8 @@ def trial(mode: str, layers: int, width: int, cap_gib: float, *, path: str, step
     env.setdefault("OMP_NUM_THREADS", "2")
     if mode.endswith("_4k"):
         env["TITAN_HMS_HUGE_PAGES"] = "0"
+    if mode.endswith("_fresh"):
+        env["TITAN_HMS_PARAM_POOL"] = "0"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     out["omp_threads"] = int(env["OMP_NUM_THREADS"])
     logs.mkdir(parents=True, exist_ok=True)

@@ -175,6 +175,7 @@ def main():
                     help="HMS prefetch reads and write-behind writes complete when submitted")
     ap.add_argument("--no-pipeline", action="store_true", help="titan.hms.pipeline_optimizer: false")
     ap.add_argument("--pipeline-depth", type=int, default=1)
+    ap.add_argument("--no-pooled-reads", action="store_true", help="titan.hms.pooled_reads: false")
     ap.add_argument("--no-param-behind", action="store_true", help="titan.hms.param_write_behind: false")
     ap.add_argument("--param-tier", choices=("nvme", "dram"), default="nvme", help="titan.hms.param_tier")
     ap.add_argument("--no-master-from-parts", action="store_true", help="titan.hms.master_from_partitions: false")
@@ -213,6 +214,7 @@ def main():
         cfg["titan"]["hms"]["master_from_partitions"] = not a.no_master_from_parts
         cfg["titan"]["hms"]["param_tier"] = a.param_tier
         cfg["titan"]["hms"]["optimizer_dram_mb"] = a.opt_dram_mb
+        cfg["titan"]["hms"]["pooled_reads"] = not a.no_pooled_reads
     if a.asdt:
         with open(os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs", "titan_balanced.json")) as f:
             cfg.setdefault("titan", {})["optimizer"] = dict(json.load(f)["titan"]["optimizer"], lr=1e-2)
@@ -311,6 +313,10 @@ def main():
         res["resident"] = sorted(engine.titan.reports["hms"].opt_swapper._resident)
         res["opt_state_files"] = sum("/state/" in k for k in engine.titan.reports["hms"].store.keys())
         res["store_ops"] = ops
+        ps = engine.titan.reports["hms"].param_swapper
+        pool = ps.read_pool
+        res["param_pool"] = {"recycled": ps.recycled, "allocated": pool.allocated if pool is not None else None,
+                             "swap_ins": ps.swap_in_count}
         if a.record_trace:
             ps = engine.titan.reports["hms"].param_swapper
             log = [s for s in ps.access_log if s]

@@ -263,10 +263,16 @@ def build_param_swapper(hms, ds_config: dict[str, Any], root: str, txn: Any = No
     """:func:`build_store` and the parameter swapper that streams the partitions through it."""
     store = build_store(hms, root, txn)
     buffer_count = int(ds_config["zero_optimization"]["offload_param"].get("buffer_count", 5))
+    # ZeRO-3's read-ahead window in bytes (its default bucket 5e7 elements; 4 bytes an element at most here)
+    bucket = ds_config["zero_optimization"].get("stage3_prefetch_bucket_size", 5e7)
+    window = int(bucket) * 4 if isinstance(bucket, (int, float)) else 0  # "auto" (HF) not filled in yet: none
     return HMSParamSwapper(store, buffer_count=buffer_count, predictor=make_predictor(hms.prefetch),
                            device_budget_bytes=None if hms.device_budget_mb is None else hms.device_budget_mb * _MB,
                            prefetch_depth=hms.prefetch_depth,
-                           write_behind_depth=hms.pipeline_depth if hms.param_write_behind else 0)
+                           write_behind_depth=hms.pipeline_depth if hms.param_write_behind else 0,
+                           # TITAN_HMS_PARAM_POOL=0: the parameter side alone off, for an A/B (launch/bench/hms_scale.py)
+                           pooled_reads=hms.pooled_reads and os.environ.get("TITAN_HMS_PARAM_POOL", "1") != "0",
+                           pool_bytes=window)
 
 
 def zero_init(ds_config: Any, **init_kwargs: Any):

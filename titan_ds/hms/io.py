@@ -36,7 +36,7 @@ from typing import Literal, Optional
 
 import torch
 
-__all__ = ["ALIGN", "AsyncIOHandle", "BufferPool", "HUGE_PAGES", "aligned_empty", "io_empty", "probe_direct_io", "tensor_bytes",
+__all__ = ["ALIGN", "AsyncIOHandle", "BufferPool", "HUGE_PAGES", "aligned_empty", "io_empty", "probe_direct_io", "storage_refs", "tensor_bytes",
            "reference_pread", "reference_pwrite", "TitanAIOBuilder", "deepspeed_aio_available"]
 
 log = logging.getLogger("titan_ds.hms")
@@ -99,9 +99,11 @@ class BufferPool:
     pool whose sizes never repeat held every buffer it made until ``clear``: plan's 8x768 config under 1.5 GiB (4
     sub-groups of two sizes, 8 buffers made, none reused) peaked 1.413 GiB against 1.276 with fresh tensors."""
 
-    def __init__(self):
+    def __init__(self, max_free_bytes: Optional[int] = None):
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        # bytes of free buffers kept at most (None: no bound); a buffer given back beyond it is let go at once
+        self.max_free_bytes = max_free_bytes
         self._demand: Optional[dict[int, int]] = None  # takes still to come per size (None: keep everything)
         self.allocated = 0  # buffers made (not taken from the free list): the faults paid
         self.dropped = 0  # buffers given back and let go at once (no take of their size remained)
@@ -144,7 +146,9 @@ class BufferPool:
         n = buf.numel() * buf.element_size()
         with self._lock:
             free = self._free.setdefault(n, [])
-            if self._demand is not None and len(free) >= self._demand.get(n, 0):
+            over = (self.max_free_bytes is not None
+                    and sum(k * len(v) for k, v in self._free.items()) + n > self.max_free_bytes)
+            if over or self._demand is not None and len(free) >= self._demand.get(n, 0):
                 self.dropped += 1
                 if not free:
                     del self._free[n]
@@ -160,6 +164,15 @@ class BufferPool:
     def free_bytes(self) -> int:
         with self._lock:
             return sum(n * len(v) for n, v in self._free.items())
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (strong references to it, ``t`` included); -1 where this torch build
+    does not say (then a caller must treat the storage as shared)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return -1
+    return int(count(t.untyped_storage()._cdata)) - 1  # less the temporary reference untyped_storage() holds
 
 
 def aligned_empty(nbytes: int, *, pin: bool = False, huge: bool = False) -> torch.Tensor:

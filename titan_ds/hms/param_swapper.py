@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from .io import io_empty
+from .io import BufferPool, io_empty
 from .prefetch import Predictor
 from .store import TensorStore
 from .timeline import current as _timeline
@@ -53,8 +53,19 @@ class HMSParamSwapper:
     """ZeRO-3 parameter-partition swapper over a :class:`TensorStore` (see module docstring)."""
 
     def __init__(self, store: TensorStore, *, buffer_count: int = 5, device_budget_bytes: Optional[int] = None,
-                 predictor: Optional[Predictor] = None, prefetch_depth: int = 2, write_behind_depth: int = 0):
+                 predictor: Optional[Predictor] = None, prefetch_depth: int = 2, write_behind_depth: int = 0,
+                 pooled_reads: bool = True, pool_bytes: int = 0):
         self.store = store
+        # titan.hms.pooled_reads: partitions are read into reused (huge-page, already faulted-in) buffers that come
+        # back at release, not into fresh memory the kernel zeroes page by page on every read; the free ones kept
+        # are bounded by pool_bytes (ZeRO-3's prefetch window: the partitions it reads ahead, whose buffers the
+        # releases behind it hand on) or twice the largest partition, the larger (_track_largest)
+        self.pool_bytes = int(pool_bytes)
+        self.read_pool: Optional[BufferPool] = BufferPool(max_free_bytes=self.pool_bytes) if pooled_reads else None
+        if self.read_pool is not None:
+            store.pool_reads("param/", self.read_pool)
+        self._values: dict[Any, torch.Tensor] = {}  # ds_id -> the value read for it (handed back at release)
+        self.recycled = 0  # read buffers given back to read_pool
         if write_behind_depth < 0:
             raise ValueError(f"write_behind_depth must be >= 0 (0: synchronous writes), got {write_behind_depth}")
         # titan.hms.param_write_behind: the partitions the optimizer step updates are written on the store's
@@ -86,10 +97,18 @@ class HMSParamSwapper:
             return max(0, self.buffer_count - len(self._held))
         return max(0, (self.device_budget_bytes - self.held_bytes) // self._largest)
 
+    def _track_largest(self, nbytes: int) -> None:
+        self._largest = max(self._largest, nbytes)
+        if self.read_pool is not None:
+            self.read_pool.max_free_bytes = max(self.pool_bytes, 2 * self._largest)
+
     def _release(self, param) -> None:
         self._held.pop(param.ds_id, None)
+        value = self._values.pop(param.ds_id, None)
         param.ds_tensor.data = torch.empty(0, dtype=param.ds_tensor.dtype)
         param.ds_tensor.status = PartitionedParamStatus.NOT_AVAILABLE
+        if value is not None and self.store.recycle(value):  # back to the pool unless something else holds it
+            self.recycled += 1
 
     # ------------------------------------------------------------------ ZeRO-3 interface
     def swappable_tensor(self, param=None, numel=None) -> bool:
@@ -101,7 +120,7 @@ class HMSParamSwapper:
     def get_buffer(self, param, numel: int) -> torch.Tensor:
         self._numel[param.ds_id] = int(numel)
         self._held[param.ds_id] = int(numel) * torch.empty(0, dtype=param.dtype).element_size()
-        self._largest = max(self._largest, self._held[param.ds_id])
+        self._track_largest(self._held[param.ds_id])
         return io_empty(numel, param.dtype)  # read into directly (aligned), see titan_ds/hms/io.py
 
     def swap_out_and_release(self, params, async_op: bool = False, force_buffer_release: bool = False) -> None:
@@ -130,7 +149,7 @@ class HMSParamSwapper:
                 continue
             self.store.prefetch(key)
             self._held[p.ds_id] = p.ds_tensor.ds_numel * p.ds_tensor.element_size()
-            self._largest = max(self._largest, self._held[p.ds_id])
+            self._track_largest(self._held[p.ds_id])
             p.ds_tensor.status = PartitionedParamStatus.INFLIGHT
             self._inflight.append(p)
         if swap_in_buffers is not None and (tl := _timeline()) is not None:
@@ -143,6 +162,7 @@ class HMSParamSwapper:
         inflight, self._inflight = self._inflight, []
         for p in inflight:
             t = self.store.get(_pkey(p))
+            self._values[p.ds_id] = t
             p.ds_tensor.data = t.reshape(-1).data
             p.ds_tensor.status = PartitionedParamStatus.AVAILABLE
         self.stall_s += time.perf_counter() - t0

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from . import store_format as fmt
-from .io import ALIGN, AsyncIOHandle, started_pool, tensor_bytes
+from .io import ALIGN, AsyncIOHandle, BufferPool, started_pool, storage_refs, tensor_bytes
 from .store_cache import CACHE_ITEM_FRACTION, DramCache
 from .store_format import FORMAT_VERSION, ChecksumError
 from .store_writer import WriteLanes
@@ -135,6 +135,7 @@ class TensorStore:
         self._index: dict[str, _Entry] = {}
         self._freq: dict[str, int] = {}
         self._staged: dict[str, object] = {}
+        self._read_pools: dict[str, BufferPool] = {}  # key prefix -> pool its reads go into (pool_reads)
         self._speculative: OrderedDict[str, None] = OrderedDict()  # staged by a guess, oldest first
         if max_speculative is not None and max_speculative < 1:
             raise ValueError(f"max_speculative must be >= 1 or None, got {max_speculative}")
@@ -386,10 +387,26 @@ class TensorStore:
     def _read_header(self, path: str) -> tuple[dict, int]:
         return fmt.read_header(self.io, path)
 
+    def pool_reads(self, prefix: str, pool: BufferPool) -> None:
+        """Read the keys starting with ``prefix`` (when no ``out`` is given) into buffers taken from ``pool``
+        instead of fresh ones: the caller hands a value back with :meth:`recycle` once nothing uses it."""
+        self._read_pools[prefix] = pool
+
     def _read_file(self, key: str, path: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Read and verify ``key``'s file; into ``out`` directly when it is a contiguous CPU tensor of the
-        stored size (:func:`titan_ds.hms.store_format.read_file`)."""
-        t, nbytes = fmt.read_file(self.io, key, path, out, verify=self.verify)
+        stored size (:func:`titan_ds.hms.store_format.read_file`), else into a buffer of the key's read pool
+        (:meth:`pool_reads`) or a fresh one."""
+        pool = next((p for pre, p in self._read_pools.items() if key.startswith(pre)), None) if out is None else None
+        taken: list[torch.Tensor] = []
+
+        def alloc(n: int) -> torch.Tensor:
+            taken.append(pool.take(n))
+            return taken[-1]
+
+        t, nbytes = fmt.read_file(self.io, key, path, out, verify=self.verify, alloc=None if pool is None else alloc)
+        if taken and t.numel() and t.data_ptr() == taken[0].data_ptr():
+            # the value shares the pool buffer: recycle() gives it back when this and the value are its only users
+            t._titan_pool = (pool, taken[0], storage_refs(t))
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += nbytes
@@ -451,6 +468,21 @@ class TensorStore:
         if out is not None and t is not out:
             return out.copy_(t.reshape(out.shape) if t.numel() == out.numel() else t)
         return t
+
+    @staticmethod
+    def recycle(t: torch.Tensor) -> bool:
+        """Give the buffer of ``t``, a value read into a pool (:meth:`pool_reads`), back to its pool, if no other
+        tensor shares its storage (else it is left to be freed as usual). The caller must not use ``t`` after a
+        True. False for a value not read into a pool (a cached or staged copy, a read into ``out``)."""
+        held = getattr(t, "_titan_pool", None)
+        if held is None:
+            return False
+        pool, buf, refs = held
+        del t._titan_pool
+        if refs < 0 or storage_refs(buf) != refs:
+            return False
+        pool.give(buf)
+        return True
 
     def _unstage(self, key: str):
         self._speculative.pop(key, None)

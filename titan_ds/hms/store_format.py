@@ -160,10 +160,11 @@ def read_header(io: AsyncIOHandle, path: str) -> tuple[dict, int]:
 
 
 def read_file(io: AsyncIOHandle, key: str, path: str, out: Optional[torch.Tensor] = None, *,
-              verify: bool = True) -> tuple[torch.Tensor, int]:
+              verify: bool = True, alloc=None) -> tuple[torch.Tensor, int]:
     """Read ``key``'s file (checked against its checksums when ``verify``) and its payload's byte count; into
     ``out`` directly when it is a contiguous CPU tensor of the stored size (no fresh allocation: first-touch page
-    faults cost ~0.8 s/GiB on this VM)."""
+    faults cost ~0.8 s/GiB on this VM). Otherwise into ``alloc(padded_bytes)`` (an ALIGN-aligned uint8 buffer of
+    the payload rounded up to ALIGN; default a fresh one), whose storage the returned tensor shares."""
     meta, hlen = read_header(io, path)
     verify = verify and meta["hash"] != NO_HASH  # a swap file carries no payload checksums
     nbytes = meta["nbytes"]
@@ -173,7 +174,7 @@ def read_file(io: AsyncIOHandle, key: str, path: str, out: Optional[torch.Tensor
     if direct:
         target, body = tensor_bytes(out), nbytes - nbytes % ALIGN
     else:
-        target = aligned_empty(nbytes)
+        target = aligned_empty(nbytes) if alloc is None else alloc(-(-max(nbytes, 1) // ALIGN) * ALIGN)
         body = target.numel()  # padded: the whole payload in one aligned read
     if nbytes:
         chunk, h = meta["chunk"], _HASHES.get(meta["hash"])
