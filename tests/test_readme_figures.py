@@ -35,6 +35,9 @@ DERIVED: dict[str, tuple[str, str, str]] = {
     "14.0": ("results/hms_scale_gdisk4.md", "3090.805", "220.217"),
     # ... and under 8 GiB, where HMS stopped at the disk's limit (a lower bound)
     "6.9": ("results/hms_scale_gdisk8.md", "3898.823", "567.523"),
+    # the parameter read pool against fresh buffers at 907.7M, two invocations (docs/hms.md)
+    "0.786": ("results/hms_ppool_900m.speed.md", "32.471", "41.286"),
+    "0.985": ("results/hms_ppool_900m_r.speed.md", "36.575", "37.130"),
     # HMS like for like over ZeRO-Infinity, run by run (docs/hms.md)
     "0.66": ("results/hms_speed_1207b.speed.md", "1.80", "2.73"),
     "0.72": ("results/hms_speed_1207b.speed.md", "1.60", "2.23"),
