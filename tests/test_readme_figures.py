@@ -38,6 +38,7 @@ DERIVED: dict[str, tuple[str, str, str]] = {
     # the parameter read pool against fresh buffers at 907.7M, two invocations (docs/hms.md)
     "0.786": ("results/hms_ppool_900m.speed.md", "32.471", "41.286"),
     "0.985": ("results/hms_ppool_900m_r.speed.md", "36.575", "37.130"),
+    "0.844": ("results/hms_ppool_900m_3.speed.md", "32.483", "38.479"),
     # HMS like for like over ZeRO-Infinity, run by run (docs/hms.md)
     "0.66": ("results/hms_speed_1207b.speed.md", "1.80", "2.73"),
     "0.72": ("results/hms_speed_1207b.speed.md", "1.60", "2.23"),
