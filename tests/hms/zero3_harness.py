@@ -313,10 +313,11 @@ def main():
         res["resident"] = sorted(engine.titan.reports["hms"].opt_swapper._resident)
         res["opt_state_files"] = sum("/state/" in k for k in engine.titan.reports["hms"].store.keys())
         res["store_ops"] = ops
-        ps = engine.titan.reports["hms"].param_swapper
-        pool = ps.read_pool
-        res["param_pool"] = {"recycled": ps.recycled, "allocated": pool.allocated if pool is not None else None,
-                             "swap_ins": ps.swap_in_count}
+        ps = engine.titan.reports["hms"].param_swapper  # None with param_tier "dram"
+        pool = ps.read_pool if ps is not None else None
+        res["param_pool"] = {"recycled": ps.recycled if ps is not None else 0,
+                             "allocated": pool.allocated if pool is not None else None,
+                             "swap_ins": ps.swap_in_count if ps is not None else 0}
         if a.record_trace:
             ps = engine.titan.reports["hms"].param_swapper
             log = [s for s in ps.access_log if s]
